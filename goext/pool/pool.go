@@ -1,0 +1,444 @@
+// Package pool is the logical view of one kvbm tier (G2 host or G3 disk): which
+// block index holds which sequence hash, which blocks are free, which are
+// pinned, and which one to evict next. It never touches bytes; the worker owns
+// those and follows the leader's plan.
+//
+// Block life cycle (SPEC §4):
+//
+//	free ──Allocate──▶ allocated (refs=1, unregistered)
+//	allocated ──Register──▶ registered (findable by sequence hash)
+//	registered, refs>0  = active: pinned, never evicted
+//	registered, refs==0 = inactive: findable, evictable by (priority, tick)
+//	unregistered, refs==0 ──▶ back on the free list
+//
+// Eviction order: never-used (free) blocks first, then the inactive registered
+// block with the lowest (priority, last-returned tick) — LRU within a
+// priority. The inactive set is an indexed min-heap, so Allocate, Release,
+// Touch and eviction are O(log n) and Match is one map lookup per hash.
+//
+// A Pool is not safe for concurrent use; the leader serialises access.
+package pool
+
+import (
+	"fmt"
+
+	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// State is where a block is in its life cycle.
+type State uint8
+
+const (
+	// Free: never used, or reset after eviction/invalidation; on the free list.
+	Free State = iota
+	// Allocated: handed out by Allocate, being written, not findable yet.
+	Allocated
+	// Registered: has a sequence hash and is findable through Match.
+	Registered
+)
+
+func (s State) String() string {
+	switch s {
+	case Free:
+		return "Free"
+	case Allocated:
+		return "Allocated"
+	case Registered:
+		return "Registered"
+	}
+	return fmt.Sprintf("State(%d)", uint8(s))
+}
+
+// block is one slot of the tier. Field order keeps the struct at 64 bytes.
+type block struct {
+	seqHash uint64
+	parent  uint64
+	// tokens is an immutable copy made at Register; it is shared with the
+	// store event and with a G3 registration of the same block, so it is
+	// never written after creation.
+	tokens    []uint32
+	tick      uint64 // last-returned tick (LRU key within a priority)
+	priority  int32
+	refs      int32 // pins: staged loads, pending moves, the allocating caller
+	heapIdx   int32 // position in the inactive heap, -1 when not in it
+	state     State
+	hasParent bool
+}
+
+// Pool is one tier's logical blocks.
+type Pool struct {
+	tier   plan.Tier
+	holder events.Holder
+	sink   events.Sink // nil when events are discarded
+
+	blocks   []block
+	registry map[uint64]int32 // sequence hash → block index
+	free     []int32          // stack of free block indexes
+	inactive []int32          // min-heap on (priority, tick) of inactive registered blocks
+	tick     uint64
+
+	evictions uint64 // registered blocks evicted to make room (stats)
+}
+
+// New creates a pool of numBlocks free blocks for tier. Registrations and
+// evictions are published to sink (nil or events.NopSink: none) as holder.
+func New(tier plan.Tier, numBlocks int, sink events.Sink, holder events.Holder) *Pool {
+	if numBlocks < 0 {
+		numBlocks = 0
+	}
+	if _, nop := sink.(events.NopSink); nop {
+		sink = nil
+	}
+	p := &Pool{
+		tier:     tier,
+		holder:   holder,
+		sink:     sink,
+		blocks:   make([]block, numBlocks),
+		registry: make(map[uint64]int32, min(numBlocks, 1<<20)),
+		free:     make([]int32, numBlocks),
+	}
+	// The free list is a stack; push in reverse so block 0 is handed out
+	// first (deterministic plans, easier tests).
+	for i := range numBlocks {
+		p.free[i] = int32(numBlocks - 1 - i)
+		p.blocks[i].heapIdx = -1
+	}
+	return p
+}
+
+// Tier is the tier this pool describes.
+func (p *Pool) Tier() plan.Tier { return p.tier }
+
+// Capacity is the number of blocks in the tier.
+func (p *Pool) Capacity() int { return len(p.blocks) }
+
+// NumRegistered is the number of findable blocks (active and inactive).
+func (p *Pool) NumRegistered() int { return len(p.registry) }
+
+// NumFree is the number of never-used or reset blocks.
+func (p *Pool) NumFree() int { return len(p.free) }
+
+// NumInactive is the number of registered blocks nobody pins (evictable).
+func (p *Pool) NumInactive() int { return len(p.inactive) }
+
+// Evictions is how many registered blocks were evicted to make room so far.
+func (p *Pool) Evictions() uint64 { return p.evictions }
+
+// BlockInfo is a read-only view of one block, for the leader and tests.
+type BlockInfo struct {
+	State     State
+	SeqHash   uint64
+	Parent    uint64
+	HasParent bool
+	Tokens    []uint32 // shared and immutable: do not modify
+	Priority  int
+	Tick      uint64
+	Refs      int
+}
+
+// Info describes block idx.
+func (p *Pool) Info(idx int) BlockInfo {
+	b := &p.blocks[idx]
+	return BlockInfo{
+		State: b.state, SeqHash: b.seqHash, Parent: b.parent, HasParent: b.hasParent,
+		Tokens: b.tokens, Priority: int(b.priority), Tick: b.tick, Refs: int(b.refs),
+	}
+}
+
+// Lookup returns the block registered under seqHash.
+func (p *Pool) Lookup(seqHash uint64) (int, bool) {
+	i, ok := p.registry[seqHash]
+	return int(i), ok
+}
+
+// Holds reports whether block idx is registered under seqHash (a queued or
+// recorded reference is still valid).
+func (p *Pool) Holds(idx int, seqHash uint64) bool {
+	if idx < 0 || idx >= len(p.blocks) {
+		return false
+	}
+	b := &p.blocks[idx]
+	return b.state == Registered && b.seqHash == seqHash
+}
+
+// Match appends to dst the block indexes of the longest contiguous prefix of
+// hashes that is registered here and returns the extended slice. It stops at
+// the first miss (SPEC §4): a later hit after a gap is useless because the
+// engine can only skip a prefix. Match neither pins nor touches.
+func (p *Pool) Match(hashes []uint64, dst []int) []int {
+	for _, h := range hashes {
+		i, ok := p.registry[h]
+		if !ok {
+			break
+		}
+		dst = append(dst, int(i))
+	}
+	return dst
+}
+
+// MatchLen is Match without the indexes: the length of the matched prefix.
+func (p *Pool) MatchLen(hashes []uint64) int {
+	for n, h := range hashes {
+		if _, ok := p.registry[h]; !ok {
+			return n
+		}
+	}
+	return len(hashes)
+}
+
+// Pin takes a reference on block idx so that it cannot be evicted (a staged
+// load source, the source of a pending G2→G3 move). Pin an allocated or
+// registered block only.
+func (p *Pool) Pin(idx int) {
+	b := &p.blocks[idx]
+	if b.state == Free {
+		panic(fmt.Sprintf("pool %s: pin of free block %d", p.tier, idx))
+	}
+	if b.refs == 0 && b.heapIdx >= 0 {
+		p.heapRemove(int(b.heapIdx))
+	}
+	b.refs++
+}
+
+// Unpin drops a reference taken by Pin or Allocate (same as Release).
+func (p *Pool) Unpin(idx int) { p.Release(idx) }
+
+// Release drops a reference. When the last one goes, a registered block
+// becomes inactive (still findable, evictable, its tick set to "now") and an
+// unregistered one goes back to the free list.
+func (p *Pool) Release(idx int) {
+	b := &p.blocks[idx]
+	if b.refs <= 0 {
+		panic(fmt.Sprintf("pool %s: release of unreferenced block %d (%s)", p.tier, idx, b.state))
+	}
+	b.refs--
+	if b.refs > 0 {
+		return
+	}
+	if b.state == Registered {
+		p.tick++
+		b.tick = p.tick
+		p.heapPush(int32(idx))
+		return
+	}
+	p.reset(int32(idx))
+}
+
+// Touch marks block idx as just used: its tick moves to "now", so it is the
+// last of its priority to be evicted.
+func (p *Pool) Touch(idx int) {
+	b := &p.blocks[idx]
+	p.tick++
+	b.tick = p.tick
+	if b.heapIdx >= 0 {
+		p.heapFix(int(b.heapIdx))
+	}
+}
+
+// Allocate appends to dst up to n blocks ready to be written and returns the
+// extended slice. Each returned block is Allocated with one reference held by
+// the caller, who must Register or Release it. Free blocks go first; then the
+// inactive registered block with the lowest (priority, tick) is evicted
+// (REMOVE event). Pinned blocks are never evicted, so fewer than n blocks come
+// back when the tier is full of pinned ones.
+func (p *Pool) Allocate(n int, dst []int) []int {
+	for ; n > 0; n-- {
+		var idx int32
+		switch {
+		case len(p.free) > 0:
+			idx = p.free[len(p.free)-1]
+			p.free = p.free[:len(p.free)-1]
+		case len(p.inactive) > 0:
+			idx = p.inactive[0]
+			p.heapRemove(0)
+			p.unregister(idx)
+			p.evictions++
+		default:
+			return dst
+		}
+		b := &p.blocks[idx]
+		b.state = Allocated
+		b.refs = 1
+		dst = append(dst, int(idx))
+	}
+	return dst
+}
+
+// Register makes allocated block idx findable under seqHash with the given
+// parent, tokens (copied) and priority, and publishes a store event. The
+// caller keeps its reference. If seqHash is already registered in this tier
+// (another request wrote the same block), the new block is freed, the caller
+// gets a reference on the existing one instead, no event is published, and
+// dup is true.
+func (p *Pool) Register(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int) (registered int, dup bool) {
+	b := &p.blocks[idx]
+	if b.state != Allocated {
+		panic(fmt.Sprintf("pool %s: register of block %d in state %s", p.tier, idx, b.state))
+	}
+	if j, ok := p.registry[seqHash]; ok {
+		b.refs = 0
+		p.reset(int32(idx))
+		p.Pin(int(j))
+		return int(j), true
+	}
+	return idx, p.registerShared(idx, seqHash, parent, hasParent, append([]uint32(nil), tokens...), priority)
+}
+
+// RegisterShared is Register for a tokens slice the caller guarantees is never
+// modified again (for example the tokens of a G2 block being copied to G3):
+// the pool keeps it without copying.
+func (p *Pool) RegisterShared(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int) (registered int, dup bool) {
+	b := &p.blocks[idx]
+	if b.state != Allocated {
+		panic(fmt.Sprintf("pool %s: register of block %d in state %s", p.tier, idx, b.state))
+	}
+	if j, ok := p.registry[seqHash]; ok {
+		b.refs = 0
+		p.reset(int32(idx))
+		p.Pin(int(j))
+		return int(j), true
+	}
+	return idx, p.registerShared(idx, seqHash, parent, hasParent, tokens, priority)
+}
+
+func (p *Pool) registerShared(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int) bool {
+	b := &p.blocks[idx]
+	b.state = Registered
+	b.seqHash = seqHash
+	b.parent = parent
+	b.hasParent = hasParent
+	b.tokens = tokens
+	b.priority = int32(priority)
+	p.registry[seqHash] = int32(idx)
+	if p.sink != nil {
+		p.sink.Publish(events.BlockEvent{
+			Holder: p.holder, SeqHash: seqHash, Parent: parent, HasParent: hasParent,
+			Tokens: tokens, BlockSize: len(tokens),
+		})
+	}
+	return false
+}
+
+// Invalidate drops seqHash from the registry (its bytes are bad, or the cache
+// is being reset) and publishes a removal. An inactive block goes straight to
+// the free list; a pinned one stays allocated until its last Release. It
+// returns the block index and whether the hash was registered.
+func (p *Pool) Invalidate(seqHash uint64) (int, bool) {
+	i, ok := p.registry[seqHash]
+	if !ok {
+		return 0, false
+	}
+	b := &p.blocks[i]
+	p.unregister(i)
+	if b.refs == 0 {
+		if b.heapIdx >= 0 {
+			p.heapRemove(int(b.heapIdx))
+		}
+		p.reset(i)
+	} else {
+		b.state = Allocated
+	}
+	return int(i), true
+}
+
+// InvalidateAll invalidates every registered block (cache reset) and appends
+// their indexes to dst.
+func (p *Pool) InvalidateAll(dst []int) []int {
+	for h := range p.registry {
+		idx, _ := p.Invalidate(h)
+		dst = append(dst, idx)
+	}
+	return dst
+}
+
+// unregister removes block i from the registry and publishes its removal. The
+// block keeps its state; callers move it on.
+func (p *Pool) unregister(i int32) {
+	b := &p.blocks[i]
+	delete(p.registry, b.seqHash)
+	if p.sink != nil {
+		p.sink.Publish(events.BlockEvent{Removed: true, Holder: p.holder, SeqHash: b.seqHash, BlockSize: len(b.tokens)})
+	}
+	b.tokens = nil
+}
+
+// reset returns block i to the free list.
+func (p *Pool) reset(i int32) {
+	p.blocks[i] = block{heapIdx: -1}
+	p.free = append(p.free, i)
+}
+
+// The inactive set: an indexed binary min-heap keyed (priority, tick). Ticks
+// are unique, so the order is total and eviction deterministic.
+
+func (p *Pool) less(a, b int32) bool {
+	x, y := &p.blocks[a], &p.blocks[b]
+	if x.priority != y.priority {
+		return x.priority < y.priority
+	}
+	return x.tick < y.tick
+}
+
+func (p *Pool) heapPush(i int32) {
+	p.blocks[i].heapIdx = int32(len(p.inactive))
+	p.inactive = append(p.inactive, i)
+	p.up(len(p.inactive) - 1)
+}
+
+func (p *Pool) heapRemove(pos int) {
+	last := len(p.inactive) - 1
+	removed := p.inactive[pos]
+	if pos != last {
+		p.swap(pos, last)
+	}
+	p.inactive = p.inactive[:last]
+	p.blocks[removed].heapIdx = -1
+	if pos != last {
+		p.heapFix(pos)
+	}
+}
+
+func (p *Pool) heapFix(pos int) {
+	if !p.down(pos) {
+		p.up(pos)
+	}
+}
+
+func (p *Pool) swap(a, b int) {
+	h := p.inactive
+	h[a], h[b] = h[b], h[a]
+	p.blocks[h[a]].heapIdx = int32(a)
+	p.blocks[h[b]].heapIdx = int32(b)
+}
+
+func (p *Pool) up(j int) {
+	for j > 0 {
+		parent := (j - 1) / 2
+		if !p.less(p.inactive[j], p.inactive[parent]) {
+			break
+		}
+		p.swap(j, parent)
+		j = parent
+	}
+}
+
+func (p *Pool) down(i0 int) bool {
+	i, n := i0, len(p.inactive)
+	for {
+		l := 2*i + 1
+		if l >= n {
+			break
+		}
+		j := l
+		if r := l + 1; r < n && p.less(p.inactive[r], p.inactive[l]) {
+			j = r
+		}
+		if !p.less(p.inactive[j], p.inactive[i]) {
+			break
+		}
+		p.swap(i, j)
+		i = j
+	}
+	return i > i0
+}

@@ -1,0 +1,599 @@
+// Package worker is kvbm's byte mover, one per tensor-parallel rank (SPEC §2).
+// It holds the engine's registered KV tensors (G1), owns this rank's shard of
+// the host (G2) and disk (G3) tiers, and executes the leader's plan.Step:
+//
+//	BindStep(meta)  ← bind_connector_metadata: decode the step, apply its Drops
+//	StartLoad()     ← start_load_kv: launch the step's Loads in the background
+//	WaitForSave()   ← wait_for_save: Moves (G2→G3), then Saves (G1→G2/G3), synchronously
+//	Finished()      ← get_finished: requests whose loads completed, and failed G1 blocks
+//
+// Loads run asynchronously: the engine does not schedule a loading request
+// until Finished reports it, so its G1 blocks are not read meanwhile, and the
+// leader keeps the load's sources pinned until then. Moves and Saves finish
+// inside WaitForSave, which is what lets the leader treat a block saved in
+// step N as readable from step N+1 on.
+//
+// Integrity: the worker remembers, per G2 block, whether it holds valid bytes
+// (a save completed), and per G3 block the XXH3 of the block as written. A load
+// from a G2 block that was never written or whose save failed, or from a G3
+// block whose bytes no longer match, fails: the G1 block is reported in
+// Finished's error list and the data is never reported as loaded. The first
+// disk I/O error (disk full, EIO) marks the disk tier degraded: later G3
+// writes are skipped and G3 reads fail, and the worker carries on with G2.
+//
+// Metrics split: the worker counts what only it can see — bytes moved per
+// direction (kvbm_transfer_bytes), batch latency (kvbm_transfer_seconds) and
+// failed block loads (kvbm_load_errors, one per G1 block on this rank). The
+// leader counts the SPEC §9 block counters (kvbm_offload_blocks_*,
+// kvbm_onboard_blocks_*), which it knows from its plan.
+package worker
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/zeebo/xxh3"
+
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/storage"
+	"github.com/kvbm/kvbm/goext/transfer"
+)
+
+// Errors a copy fails with; Finished reports the affected G1 blocks, logs
+// carry these.
+var (
+	ErrNotValid     = errors.New("source block holds no valid data (never written, save failed, or dropped)")
+	ErrChecksum     = errors.New("disk block checksum mismatch")
+	ErrDiskDegraded = errors.New("disk tier disabled after an I/O error")
+	ErrNoTier       = errors.New("tier not configured on this worker")
+)
+
+// Defaults of DYN_KVBM_MAX_CONCURRENT_TRANSFERS and DYN_KVBM_MAX_TRANSFER_BATCH_SIZE (SPEC §8).
+const (
+	DefaultMaxConcurrent = 4
+	DefaultBatchSize     = 16
+)
+
+// Options configure a Worker.
+type Options struct {
+	Rank       int // tensor-parallel rank (disk file name, logs)
+	HostBlocks int // G2 blocks on this rank (0: no host tier)
+	DiskBlocks int // G3 blocks on this rank (0: no disk tier)
+	DiskDir    string
+	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
+	DisableODirect bool
+	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight
+	// across loads and saves; ≤ 0: DefaultMaxConcurrent.
+	MaxConcurrent int
+	// BatchSize is DYN_KVBM_MAX_TRANSFER_BATCH_SIZE: blocks per batch; ≤ 0: DefaultBatchSize.
+	BatchSize int
+	Logger    *slog.Logger     // nil: slog.Default()
+	Metrics   *metrics.Metrics // nil: a private set
+}
+
+// blockDisk is what the worker needs from the disk tier; tests substitute a
+// failing one.
+type blockDisk interface {
+	ReadBlock(i int, buf []byte) error
+	WriteBlock(i int, buf []byte) error
+}
+
+// Worker executes plan steps on one rank. See the package comment.
+type Worker struct {
+	opts Options
+	log  *slog.Logger
+	m    *metrics.Metrics
+	lim  *transfer.Limiter
+
+	// Set by RegisterG1 (under mu) and read-only afterwards; ops only run
+	// after it returned.
+	g1        *layout.Engine
+	bpb       int64 // bytes per block (payload)
+	host      *storage.HostRegion
+	diskFile  *storage.DiskRegion
+	disk      blockDisk
+	bounce    *storage.HostRegion // one aligned block per limiter slot, for G1↔G3
+	hostValid []atomic.Bool       // G2 block holds the bytes of a completed write
+	diskValid []atomic.Bool       // G3 block holds the bytes of a completed write
+	diskSum   []atomic.Uint64     // XXH3 of each G3 block's payload as written
+	degraded  atomic.Bool
+
+	loads sync.WaitGroup // background load goroutines (owned by StartLoad, joined by WaitLoads/Close)
+
+	mu       sync.Mutex // guards everything below
+	step     *plan.Step // the bound step
+	loadsRun bool       // the bound step's Loads were started
+	savesRun bool       // the bound step's Moves/Saves ran
+	lastSeq  uint64
+	loaded   []string // requests whose loads completed since the last Finished
+	loadErrs []int64  // G1 blocks whose load failed since the last Finished
+	closed   bool
+}
+
+// New validates opts. Regions are allocated by RegisterG1, once the block size is known.
+func New(opts Options) (*Worker, error) {
+	if opts.HostBlocks < 0 || opts.DiskBlocks < 0 {
+		return nil, fmt.Errorf("worker rank %d: host blocks %d, disk blocks %d: must not be negative", opts.Rank, opts.HostBlocks, opts.DiskBlocks)
+	}
+	if opts.HostBlocks == 0 && opts.DiskBlocks == 0 {
+		return nil, fmt.Errorf("worker rank %d: no host or disk blocks: configure DYN_KVBM_CPU_CACHE_GB and/or DYN_KVBM_DISK_CACHE_GB", opts.Rank)
+	}
+	if opts.MaxConcurrent <= 0 {
+		opts.MaxConcurrent = DefaultMaxConcurrent
+	}
+	if opts.BatchSize <= 0 {
+		opts.BatchSize = DefaultBatchSize
+	}
+	w := &Worker{opts: opts, log: opts.Logger, m: opts.Metrics, lim: transfer.NewLimiter(opts.MaxConcurrent)}
+	if w.log == nil {
+		w.log = slog.Default()
+	}
+	w.log = w.log.With("rank", opts.Rank)
+	if w.m == nil {
+		w.m = metrics.New()
+	}
+	return w, nil
+}
+
+// RegisterG1 registers the engine's KV tensors (their memory stays the
+// engine's and must outlive the worker) and allocates the host and disk tiers
+// for e.BytesPerBlock(). It may be called once.
+func (w *Worker) RegisterG1(e *layout.Engine) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return errors.New("worker is closed")
+	}
+	if w.g1 != nil {
+		return errors.New("KV caches already registered with this worker")
+	}
+	if e == nil {
+		return errors.New("register KV caches: nil layout")
+	}
+	for i := 0; i < e.Tensors(); i++ {
+		if e.Base(i) == 0 {
+			return fmt.Errorf("register KV caches: tensor %d has a null data pointer", i)
+		}
+	}
+	bpb := e.BytesPerBlock()
+	var err error
+	cleanup := func() {
+		for _, c := range []interface{ Close() error }{w.host, w.diskFile, w.bounce} {
+			if c != nil && !isNilRegion(c) {
+				_ = c.Close()
+			}
+		}
+		w.host, w.diskFile, w.disk, w.bounce = nil, nil, nil, nil
+	}
+	if w.opts.HostBlocks > 0 {
+		if w.host, err = storage.NewHostRegion(w.opts.HostBlocks, bpb, true); err != nil {
+			return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+		}
+		w.hostValid = make([]atomic.Bool, w.opts.HostBlocks)
+	}
+	if w.opts.DiskBlocks > 0 {
+		w.diskFile, err = storage.NewDiskRegion(storage.DiskOptions{
+			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
+			DisableODirect: w.opts.DisableODirect, Logger: w.log,
+		})
+		if err != nil {
+			cleanup()
+			return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+		}
+		w.disk = w.diskFile
+		if w.bounce, err = storage.NewHostRegion(w.lim.Slots(), bpb, true); err != nil {
+			cleanup()
+			return fmt.Errorf("worker rank %d: disk bounce buffers: %w", w.opts.Rank, err)
+		}
+		w.diskValid = make([]atomic.Bool, w.opts.DiskBlocks)
+		w.diskSum = make([]atomic.Uint64, w.opts.DiskBlocks)
+	}
+	w.g1, w.bpb = e, bpb
+	w.log.Info("kvbm worker registered KV caches", "layout", e.String(), "host_blocks", w.opts.HostBlocks, "disk_blocks", w.opts.DiskBlocks)
+	return nil
+}
+
+// isNilRegion reports whether c is a typed nil pointer inside the interface.
+func isNilRegion(c interface{ Close() error }) bool {
+	switch r := c.(type) {
+	case *storage.HostRegion:
+		return r == nil
+	case *storage.DiskRegion:
+		return r == nil
+	}
+	return false
+}
+
+// BytesPerBlock is this rank's share of one block (0 before RegisterG1).
+func (w *Worker) BytesPerBlock() int64 { return w.bpb }
+
+// DiskPath is the disk tier file ("" without a disk tier).
+func (w *Worker) DiskPath() string {
+	if w.diskFile == nil {
+		return ""
+	}
+	return w.diskFile.Path()
+}
+
+// DiskDegraded reports whether a disk I/O error switched the disk tier off.
+func (w *Worker) DiskDegraded() bool { return w.degraded.Load() }
+
+// BindStep decodes the leader's step and applies its Drops. If the engine
+// skipped StartLoad or WaitForSave for the previous step, they run now: a
+// step's work is never silently lost.
+func (w *Worker) BindStep(b []byte) error {
+	s, err := plan.Decode(b)
+	if err != nil {
+		return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+	}
+	return w.Bind(s)
+}
+
+// Bind is BindStep for an already decoded step.
+func (w *Worker) Bind(s *plan.Step) error {
+	w.mu.Lock()
+	if w.g1 == nil {
+		w.mu.Unlock()
+		return errors.New("bind step: KV caches not registered yet")
+	}
+	prev := w.step
+	startPrev := prev != nil && !w.loadsRun
+	savePrev := prev != nil && !w.savesRun
+	w.mu.Unlock()
+	if startPrev {
+		w.log.Debug("kvbm worker: previous step's loads were not started; starting them now", "seq", prev.Seq)
+		w.StartLoad()
+	}
+	if savePrev {
+		w.log.Debug("kvbm worker: previous step's saves did not run; running them now", "seq", prev.Seq)
+		w.WaitForSave()
+	}
+
+	w.mu.Lock()
+	if s.Seq != 0 && s.Seq <= w.lastSeq {
+		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
+	}
+	w.lastSeq = max(w.lastSeq, s.Seq)
+	w.step, w.loadsRun, w.savesRun = s, false, false
+	w.mu.Unlock()
+	// Drops first: the leader may drop a block and hand it out again in the
+	// same step, so the step's own writes must land after the drop.
+	w.applyDrops(s.Drops)
+	return nil
+}
+
+func (w *Worker) applyDrops(drops []plan.Copy) {
+	for _, d := range drops {
+		// A drop names its block as the copy's source.
+		switch {
+		case d.Src == plan.G2 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.hostValid)):
+			w.hostValid[d.SrcBlock].Store(false)
+		case d.Src == plan.G3 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.diskValid)):
+			w.diskValid[d.SrcBlock].Store(false)
+			w.diskSum[d.SrcBlock].Store(0)
+		default:
+			w.log.Warn("kvbm worker: ignoring drop of an unknown block", "tier", d.Src, "block", d.SrcBlock)
+		}
+	}
+}
+
+// StartLoad launches the bound step's Loads in the background; Finished
+// reports them once done. Copies into G2 (G3→G2 staging) run before the
+// copies into G1 of the same step, so a load may stage through G2.
+func (w *Worker) StartLoad() {
+	w.mu.Lock()
+	s := w.step
+	if s == nil || w.loadsRun || w.closed {
+		w.mu.Unlock()
+		return
+	}
+	w.loadsRun = true
+	w.loads.Add(1)
+	w.mu.Unlock()
+	if len(s.Loads) == 0 {
+		w.loads.Done()
+		return
+	}
+	go func() {
+		defer w.loads.Done()
+		w.runLoads(s.Loads)
+	}()
+}
+
+func (w *Worker) runLoads(loads []plan.Load) {
+	var staging, direct []plan.Copy
+	for _, ld := range loads {
+		for _, c := range ld.Copies {
+			if c.Dst == plan.G1 {
+				direct = append(direct, c)
+			} else {
+				staging = append(staging, c)
+			}
+		}
+	}
+	if errs := w.runOps(staging); countErrs(errs) > 0 {
+		w.logFailures("staging load", staging, errs)
+	}
+	errs := w.runOps(direct)
+	var failed []int64
+	for i, err := range errs {
+		if err != nil {
+			failed = append(failed, direct[i].DstBlock)
+		}
+	}
+	if len(failed) > 0 {
+		w.logFailures("load", direct, errs)
+		w.m.LoadErrors.Add(float64(len(failed)))
+	}
+	w.mu.Lock()
+	for _, ld := range loads {
+		w.loaded = append(w.loaded, ld.ReqID)
+	}
+	w.loadErrs = append(w.loadErrs, failed...)
+	w.mu.Unlock()
+}
+
+// WaitForSave runs the bound step's Moves (G2→G3) and then its Saves (G1→G2,
+// or G1→G3 in disk-only mode), and returns when they are done. A failed copy
+// leaves its destination invalid (a later load of it fails); it is logged,
+// not returned: the engine must keep running.
+func (w *Worker) WaitForSave() {
+	w.mu.Lock()
+	s := w.step
+	if s == nil || w.savesRun || w.closed {
+		w.mu.Unlock()
+		return
+	}
+	w.savesRun = true
+	w.mu.Unlock()
+	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+		w.logFailures("move", s.Moves, errs)
+	}
+	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+		w.logFailures("save", s.Saves, errs)
+	}
+}
+
+// Finished returns the requests whose loads completed since the last call,
+// and the G1 blocks among them whose data could not be loaded (the engine
+// must recompute those). A request appears in loaded even if some of its
+// blocks failed.
+func (w *Worker) Finished() (loaded []string, loadErrorG1Blocks []int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	loaded, loadErrorG1Blocks = w.loaded, w.loadErrs
+	w.loaded, w.loadErrs = nil, nil
+	return loaded, loadErrorG1Blocks
+}
+
+// WaitLoads blocks until every started load has completed.
+func (w *Worker) WaitLoads() { w.loads.Wait() }
+
+// Close waits for in-flight loads, then releases the host region and removes
+// the disk file. The engine's tensors are untouched.
+func (w *Worker) Close() error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return nil
+	}
+	w.closed = true
+	w.mu.Unlock()
+	w.loads.Wait()
+	var errs []error
+	for _, c := range []interface{ Close() error }{w.host, w.diskFile, w.bounce} {
+		if c != nil && !isNilRegion(c) {
+			errs = append(errs, c.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func countErrs(errs []error) int {
+	n := 0
+	for _, e := range errs {
+		if e != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// logFailures writes one line per phase, not one per block: a dead disk
+// would otherwise flood the engine's log.
+func (w *Worker) logFailures(what string, ops []plan.Copy, errs []error) {
+	var first error
+	var firstOp plan.Copy
+	for i, e := range errs {
+		if e != nil {
+			first, firstOp = e, ops[i]
+			break
+		}
+	}
+	w.log.Warn("kvbm worker: "+what+" copies failed", "failed", countErrs(errs), "of", len(ops),
+		"first", fmt.Sprintf("%v[%d]→%v[%d]", firstOp.Src, firstOp.SrcBlock, firstOp.Dst, firstOp.DstBlock), "err", first)
+}
+
+// direction names a copy's direction for the metrics label.
+func direction(c plan.Copy) string {
+	return strings.ToLower(c.Src.String() + "_to_" + c.Dst.String())
+}
+
+// runOps executes ops in batches of at most BatchSize blocks, each batch one
+// direction, with at most MaxConcurrent batches in flight. errs[i] is op i's result.
+func (w *Worker) runOps(ops []plan.Copy) []error {
+	errs := make([]error, len(ops))
+	if len(ops) == 0 {
+		return errs
+	}
+	order := make([]int, len(ops))
+	for i := range order {
+		order[i] = i
+	}
+	key := func(c plan.Copy) int { return int(c.Src)*16 + int(c.Dst) }
+	slices.SortStableFunc(order, func(a, b int) int { return key(ops[a]) - key(ops[b]) })
+	type batch struct{ lo, hi int } // range of order
+	var batches []batch
+	for lo := 0; lo < len(order); {
+		hi := lo + 1
+		for hi < len(order) && hi-lo < w.opts.BatchSize && key(ops[order[hi]]) == key(ops[order[lo]]) {
+			hi++
+		}
+		batches = append(batches, batch{lo, hi})
+		lo = hi
+	}
+	w.lim.Run(len(batches), 1, func(slot, bi, _ int) {
+		b := batches[bi]
+		dir := direction(ops[order[b.lo]])
+		start := time.Now()
+		var moved int64
+		for _, i := range order[b.lo:b.hi] {
+			if errs[i] = w.copyOne(ops[i], slot); errs[i] == nil {
+				moved += w.bpb
+			}
+		}
+		w.m.TransferSecs.WithLabelValues(dir).Observe(time.Since(start).Seconds())
+		if moved > 0 {
+			w.m.BytesMoved.WithLabelValues(dir).Add(float64(moved))
+		}
+	})
+	return errs
+}
+
+func (w *Worker) checkBlock(t plan.Tier, b int64) error {
+	var n int
+	switch t {
+	case plan.G1:
+		n = w.g1.NumBlocks
+	case plan.G2:
+		if w.host == nil {
+			return fmt.Errorf("%v: %w", t, ErrNoTier)
+		}
+		n = w.host.NumBlocks()
+	case plan.G3:
+		if w.disk == nil {
+			return fmt.Errorf("%v: %w", t, ErrNoTier)
+		}
+		n = len(w.diskValid)
+	default:
+		return fmt.Errorf("unknown tier %v", t)
+	}
+	if b < 0 || b >= int64(n) {
+		return fmt.Errorf("%v block %d out of range [0, %d)", t, b, n)
+	}
+	return nil
+}
+
+// copyOne moves one block. slot owns bounce block `slot` for G1↔G3 copies.
+// A panic (a bug, never expected) fails the copy instead of the engine process.
+func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("internal error copying %v[%d]→%v[%d]: %v", c.Src, c.SrcBlock, c.Dst, c.DstBlock, r)
+			w.log.Error("kvbm worker: recovered from a panic in a copy", "err", err)
+		}
+	}()
+	if err := w.checkBlock(c.Src, c.SrcBlock); err != nil {
+		return fmt.Errorf("copy source: %w", err)
+	}
+	if err := w.checkBlock(c.Dst, c.DstBlock); err != nil {
+		return fmt.Errorf("copy destination: %w", err)
+	}
+	src, dst := int(c.SrcBlock), int(c.DstBlock)
+	switch {
+	case c.Src == plan.G1 && c.Dst == plan.G2:
+		w.hostValid[dst].Store(false)
+		transfer.Gather(w.g1, src, w.host.Block(dst))
+		w.hostValid[dst].Store(true)
+		return nil
+
+	case c.Src == plan.G2 && c.Dst == plan.G1:
+		if !w.hostValid[src].Load() {
+			return fmt.Errorf("G2 block %d: %w", src, ErrNotValid)
+		}
+		transfer.Scatter(w.g1, dst, w.host.Block(src))
+		return nil
+
+	case c.Src == plan.G1 && c.Dst == plan.G3:
+		buf := w.bounce.IOBlock(slot)
+		transfer.Gather(w.g1, src, buf)
+		return w.writeDisk(dst, buf)
+
+	case c.Src == plan.G2 && c.Dst == plan.G3:
+		if !w.hostValid[src].Load() {
+			w.diskValid[dst].Store(false)
+			return fmt.Errorf("G2 block %d: %w", src, ErrNotValid)
+		}
+		return w.writeDisk(dst, w.host.IOBlock(src))
+
+	case c.Src == plan.G3 && c.Dst == plan.G1:
+		buf := w.bounce.IOBlock(slot)
+		if err := w.readDisk(src, buf); err != nil {
+			return err
+		}
+		transfer.Scatter(w.g1, dst, buf)
+		return nil
+
+	case c.Src == plan.G3 && c.Dst == plan.G2:
+		w.hostValid[dst].Store(false)
+		if err := w.readDisk(src, w.host.IOBlock(dst)); err != nil {
+			return err
+		}
+		w.hostValid[dst].Store(true)
+		return nil
+	}
+	return fmt.Errorf("unsupported copy %v → %v", c.Src, c.Dst)
+}
+
+// writeDisk writes buf (an aligned IO block whose payload is the first bpb
+// bytes) to G3 block dst and records its checksum.
+func (w *Worker) writeDisk(dst int, buf []byte) error {
+	w.diskValid[dst].Store(false)
+	if w.degraded.Load() {
+		return fmt.Errorf("G3 block %d: %w", dst, ErrDiskDegraded)
+	}
+	sum := xxh3.Hash(buf[:w.bpb])
+	if err := w.disk.WriteBlock(dst, buf); err != nil {
+		w.degrade(err)
+		return err
+	}
+	w.diskSum[dst].Store(sum)
+	w.diskValid[dst].Store(true)
+	return nil
+}
+
+// readDisk reads G3 block src into buf and verifies it. A block that does not
+// verify is forgotten, so it is never served again.
+func (w *Worker) readDisk(src int, buf []byte) error {
+	if w.degraded.Load() {
+		return fmt.Errorf("G3 block %d: %w", src, ErrDiskDegraded)
+	}
+	if !w.diskValid[src].Load() {
+		return fmt.Errorf("G3 block %d: %w", src, ErrNotValid)
+	}
+	if err := w.disk.ReadBlock(src, buf); err != nil {
+		w.degrade(err)
+		return err
+	}
+	if got, want := xxh3.Hash(buf[:w.bpb]), w.diskSum[src].Load(); got != want {
+		w.diskValid[src].Store(false)
+		return fmt.Errorf("G3 block %d: %w (stored %016x, read %016x)", src, ErrChecksum, want, got)
+	}
+	return nil
+}
+
+// degrade switches the disk tier off after its first I/O error and says so once.
+func (w *Worker) degrade(err error) {
+	if w.degraded.CompareAndSwap(false, true) {
+		w.log.Error("kvbm disk tier failed; continuing without it (G3 loads fail and are recomputed, G2→G3 offload stops)",
+			"path", w.DiskPath(), "err", err)
+	}
+}

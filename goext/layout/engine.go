@@ -78,6 +78,8 @@ func rolesOf(k Kind) roles {
 		return roles{rank: 3, block: 0, outer: -1, layer: -1, token: 1, chunk: []int{1, 2}}
 	case TRTLLM:
 		return roles{rank: 4, block: 0, outer: 2, layer: 1, token: -1, chunk: []int{3}, outerLen: []int64{1, 2}}
+	case CPUPaged:
+		return roles{rank: 4, block: 0, outer: -1, layer: -1, token: 2, chunk: []int{1, 2, 3}}
 	}
 	return roles{}
 }

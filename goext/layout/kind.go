@@ -43,6 +43,11 @@ const (
 	// TRTLLM is TensorRT-LLM's single pool tensor,
 	// [num_blocks, num_layers, kv_factor, kv_heads × block_size × head_dim].
 	TRTLLM
+	// CPUPaged is vLLM's CPU attention backend since the KVCacheLayout rework
+	// (0.30+, layout "LBHNC"): one tensor per layer, [num_blocks, kv_heads,
+	// block_size, 2 × head_dim], blocks outermost. K and V share each page, so
+	// one (block, layer) page is the single chunk (outer_dim 1).
+	CPUPaged
 )
 
 var kindNames = [...]string{
@@ -52,6 +57,7 @@ var kindNames = [...]string{
 	CPU:        "cpu",
 	MLA:        "mla",
 	TRTLLM:     "trtllm",
+	CPUPaged:   "cpu_paged",
 }
 
 func (k Kind) String() string {
@@ -78,6 +84,8 @@ func ParseKind(s string) (Kind, error) {
 		return MLA, nil
 	case "trtllm", "tensorrt_llm", "tensorrt-llm":
 		return TRTLLM, nil
+	case "cpu_paged", "lbhnc":
+		return CPUPaged, nil
 	}
-	return Auto, fmt.Errorf("unknown KV layout kind %q (want one of flash_attn, flashinfer, cpu, mla, trtllm, or auto)", s)
+	return Auto, fmt.Errorf("unknown KV layout kind %q (want one of flash_attn, flashinfer, cpu, cpu_paged, mla, trtllm, or auto)", s)
 }

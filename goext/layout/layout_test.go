@@ -198,3 +198,27 @@ func TestOrderLayers(t *testing.T) {
 		require.Error(t, err, fmt.Sprint(bad))
 	}
 }
+
+func TestCPUPagedLayout(t *testing.T) {
+	// vLLM 0.32 CPU backend: per layer [N, H, bs, 2D], contiguous; one page per (block, layer).
+	const n, h, bs, d = 64, 2, 32, 32
+	base := uintptr(1 << 20)
+	page := int64(h * bs * 2 * d * 4)
+	e, err := NewEngine(Spec{
+		Kind:      CPUPaged,
+		Tensors:   []Tensor{{Ptr: base, Shape: []int64{n, h, bs, 2 * d}}, {Ptr: base + uintptr(n*page), Shape: []int64{n, h, bs, 2 * d}}},
+		NumBlocks: n, BlockSize: bs, DtypeBytes: 4,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.OuterDim != 1 || e.ChunkBytes != page || e.NumLayers != 2 {
+		t.Fatalf("outer %d chunk %d layers %d", e.OuterDim, e.ChunkBytes, e.NumLayers)
+	}
+	if got := e.ChunkAddr(5, 1, 0); got != base+uintptr(n*page)+uintptr(5*page) {
+		t.Fatalf("chunk addr %#x", got)
+	}
+	if k, _ := ParseKind("cpu_paged"); k != CPUPaged {
+		t.Fatal("parse")
+	}
+}

@@ -1,0 +1,193 @@
+"""Build small, randomly initialised HF-format models that vLLM can load offline.
+
+No model hub is reachable from this project's machines, so end-to-end tests and
+benchmarks create their own model directory:
+
+    from tests.e2e.tiny_model import make_tiny_model
+    path = make_tiny_model("/tmp/kvbm-tiny")              # ~1 MB, 2 layers
+    path = make_tiny_model("/tmp/kvbm-05b", **QWEN2_05B_LIKE)  # ~0.4B params
+
+The directory holds ``config.json``, ``model.safetensors`` (plus
+``generation_config.json``) and a byte-level tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``).  Creation is
+idempotent: a ``.kvbm_tiny_model.json`` stamp records the parameters and a
+matching directory is reused as is.  Everything is seeded, so two builds with
+the same parameters give identical weights.
+
+The vLLM CPU attention backend accepts head sizes
+32, 64, 80, 96, 112, 128, 160, 192, 224, 256 (and 512 on some versions), so
+``hidden // heads`` must be one of those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+# Qwen2-0.5B dimensions with a smaller vocabulary (saves memory; ids < vocab).
+QWEN2_05B_LIKE: dict[str, Any] = dict(
+    hidden=896,
+    layers=24,
+    heads=14,
+    kv_heads=2,
+    intermediate=4864,
+    vocab=32000,
+    arch="qwen2",
+    dtype="bfloat16",
+)
+
+_STAMP = ".kvbm_tiny_model.json"
+_SPECIALS = ("<unk>", "<s>", "</s>")
+
+
+def _build_tokenizer(vocab: int):
+    """Byte-level tokenizer: ids 0..2 specials, 3..258 one token per byte,
+    the rest filler tokens (valid ids that text never maps to)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 printable stand-ins
+    alphabet.sort()
+    if vocab < len(_SPECIALS) + len(alphabet):
+        raise ValueError(f"vocab must be >= {len(_SPECIALS) + len(alphabet)}")
+    table: dict[str, int] = {}
+    for tok in _SPECIALS:
+        table[tok] = len(table)
+    for ch in alphabet:
+        table[ch] = len(table)
+    i = 0
+    while len(table) < vocab:
+        table[f"<extra_{i}>"] = len(table)
+        i += 1
+    tok = Tokenizer(models.BPE(vocab=table, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+    )
+    return fast
+
+
+def _params(**kw: Any) -> dict[str, Any]:
+    return {k: kw[k] for k in sorted(kw)}
+
+
+def make_tiny_model(
+    dir: str | os.PathLike,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    intermediate: int | None = None,
+    max_pos: int = 4096,
+    arch: str = "llama",
+    dtype: str = "float32",
+    seed: int = 0,
+    tie_word_embeddings: bool | None = None,
+) -> str:
+    """Create (or reuse) a random model directory and return its absolute path.
+
+    arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM, qkv bias).
+    dtype: "float32" or "bfloat16" (weights on disk; vLLM's ``dtype=`` decides
+    the runtime dtype).
+    """
+    path = os.path.abspath(os.fspath(dir))
+    if hidden % heads:
+        raise ValueError("hidden must be divisible by heads")
+    head_dim = hidden // heads
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"head_dim {head_dim} not supported by vLLM CPU attention {CPU_HEAD_SIZES}")
+    if heads % kv_heads:
+        raise ValueError("heads must be divisible by kv_heads")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError("arch must be 'llama' or 'qwen2'")
+    if intermediate is None:
+        intermediate = 4 * hidden
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch == "qwen2"
+    params = _params(
+        hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab,
+        intermediate=intermediate, max_pos=max_pos, arch=arch, dtype=dtype, seed=seed,
+        tie_word_embeddings=tie_word_embeddings, version=1,
+    )
+    stamp = os.path.join(path, _STAMP)
+    try:
+        with open(stamp) as f:
+            if json.load(f) == params and os.path.exists(os.path.join(path, "model.safetensors")):
+                return path
+    except (OSError, ValueError):
+        pass
+
+    import torch
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        # A bit more signal than the default init so greedy outputs are not
+        # all the same token.
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
+        model = model.to(torch_dtype)
+        model.save_pretrained(tmp)
+        _build_tokenizer(vocab).save_pretrained(tmp)
+        with open(os.path.join(tmp, _STAMP), "w") as f:
+            json.dump(params, f)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("--big", action="store_true", help="Qwen2-0.5B-like dims")
+    a = ap.parse_args()
+    print(make_tiny_model(a.dir, **(QWEN2_05B_LIKE if a.big else {})))

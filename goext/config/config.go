@@ -1,0 +1,259 @@
+// Package config reads every kvbm environment variable (SPEC §8) once, into
+// one typed Config.
+//
+// Rules, in the order users hit them:
+//   - An unset or empty (whitespace-only) variable takes its default.
+//   - A set value that does not parse or is out of range is an error that
+//     names the variable and the value; we never fall back to the default for
+//     something the user wrote (the reference silently did, which hid typos
+//     such as DYN_KVBM_CPU_CACHE_GB=4GB behind a disabled tier).
+//   - All errors are reported together (errors.Join), so one start-up shows
+//     every bad variable.
+//
+// Tier presence is checked separately (Config.Validate): tools that only
+// hash or inspect do not need a cache configured.
+package config
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Variable names, exported so error messages, docs and tests agree.
+const (
+	EnvCPUCacheGB                   = "DYN_KVBM_CPU_CACHE_GB"
+	EnvCPUCacheOverrideBlocks       = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+	EnvDiskCacheGB                  = "DYN_KVBM_DISK_CACHE_GB"
+	EnvDiskCacheOverrideBlocks      = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
+	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
+	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
+	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
+	EnvLeaderWorkerInitTimeoutSecs  = "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"
+	EnvLeaderZMQHost                = "DYN_KVBM_LEADER_ZMQ_HOST"
+	EnvLeaderZMQPubPort             = "DYN_KVBM_LEADER_ZMQ_PUB_PORT"
+	EnvLeaderZMQAckPort             = "DYN_KVBM_LEADER_ZMQ_ACK_PORT"
+	EnvMaxConcurrentTransfers       = "DYN_KVBM_MAX_CONCURRENT_TRANSFERS"
+	EnvMaxTransferBatchSize         = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE"
+	EnvMetrics                      = "DYN_KVBM_METRICS"
+	EnvMetricsPort                  = "DYN_KVBM_METRICS_PORT"
+	EnvCacheStatsMaxRequests        = "DYN_KVBM_CACHE_STATS_MAX_REQUESTS"
+	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
+	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
+	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
+	EnvNatsServer                   = "NATS_SERVER"
+)
+
+// Defaults (SPEC §8).
+const (
+	DefaultDiskCacheDir            = "/tmp/"
+	DefaultLeaderWorkerInitTimeout = 1800 * time.Second
+	DefaultLeaderZMQHost           = "127.0.0.1"
+	DefaultLeaderZMQPubPort        = 56001
+	DefaultLeaderZMQAckPort        = 56002
+	DefaultMaxConcurrentTransfers  = 4
+	DefaultMaxTransferBatchSize    = 16
+	DefaultMetricsPort             = 6880
+	DefaultCacheStatsMaxRequests   = 1000
+	DefaultCacheStatsLogInterval   = 5 * time.Second
+	DefaultNatsServer              = "nats://localhost:4222"
+)
+
+// Config is the parsed, validated process configuration. Zero values of the
+// optional sizes mean "unset".
+type Config struct {
+	CPUCacheGB             float64 // G2 size, decimal GB, total across workers; 0 = unset
+	CPUCacheOverrideBlocks int     // exact G2 block count, wins over CPUCacheGB; 0 = unset
+
+	DiskCacheGB             float64 // G3 size, decimal GB; 0 = unset
+	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
+	DiskCacheDir            string  // directory of the disk tier file
+	DiskDisableODirect      bool    // open the disk tier file without O_DIRECT
+
+	DisableDiskOffloadFilter     bool // offload every G2 block to G3, not only repeated ones
+	HostOffloadPrefixMinPriority int  // G1→G2 offload only at or above this priority
+
+	LeaderWorkerInitTimeout time.Duration
+	LeaderZMQHost           string
+	LeaderZMQPubPort        int
+	LeaderZMQAckPort        int
+
+	MaxConcurrentTransfers int // parallel transfer batches
+	MaxTransferBatchSize   int // blocks per transfer batch
+
+	Metrics     bool // serve Prometheus on 0.0.0.0:MetricsPort/metrics
+	MetricsPort int
+
+	CacheStatsMaxRequests int           // hit-rate window, in requests
+	CacheStatsLogInterval time.Duration // hit-rate log period
+
+	EnableConsolidator bool // run the KV event consolidator
+	TrtllmZMQPort      int  // TensorRT-LLM engine event port; 0 = unset
+	NatsServer         string
+}
+
+// Load reads the configuration from the process environment.
+func Load() (*Config, error) {
+	return FromLookup(os.LookupEnv)
+}
+
+// FromLookup reads the configuration through lookup (os.LookupEnv in
+// production, a map in tests). On error the returned Config is nil and the
+// error joins one *VarError per bad variable.
+func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
+	p := parser{lookup: lookup}
+	c := &Config{
+		CPUCacheGB:             p.gigabytes(EnvCPUCacheGB),
+		CPUCacheOverrideBlocks: p.count(EnvCPUCacheOverrideBlocks, 0, 0),
+
+		DiskCacheGB:             p.gigabytes(EnvDiskCacheGB),
+		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
+		DiskCacheDir:            p.str(EnvDiskCacheDir, DefaultDiskCacheDir),
+		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
+
+		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
+		HostOffloadPrefixMinPriority: p.count(EnvHostOffloadPrefixMinPriority, 0, 0),
+
+		LeaderWorkerInitTimeout: p.seconds(EnvLeaderWorkerInitTimeoutSecs, DefaultLeaderWorkerInitTimeout),
+		LeaderZMQHost:           p.str(EnvLeaderZMQHost, DefaultLeaderZMQHost),
+		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
+		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),
+
+		MaxConcurrentTransfers: p.count(EnvMaxConcurrentTransfers, DefaultMaxConcurrentTransfers, 1),
+		MaxTransferBatchSize:   p.count(EnvMaxTransferBatchSize, DefaultMaxTransferBatchSize, 1),
+
+		Metrics:     p.boolean(EnvMetrics, false),
+		MetricsPort: p.port(EnvMetricsPort, DefaultMetricsPort),
+
+		CacheStatsMaxRequests: p.count(EnvCacheStatsMaxRequests, DefaultCacheStatsMaxRequests, 1),
+		CacheStatsLogInterval: p.seconds(EnvCacheStatsLogIntervalSecs, DefaultCacheStatsLogInterval),
+
+		EnableConsolidator: p.boolean(EnvEnableConsolidator, true),
+		TrtllmZMQPort:      p.port(EnvTrtllmZMQPort, 0),
+		NatsServer:         p.str(EnvNatsServer, DefaultNatsServer),
+	}
+
+	// Cross-variable rules, only when the inputs themselves parsed (an error
+	// about a value the user already sees as invalid would be noise).
+	if p.ok(EnvLeaderZMQPubPort, EnvLeaderZMQAckPort) && c.LeaderZMQPubPort == c.LeaderZMQAckPort {
+		p.fail(EnvLeaderZMQAckPort, fmt.Sprint(c.LeaderZMQAckPort),
+			"must differ from "+EnvLeaderZMQPubPort+" (both sockets bind on the leader)")
+	}
+	if p.ok(EnvDiskCacheGB, EnvDiskCacheOverrideBlocks) && c.DiskEnabled() {
+		if err := checkWritableDir(c.DiskCacheDir); err != nil {
+			p.fail(EnvDiskCacheDir, c.DiskCacheDir, err.Error())
+		}
+	}
+
+	if err := p.err(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// HostEnabled reports whether the host (G2) tier is configured.
+func (c *Config) HostEnabled() bool { return c.CPUCacheOverrideBlocks > 0 || c.CPUCacheGB > 0 }
+
+// DiskEnabled reports whether the disk (G3) tier is configured.
+func (c *Config) DiskEnabled() bool { return c.DiskCacheOverrideBlocks > 0 || c.DiskCacheGB > 0 }
+
+// HostBlocks is the G2 block count: the override if set, else
+// floor(CPUCacheGB·10⁹ / bytesPerBlockAllWorkers). bytesPerBlockAllWorkers
+// is one block's bytes summed over all workers (TP ranks), because the GB
+// budget is a total. Returns 0 when bytesPerBlockAllWorkers ≤ 0.
+func (c *Config) HostBlocks(bytesPerBlockAllWorkers int64) int {
+	return blocks(c.CPUCacheOverrideBlocks, c.CPUCacheGB, bytesPerBlockAllWorkers)
+}
+
+// DiskBlocks is HostBlocks for the disk (G3) tier.
+func (c *Config) DiskBlocks(bytesPerBlockAllWorkers int64) int {
+	return blocks(c.DiskCacheOverrideBlocks, c.DiskCacheGB, bytesPerBlockAllWorkers)
+}
+
+func blocks(override int, gb float64, bytesPerBlock int64) int {
+	if override > 0 {
+		return override
+	}
+	if bytesPerBlock <= 0 || gb <= 0 {
+		return 0
+	}
+	// Round GB·10⁹ to whole bytes first: 2.01·1e9 is 2009999999.9999998 in
+	// float64, and flooring that before dividing would lose a block whenever
+	// the budget is an exact multiple of the block size.
+	total := int64(gbToBytes(gb))
+	return int(total / bytesPerBlock)
+}
+
+// ErrNoTier is returned by Validate when neither cache tier is configured.
+var ErrNoTier = fmt.Errorf("no KV cache tier configured: set %s and/or %s (or their _OVERRIDE_NUM_BLOCKS variants)",
+	EnvCPUCacheGB, EnvDiskCacheGB)
+
+// Validate checks what the offload path needs beyond per-variable parsing:
+// at least one tier must be configured. It is separate from FromLookup so
+// that tools that never offload do not need a tier.
+func (c *Config) Validate() error {
+	if !c.HostEnabled() && !c.DiskEnabled() {
+		return ErrNoTier
+	}
+	return nil
+}
+
+// Summary is a multi-line, human-readable description of c for the start-up
+// log.
+func (c *Config) Summary() string {
+	var b strings.Builder
+	tier := func(name string, enabled bool, gb float64, override int) {
+		switch {
+		case !enabled:
+			fmt.Fprintf(&b, "  %s tier: disabled\n", name)
+		case override > 0:
+			fmt.Fprintf(&b, "  %s tier: %d blocks (override)\n", name, override)
+		default:
+			fmt.Fprintf(&b, "  %s tier: %g GB\n", name, gb)
+		}
+	}
+	b.WriteString("kvbm configuration:\n")
+	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
+	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
+	if c.DiskEnabled() {
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter))
+	}
+	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
+	fmt.Fprintf(&b, "  transfers: %d concurrent batches of up to %d blocks\n",
+		c.MaxConcurrentTransfers, c.MaxTransferBatchSize)
+	fmt.Fprintf(&b, "  leader: zmq %s pub %d ack %d, worker init timeout %s\n",
+		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout)
+	if c.Metrics {
+		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics\n", c.MetricsPort)
+	} else {
+		b.WriteString("  metrics: off\n")
+	}
+	fmt.Fprintf(&b, "  cache stats: window %d requests, logged every %s\n",
+		c.CacheStatsMaxRequests, c.CacheStatsLogInterval)
+	fmt.Fprintf(&b, "  consolidator: %s, nats %s", onOff(c.EnableConsolidator), c.NatsServer)
+	if c.TrtllmZMQPort > 0 {
+		fmt.Fprintf(&b, ", trtllm zmq port %d", c.TrtllmZMQPort)
+	}
+	return b.String()
+}
+
+func onOff(v bool) string {
+	if v {
+		return "on"
+	}
+	return "off"
+}
+
+// logOnce guards LogOnce: the leader, each worker and the consolidator may
+// all construct a Config in one process, and one summary is enough.
+var logOnce sync.Once
+
+// LogOnce logs Summary through logf the first time it is called in this
+// process; later calls (with any Config) do nothing.
+func (c *Config) LogOnce(logf func(format string, args ...any)) {
+	logOnce.Do(func() { logf("%s", c.Summary()) })
+}

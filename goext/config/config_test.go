@@ -1,0 +1,353 @@
+package config
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func lookupMap(env map[string]string) func(string) (string, bool) {
+	return func(k string) (string, bool) {
+		v, ok := env[k]
+		return v, ok
+	}
+}
+
+func load(t *testing.T, env map[string]string) (*Config, error) {
+	t.Helper()
+	return FromLookup(lookupMap(env))
+}
+
+func TestDefaults(t *testing.T) {
+	c, err := load(t, nil)
+	require.NoError(t, err)
+	require.Equal(t, &Config{
+		DiskCacheDir:            "/tmp/",
+		LeaderWorkerInitTimeout: 1800 * time.Second,
+		LeaderZMQHost:           "127.0.0.1",
+		LeaderZMQPubPort:        56001,
+		LeaderZMQAckPort:        56002,
+		MaxConcurrentTransfers:  4,
+		MaxTransferBatchSize:    16,
+		MetricsPort:             6880,
+		CacheStatsMaxRequests:   1000,
+		CacheStatsLogInterval:   5 * time.Second,
+		EnableConsolidator:      true,
+		NatsServer:              "nats://localhost:4222",
+	}, c)
+	require.False(t, c.HostEnabled())
+	require.False(t, c.DiskEnabled())
+}
+
+// Every variable: its valid forms and each kind of invalid value.
+func TestVariables(t *testing.T) {
+	type want func(t *testing.T, c *Config)
+	type tc struct {
+		name   string
+		value  string
+		check  want   // for valid values
+		reason string // substring of the error for invalid values
+	}
+	num := func(get func(*Config) any, v any) want {
+		return func(t *testing.T, c *Config) { require.Equal(t, v, get(c)) }
+	}
+	cases := map[string][]tc{}
+	add := func(env string, cs ...tc) { cases[env] = append(cases[env], cs...) }
+
+	for _, env := range []string{EnvCPUCacheGB, EnvDiskCacheGB} {
+		get := func(c *Config) any { return c.CPUCacheGB }
+		if env == EnvDiskCacheGB {
+			get = func(c *Config) any { return c.DiskCacheGB }
+		}
+		add(env,
+			tc{name: "integer", value: "4", check: num(get, 4.0)},
+			tc{name: "decimal", value: "0.5", check: num(get, 0.5)},
+			tc{name: "spaces", value: " 2.25 ", check: num(get, 2.25)},
+			tc{name: "zero is off", value: "0", check: num(get, 0.0)},
+			tc{name: "unit suffix", value: "4GB", reason: "not a number"},
+			tc{name: "negative", value: "-1", reason: "must not be negative"},
+			tc{name: "nan", value: "NaN", reason: "finite"},
+			tc{name: "inf", value: "+Inf", reason: "finite"},
+			tc{name: "overflow", value: "1e400", reason: "out of range"},
+			tc{name: "too large", value: "1e12", reason: "too large"},
+		)
+	}
+	for _, env := range []string{EnvCPUCacheOverrideBlocks, EnvDiskCacheOverrideBlocks, EnvHostOffloadPrefixMinPriority} {
+		get := map[string]func(*Config) any{
+			EnvCPUCacheOverrideBlocks:       func(c *Config) any { return c.CPUCacheOverrideBlocks },
+			EnvDiskCacheOverrideBlocks:      func(c *Config) any { return c.DiskCacheOverrideBlocks },
+			EnvHostOffloadPrefixMinPriority: func(c *Config) any { return c.HostOffloadPrefixMinPriority },
+		}[env]
+		add(env,
+			tc{name: "valid", value: "1024", check: num(get, 1024)},
+			tc{name: "zero", value: "0", check: num(get, 0)},
+			tc{name: "float", value: "1.5", reason: "not an integer"},
+			tc{name: "word", value: "many", reason: "not an integer"},
+			tc{name: "negative", value: "-3", reason: "must not be negative"},
+			tc{name: "huge", value: "99999999999999999999", reason: "out of range"},
+			tc{name: "beyond int32", value: "3000000000", reason: "at most"},
+		)
+	}
+	for env, get := range map[string]func(*Config) any{
+		EnvMaxConcurrentTransfers: func(c *Config) any { return c.MaxConcurrentTransfers },
+		EnvMaxTransferBatchSize:   func(c *Config) any { return c.MaxTransferBatchSize },
+		EnvCacheStatsMaxRequests:  func(c *Config) any { return c.CacheStatsMaxRequests },
+	} {
+		add(env,
+			tc{name: "valid", value: "8", check: num(get, 8)},
+			tc{name: "zero", value: "0", reason: "at least 1"},
+			tc{name: "negative", value: "-1", reason: "must not be negative"},
+			tc{name: "word", value: "four", reason: "not an integer"},
+		)
+	}
+	for env, get := range map[string]func(*Config) any{
+		EnvLeaderWorkerInitTimeoutSecs: func(c *Config) any { return c.LeaderWorkerInitTimeout },
+		EnvCacheStatsLogIntervalSecs:   func(c *Config) any { return c.CacheStatsLogInterval },
+	} {
+		add(env,
+			tc{name: "valid", value: "60", check: num(get, time.Minute)},
+			tc{name: "zero", value: "0", reason: "at least 1"},
+			tc{name: "negative", value: "-5", reason: "must not be negative"},
+			tc{name: "duration syntax", value: "5s", reason: "not an integer"},
+			tc{name: "overflow duration", value: "9300000000000", reason: "out of range"},
+		)
+	}
+	for env, get := range map[string]func(*Config) any{
+		EnvLeaderZMQPubPort: func(c *Config) any { return c.LeaderZMQPubPort },
+		EnvLeaderZMQAckPort: func(c *Config) any { return c.LeaderZMQAckPort },
+		EnvMetricsPort:      func(c *Config) any { return c.MetricsPort },
+		EnvTrtllmZMQPort:    func(c *Config) any { return c.TrtllmZMQPort },
+	} {
+		add(env,
+			tc{name: "valid", value: "5557", check: num(get, 5557)},
+			tc{name: "max", value: "65535", check: num(get, 65535)},
+			tc{name: "min", value: "1", check: num(get, 1)},
+			tc{name: "zero", value: "0", reason: "port out of range"},
+			tc{name: "too big", value: "65536", reason: "port out of range"},
+			tc{name: "negative", value: "-80", reason: "must not be negative"},
+			tc{name: "word", value: "http", reason: "not an integer"},
+		)
+	}
+	for env, get := range map[string]func(*Config) any{
+		EnvDiskDisableODirect:       func(c *Config) any { return c.DiskDisableODirect },
+		EnvDisableDiskOffloadFilter: func(c *Config) any { return c.DisableDiskOffloadFilter },
+		EnvMetrics:                  func(c *Config) any { return c.Metrics },
+		EnvEnableConsolidator:       func(c *Config) any { return c.EnableConsolidator },
+	} {
+		for _, v := range []string{"1", "true", "TRUE", "On", "yes", " yes "} {
+			add(env, tc{name: "true " + v, value: v, check: num(get, true)})
+		}
+		for _, v := range []string{"0", "false", "False", "OFF", "no"} {
+			add(env, tc{name: "false " + v, value: v, check: num(get, false)})
+		}
+		for _, v := range []string{"2", "enabled", "y", "tru"} {
+			add(env, tc{name: "bad " + v, value: v, reason: "not a boolean"})
+		}
+	}
+	for env, get := range map[string]func(*Config) any{
+		EnvLeaderZMQHost: func(c *Config) any { return c.LeaderZMQHost },
+		EnvNatsServer:    func(c *Config) any { return c.NatsServer },
+		EnvDiskCacheDir:  func(c *Config) any { return c.DiskCacheDir },
+	} {
+		add(env, tc{name: "valid", value: "/x-10.0.0.2", check: num(get, "/x-10.0.0.2")})
+	}
+
+	for env, list := range cases {
+		for _, c := range list {
+			t.Run(env+"/"+c.name, func(t *testing.T) {
+				cfg, err := load(t, map[string]string{env: c.value})
+				if c.check != nil {
+					require.NoError(t, err)
+					c.check(t, cfg)
+					return
+				}
+				require.Error(t, err)
+				require.Nil(t, cfg)
+				// The message names the variable and quotes the value.
+				require.Contains(t, err.Error(), "invalid "+env+"=\""+c.value+"\": ")
+				require.Contains(t, err.Error(), c.reason)
+				var ve *VarError
+				require.ErrorAs(t, err, &ve)
+				require.Equal(t, env, ve.Name)
+				require.Equal(t, c.value, ve.Value)
+			})
+		}
+	}
+}
+
+func TestEmptyMeansUnset(t *testing.T) {
+	env := map[string]string{}
+	for _, name := range []string{EnvCPUCacheGB, EnvMaxConcurrentTransfers, EnvMetricsPort, EnvEnableConsolidator,
+		EnvNatsServer, EnvDiskCacheDir, EnvLeaderWorkerInitTimeoutSecs, EnvTrtllmZMQPort} {
+		env[name] = ""
+	}
+	env[EnvMetrics] = "   "
+	c, err := load(t, env)
+	require.NoError(t, err)
+	def, err := load(t, nil)
+	require.NoError(t, err)
+	require.Equal(t, def, c)
+}
+
+func TestAllErrorsReportedTogether(t *testing.T) {
+	_, err := load(t, map[string]string{
+		EnvCPUCacheGB:             "lots",
+		EnvMetricsPort:            "99999",
+		EnvMetrics:                "maybe",
+		EnvMaxConcurrentTransfers: "-2",
+	})
+	require.Error(t, err)
+	msg := err.Error()
+	for _, s := range []string{
+		`invalid DYN_KVBM_CPU_CACHE_GB="lots"`,
+		`invalid DYN_KVBM_METRICS_PORT="99999"`,
+		`invalid DYN_KVBM_METRICS="maybe"`,
+		`invalid DYN_KVBM_MAX_CONCURRENT_TRANSFERS="-2"`,
+	} {
+		require.Contains(t, msg, s)
+	}
+	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), 4)
+}
+
+func TestLeaderPortsMustDiffer(t *testing.T) {
+	_, err := load(t, map[string]string{EnvLeaderZMQPubPort: "6000", EnvLeaderZMQAckPort: "6000"})
+	require.ErrorContains(t, err, `invalid DYN_KVBM_LEADER_ZMQ_ACK_PORT="6000": must differ`)
+	_, err = load(t, map[string]string{EnvLeaderZMQAckPort: "56001"}) // collides with the default pub port
+	require.Error(t, err)
+	// A bad pub port is reported once, not again as a collision.
+	_, err = load(t, map[string]string{EnvLeaderZMQPubPort: "x", EnvLeaderZMQAckPort: "56001"})
+	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), 1)
+}
+
+func TestBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		gb            float64
+		override      int
+		bytesPerBlock int64
+		want          int
+	}{
+		// 1 GB is 10⁹ bytes, not 2³⁰.
+		{name: "decimal GB", gb: 1, bytesPerBlock: 1_000_000, want: 1000},
+		{name: "fractional GB", gb: 0.5, bytesPerBlock: 1_000_000, want: 500},
+		{name: "floor", gb: 1, bytesPerBlock: 3_000_000, want: 333},
+		// 2.01·10⁹ is 2009999999.9999998 as a float64 product; an exact multiple must not lose a block.
+		{name: "float rounding", gb: 2.01, bytesPerBlock: 2_010_000, want: 1000},
+		{name: "override wins", gb: 100, override: 7, bytesPerBlock: 1_000_000, want: 7},
+		{name: "override without GB", override: 12, bytesPerBlock: 1, want: 12},
+		// Budget is the total across workers: a 2 MiB block per layer-set on 4 TP ranks costs 8 MiB.
+		{name: "total across workers", gb: 8, bytesPerBlock: 4 * 2 * 1024 * 1024, want: 953},
+		{name: "unset", bytesPerBlock: 1, want: 0},
+		{name: "bad block size", gb: 1, bytesPerBlock: 0, want: 0},
+		{name: "block bigger than budget", gb: 0.001, bytesPerBlock: 2_000_000, want: 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &Config{CPUCacheGB: tc.gb, CPUCacheOverrideBlocks: tc.override,
+				DiskCacheGB: tc.gb, DiskCacheOverrideBlocks: tc.override}
+			require.Equal(t, tc.want, c.HostBlocks(tc.bytesPerBlock))
+			require.Equal(t, tc.want, c.DiskBlocks(tc.bytesPerBlock))
+		})
+	}
+}
+
+func TestValidate(t *testing.T) {
+	c, err := load(t, nil)
+	require.NoError(t, err)
+	err = c.Validate()
+	require.ErrorIs(t, err, ErrNoTier)
+	require.ErrorContains(t, err, EnvCPUCacheGB)
+	require.ErrorContains(t, err, EnvDiskCacheGB)
+
+	for _, env := range []map[string]string{
+		{EnvCPUCacheGB: "1"},
+		{EnvCPUCacheOverrideBlocks: "10"},
+		{EnvDiskCacheGB: "1", EnvDiskCacheDir: t.TempDir()},
+		{EnvDiskCacheOverrideBlocks: "10", EnvDiskCacheDir: t.TempDir()},
+	} {
+		c, err := load(t, env)
+		require.NoError(t, err)
+		require.NoError(t, c.Validate(), "%v", env)
+	}
+}
+
+func TestDiskDir(t *testing.T) {
+	base := t.TempDir()
+	file := filepath.Join(base, "regular-file")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+
+	t.Run("created when missing", func(t *testing.T) {
+		dir := filepath.Join(base, "a", "b")
+		c, err := load(t, map[string]string{EnvDiskCacheGB: "1", EnvDiskCacheDir: dir})
+		require.NoError(t, err)
+		require.True(t, c.DiskEnabled())
+		st, err := os.Stat(dir)
+		require.NoError(t, err)
+		require.True(t, st.IsDir())
+		entries, err := os.ReadDir(dir)
+		require.NoError(t, err)
+		require.Empty(t, entries, "write check must clean up after itself")
+	})
+	t.Run("path under a regular file", func(t *testing.T) {
+		// chmod would not stop root, so use a path that cannot be a directory.
+		bad := filepath.Join(file, "cache")
+		_, err := load(t, map[string]string{EnvDiskCacheOverrideBlocks: "100", EnvDiskCacheDir: bad})
+		require.ErrorContains(t, err, `invalid DYN_KVBM_DISK_CACHE_DIR="`+bad+`": cannot create directory`)
+	})
+	t.Run("path is a regular file", func(t *testing.T) {
+		_, err := load(t, map[string]string{EnvDiskCacheGB: "2", EnvDiskCacheDir: file})
+		require.ErrorContains(t, err, "invalid DYN_KVBM_DISK_CACHE_DIR=")
+	})
+	t.Run("not checked when disk tier off", func(t *testing.T) {
+		c, err := load(t, map[string]string{EnvDiskCacheDir: filepath.Join(file, "cache")})
+		require.NoError(t, err)
+		require.False(t, c.DiskEnabled())
+	})
+}
+
+func TestLoadFromEnvironment(t *testing.T) {
+	t.Setenv(EnvCPUCacheGB, "3")
+	t.Setenv(EnvMetrics, "yes")
+	c, err := Load()
+	require.NoError(t, err)
+	require.Equal(t, 3.0, c.CPUCacheGB)
+	require.True(t, c.Metrics)
+}
+
+func TestSummaryAndLogOnce(t *testing.T) {
+	c, err := load(t, map[string]string{
+		EnvCPUCacheGB: "4", EnvDiskCacheOverrideBlocks: "500", EnvDiskCacheDir: t.TempDir(),
+		EnvMetrics: "1", EnvTrtllmZMQPort: "5557",
+	})
+	require.NoError(t, err)
+	s := c.Summary()
+	for _, want := range []string{"host (G2) tier: 4 GB", "disk (G3) tier: 500 blocks (override)",
+		"metrics: on, 0.0.0.0:6880/metrics", "trtllm zmq port 5557", "nats://localhost:4222",
+		"4 concurrent batches of up to 16 blocks", "worker init timeout 30m0s"} {
+		require.Contains(t, s, want)
+	}
+	require.Greater(t, strings.Count(s, "\n"), 5)
+
+	def, err := load(t, nil)
+	require.NoError(t, err)
+	require.Contains(t, def.Summary(), "host (G2) tier: disabled")
+	require.Contains(t, def.Summary(), "metrics: off")
+
+	var logged []string
+	logf := func(format string, args ...any) { logged = append(logged, format) }
+	c.LogOnce(logf)
+	def.LogOnce(logf)
+	c.LogOnce(logf)
+	require.Len(t, logged, 1)
+}
+
+func TestVarErrorIsErrorsAsable(t *testing.T) {
+	_, err := load(t, map[string]string{EnvMetricsPort: "0"})
+	var ve *VarError
+	require.True(t, errors.As(err, &ve))
+	require.Equal(t, `invalid DYN_KVBM_METRICS_PORT="0": port out of range 1..65535`, ve.Error())
+}

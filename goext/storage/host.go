@@ -58,17 +58,22 @@ func NewHostRegion(numBlocks int, blockBytes int64, populate bool) (*HostRegion,
 }
 
 func mapAnon(size int64, populate bool) ([]byte, error) {
-	flags := unix.MAP_PRIVATE | unix.MAP_ANONYMOUS
-	if populate {
-		flags |= unix.MAP_POPULATE
-	}
-	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, flags)
+	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return nil, err
 	}
 	// Huge pages cut TLB misses on multi-GB copies; a kernel without THP
-	// just says no, which costs nothing.
+	// just says no, which costs nothing. Ask before populating, or the
+	// region is faulted in as small pages (what MAP_POPULATE would do).
 	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
+	if populate {
+		if err := unix.Madvise(mem, unix.MADV_POPULATE_WRITE); err != nil {
+			// Kernels before 5.14: touch one byte per page instead.
+			for i := 0; i < len(mem); i += 4096 {
+				mem[i] = 0
+			}
+		}
+	}
 	return mem, nil
 }
 

@@ -223,6 +223,9 @@ func (w *Worker) DiskPath() string {
 	return w.diskFile.Path()
 }
 
+// DiskDirect reports whether the disk tier uses O_DIRECT (false without one).
+func (w *Worker) DiskDirect() bool { return w.diskFile != nil && w.diskFile.Direct() }
+
 // DiskDegraded reports whether a disk I/O error switched the disk tier off.
 func (w *Worker) DiskDegraded() bool { return w.degraded.Load() }
 

@@ -13,8 +13,12 @@
 //
 // Eviction order: never-used (free) blocks first, then the inactive registered
 // block with the lowest (priority, last-returned tick) — LRU within a
-// priority. The inactive set is an indexed min-heap, so Allocate, Release,
-// Touch and eviction are O(log n) and Match is one map lookup per hash.
+// priority. Inactive blocks sit in one intrusive LRU list per priority: a
+// block's tick is assigned when it enters its list's tail, so each list is
+// sorted by tick and the victim is the head of the lowest non-empty list.
+// Pin, Release, Touch and eviction are O(1) (plus a search over the handful
+// of distinct priorities); Match is one map lookup per hash. A heap would cost
+// O(log n) per pin, and a 32K-token match pins 2,048 blocks.
 //
 // A Pool is not safe for concurrent use; the leader serialises access.
 package pool
@@ -50,7 +54,7 @@ func (s State) String() string {
 	return fmt.Sprintf("State(%d)", uint8(s))
 }
 
-// block is one slot of the tier. Field order keeps the struct at 64 bytes.
+// block is one slot of the tier.
 type block struct {
 	seqHash uint64
 	parent  uint64
@@ -61,9 +65,17 @@ type block struct {
 	tick      uint64 // last-returned tick (LRU key within a priority)
 	priority  int32
 	refs      int32 // pins: staged loads, pending moves, the allocating caller
-	heapIdx   int32 // position in the inactive heap, -1 when not in it
+	prev      int32 // neighbours in the inactive list of its priority (-1: none)
+	next      int32
 	state     State
 	hasParent bool
+	linked    bool // in an inactive list
+}
+
+// lruList is the inactive blocks of one priority, oldest tick at head.
+type lruList struct {
+	priority   int32
+	head, tail int32
 }
 
 // Pool is one tier's logical blocks.
@@ -75,7 +87,8 @@ type Pool struct {
 	blocks   []block
 	registry map[uint64]int32 // sequence hash → block index
 	free     []int32          // stack of free block indexes
-	inactive []int32          // min-heap on (priority, tick) of inactive registered blocks
+	lists    []lruList        // inactive lists, ascending priority (kept when empty)
+	inactive int              // blocks in the lists
 	tick     uint64
 
 	evictions uint64 // registered blocks evicted to make room (stats)
@@ -102,7 +115,7 @@ func New(tier plan.Tier, numBlocks int, sink events.Sink, holder events.Holder) 
 	// first (deterministic plans, easier tests).
 	for i := range numBlocks {
 		p.free[i] = int32(numBlocks - 1 - i)
-		p.blocks[i].heapIdx = -1
+		p.blocks[i].prev, p.blocks[i].next = -1, -1
 	}
 	return p
 }
@@ -120,7 +133,7 @@ func (p *Pool) NumRegistered() int { return len(p.registry) }
 func (p *Pool) NumFree() int { return len(p.free) }
 
 // NumInactive is the number of registered blocks nobody pins (evictable).
-func (p *Pool) NumInactive() int { return len(p.inactive) }
+func (p *Pool) NumInactive() int { return p.inactive }
 
 // Evictions is how many registered blocks were evicted to make room so far.
 func (p *Pool) Evictions() uint64 { return p.evictions }
@@ -195,8 +208,8 @@ func (p *Pool) Pin(idx int) {
 	if b.state == Free {
 		panic(fmt.Sprintf("pool %s: pin of free block %d", p.tier, idx))
 	}
-	if b.refs == 0 && b.heapIdx >= 0 {
-		p.heapRemove(int(b.heapIdx))
+	if b.linked {
+		p.unlink(int32(idx))
 	}
 	b.refs++
 }
@@ -217,9 +230,7 @@ func (p *Pool) Release(idx int) {
 		return
 	}
 	if b.state == Registered {
-		p.tick++
-		b.tick = p.tick
-		p.heapPush(int32(idx))
+		p.pushTail(int32(idx))
 		return
 	}
 	p.reset(int32(idx))
@@ -229,11 +240,13 @@ func (p *Pool) Release(idx int) {
 // last of its priority to be evicted.
 func (p *Pool) Touch(idx int) {
 	b := &p.blocks[idx]
+	if b.linked {
+		p.unlink(int32(idx))
+		p.pushTail(int32(idx))
+		return
+	}
 	p.tick++
 	b.tick = p.tick
-	if b.heapIdx >= 0 {
-		p.heapFix(int(b.heapIdx))
-	}
 }
 
 // Allocate appends to dst up to n blocks ready to be written and returns the
@@ -249,9 +262,9 @@ func (p *Pool) Allocate(n int, dst []int) []int {
 		case len(p.free) > 0:
 			idx = p.free[len(p.free)-1]
 			p.free = p.free[:len(p.free)-1]
-		case len(p.inactive) > 0:
-			idx = p.inactive[0]
-			p.heapRemove(0)
+		case p.inactive > 0:
+			idx = p.victim()
+			p.unlink(idx)
 			p.unregister(idx)
 			p.evictions++
 		default:
@@ -332,8 +345,8 @@ func (p *Pool) Invalidate(seqHash uint64) (int, bool) {
 	b := &p.blocks[i]
 	p.unregister(i)
 	if b.refs == 0 {
-		if b.heapIdx >= 0 {
-			p.heapRemove(int(b.heapIdx))
+		if b.linked {
+			p.unlink(i)
 		}
 		p.reset(i)
 	} else {
@@ -365,80 +378,73 @@ func (p *Pool) unregister(i int32) {
 
 // reset returns block i to the free list.
 func (p *Pool) reset(i int32) {
-	p.blocks[i] = block{heapIdx: -1}
+	p.blocks[i] = block{prev: -1, next: -1}
 	p.free = append(p.free, i)
 }
 
-// The inactive set: an indexed binary min-heap keyed (priority, tick). Ticks
-// are unique, so the order is total and eviction deterministic.
-
-func (p *Pool) less(a, b int32) bool {
-	x, y := &p.blocks[a], &p.blocks[b]
-	if x.priority != y.priority {
-		return x.priority < y.priority
-	}
-	return x.tick < y.tick
-}
-
-func (p *Pool) heapPush(i int32) {
-	p.blocks[i].heapIdx = int32(len(p.inactive))
-	p.inactive = append(p.inactive, i)
-	p.up(len(p.inactive) - 1)
-}
-
-func (p *Pool) heapRemove(pos int) {
-	last := len(p.inactive) - 1
-	removed := p.inactive[pos]
-	if pos != last {
-		p.swap(pos, last)
-	}
-	p.inactive = p.inactive[:last]
-	p.blocks[removed].heapIdx = -1
-	if pos != last {
-		p.heapFix(pos)
-	}
-}
-
-func (p *Pool) heapFix(pos int) {
-	if !p.down(pos) {
-		p.up(pos)
-	}
-}
-
-func (p *Pool) swap(a, b int) {
-	h := p.inactive
-	h[a], h[b] = h[b], h[a]
-	p.blocks[h[a]].heapIdx = int32(a)
-	p.blocks[h[b]].heapIdx = int32(b)
-}
-
-func (p *Pool) up(j int) {
-	for j > 0 {
-		parent := (j - 1) / 2
-		if !p.less(p.inactive[j], p.inactive[parent]) {
-			break
+// listFor returns the inactive list of priority prio, creating it (in
+// ascending order) when absent. There are only a few distinct priorities.
+func (p *Pool) listFor(prio int32) *lruList {
+	lo, hi := 0, len(p.lists)
+	for lo < hi {
+		m := (lo + hi) / 2
+		if p.lists[m].priority < prio {
+			lo = m + 1
+		} else {
+			hi = m
 		}
-		p.swap(j, parent)
-		j = parent
 	}
+	if lo == len(p.lists) || p.lists[lo].priority != prio {
+		p.lists = append(p.lists, lruList{})
+		copy(p.lists[lo+1:], p.lists[lo:])
+		p.lists[lo] = lruList{priority: prio, head: -1, tail: -1}
+	}
+	return &p.lists[lo]
 }
 
-func (p *Pool) down(i0 int) bool {
-	i, n := i0, len(p.inactive)
-	for {
-		l := 2*i + 1
-		if l >= n {
-			break
-		}
-		j := l
-		if r := l + 1; r < n && p.less(p.inactive[r], p.inactive[l]) {
-			j = r
-		}
-		if !p.less(p.inactive[j], p.inactive[i]) {
-			break
-		}
-		p.swap(i, j)
-		i = j
+// pushTail stamps block i with a new tick and appends it to its priority's
+// list: ticks only grow, so the list stays sorted by tick.
+func (p *Pool) pushTail(i int32) {
+	b := &p.blocks[i]
+	p.tick++
+	b.tick = p.tick
+	l := p.listFor(b.priority)
+	b.prev, b.next = l.tail, -1
+	if l.tail >= 0 {
+		p.blocks[l.tail].next = i
+	} else {
+		l.head = i
 	}
-	return i > i0
+	l.tail = i
+	b.linked = true
+	p.inactive++
+}
+
+func (p *Pool) unlink(i int32) {
+	b := &p.blocks[i]
+	l := p.listFor(b.priority)
+	if b.prev >= 0 {
+		p.blocks[b.prev].next = b.next
+	} else {
+		l.head = b.next
+	}
+	if b.next >= 0 {
+		p.blocks[b.next].prev = b.prev
+	} else {
+		l.tail = b.prev
+	}
+	b.prev, b.next = -1, -1
+	b.linked = false
+	p.inactive--
+}
+
+// victim is the inactive block with the lowest (priority, tick). Call only
+// when p.inactive > 0.
+func (p *Pool) victim() int32 {
+	for k := range p.lists {
+		if h := p.lists[k].head; h >= 0 {
+			return h
+		}
+	}
+	panic("pool: victim with no inactive block")
 }

@@ -236,27 +236,33 @@ func TestZeroCapacity(t *testing.T) {
 	require.Zero(t, p.MatchLen([]uint64{1}))
 }
 
-// TestHeapInvariantRandomized drives random operations and checks that every
-// eviction takes the minimum (priority, tick) among inactive blocks.
-func TestHeapInvariantRandomized(t *testing.T) {
+// TestEvictionInvariantRandomized drives random operations and checks that
+// every eviction takes the minimum (priority, tick) among inactive blocks.
+func TestEvictionInvariantRandomized(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	const n = 64
 	p := New(plan.G2, n, nil, events.HolderKvbmHost)
 	next := uint64(1)
 	pins := map[int]int{}
-	for step := 0; step < 5000; step++ {
+	for step := 0; step < 2000; step++ {
 		switch op := r.IntN(4); op {
 		case 0, 1: // allocate + register + release
-			var want int = -1
+			want := -1
 			if p.NumFree() == 0 {
-				for _, idx := range p.inactive {
-					if want < 0 || p.less(idx, int32(want)) {
-						want = int(idx)
+				for idx := range p.blocks {
+					b := &p.blocks[idx]
+					if b.state != Registered || b.refs > 0 {
+						continue
+					}
+					if w := &p.blocks[max(want, 0)]; want < 0 || b.priority < w.priority ||
+						(b.priority == w.priority && b.tick < w.tick) {
+						want = idx
 					}
 				}
 			}
 			got := p.Allocate(1, nil)
 			if len(got) == 0 {
+				require.Equal(t, -1, want)
 				require.Zero(t, p.NumInactive())
 				continue
 			}
@@ -281,12 +287,22 @@ func TestHeapInvariantRandomized(t *testing.T) {
 				p.Touch(idx)
 			}
 		}
-		for pos, idx := range p.inactive {
-			require.Equal(t, int32(pos), p.blocks[idx].heapIdx)
-			if pos > 0 {
-				require.False(t, p.less(idx, p.inactive[(pos-1)/2]))
+		// Lists: linked blocks are exactly the inactive ones, each list
+		// sorted by tick.
+		linked := 0
+		for _, l := range p.lists {
+			var last uint64
+			for i := l.head; i >= 0; i = p.blocks[i].next {
+				b := &p.blocks[i]
+				require.True(t, b.linked)
+				require.Equal(t, l.priority, b.priority)
+				require.Zero(t, b.refs)
+				require.Greater(t, b.tick, last)
+				last = b.tick
+				linked++
 			}
 		}
+		require.Equal(t, p.NumInactive(), linked)
 	}
 }
 

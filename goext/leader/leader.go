@@ -1,0 +1,283 @@
+// Package leader is kvbm's scheduler-side brain (SPEC §2, §4): one per engine
+// instance, in the engine's scheduler process. It owns the logical G2 (host)
+// and G3 (disk) pools, one slot per request, the external matching rule,
+// onboard planning into the engine's G1 blocks, write-through offload
+// planning, the G2→G3 queue with its frequency filter, cache statistics and
+// metrics. It never touches bytes: each engine step it hands the workers a
+// plan.Step, and workers execute it in order.
+//
+// The API is engine independent. The Python adapters turn vLLM / TensorRT-LLM
+// objects into these calls:
+//
+//	GetNumNewMatchedTokens  ← get_num_new_matched_tokens
+//	UpdateStateAfterAlloc   ← update_state_after_alloc
+//	Step                    ← build_connector_meta (the encoded plan.Step)
+//	RequestFinished         ← request_finished
+//	LoadsFinished/LoadErrors← what workers reported (finished loading, failed G1 blocks)
+//	ResetCache              ← reset_cache
+//
+// Timing model the planning relies on (see plan's package comment): a worker
+// executes step N's Loads, then Moves, then Saves, and finishes step N before
+// step N+1. So a block is registered when its copy is planned (it is readable
+// by any later step), a block saved in step N is moved to disk in step N+1 at
+// the earliest, and a block written or read by step N's Moves/Saves is pinned
+// only while step N is being planned. Load sources stay pinned until the
+// engine reports the load finished (loads may complete asynchronously).
+//
+// All methods are safe for concurrent use (one mutex; the engine calls them
+// from its scheduler thread, so there is no contention in practice).
+package leader
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/pool"
+)
+
+// Options configure a Leader.
+type Options struct {
+	Config *config.Config
+	// BlockSize is the engine's block size in tokens.
+	BlockSize int
+	// BytesPerBlock is one worker's share of one block (SPEC §2), as reported
+	// by the workers; NumWorkers is how many there are (tensor parallel size).
+	BytesPerBlock int64
+	NumWorkers    int
+	// Sink receives G2/G3 registrations and evictions; nil discards them.
+	Sink events.Sink
+	// Metrics receives SPEC §9 counters and gauges; nil: a private set.
+	Metrics *metrics.Metrics
+	// Logger; nil: slog.Default().
+	Logger *slog.Logger
+	// WorkerID names this engine instance in the periodic cache log line.
+	WorkerID uint64
+	// Now is the clock (frequency-filter decay, log interval); nil: time.Now.
+	// Tests inject a fake one.
+	Now func() time.Time
+	// MaxMovesPerStep caps the G2→G3 copies planned per step so one huge
+	// prefill does not stall a single step on disk writes; the rest wait in
+	// the queue. 0: no cap.
+	MaxMovesPerStep int
+}
+
+// Leader is one engine instance's block manager. See the package comment.
+type Leader struct {
+	mu sync.Mutex
+
+	bs       int
+	host     *pool.Pool // G2; nil when not configured
+	disk     *pool.Pool // G3; nil when not configured
+	saveTo   *pool.Pool // target of write-through saves: host, or disk in disk-only mode
+	minPrio  int        // DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY; 0 = off
+	filter   *freqFilter
+	maxMoves int
+
+	slots     map[string]*slot
+	spare     []*slot                  // finished slots kept for their buffers
+	planned   []*slot                  // slots with a load planned but not yet emitted, in planning order
+	inflight  map[string]*inflightLoad // emitted loads whose sources are still pinned
+	loadsByG1 map[int64]loadRef        // last load into each G1 block (for LoadErrors)
+	moves     moveQueue
+	moveSeq   uint64                 // FIFO order within a priority
+	drops     map[tierBlock]struct{} // invalid blocks to announce in the next Step
+
+	seq uint64 // last emitted plan.Step.Seq
+
+	hits     *hitWindow
+	statsLog statsLogger
+	workerID uint64
+	m        *metrics.Metrics
+	log      *slog.Logger
+	now      func() time.Time
+
+	// Per-step scratch, reused to keep Step allocation-light.
+	written []tierBlock // blocks written by this step's Moves/Saves (pinned until emitted)
+	moveSrc []int       // G2 sources of this step's Moves (pinned until emitted)
+	idxBuf  []int
+}
+
+type tierBlock struct {
+	tier plan.Tier
+	idx  int
+}
+
+// New sizes the tiers (SPEC §2) and creates the leader.
+func New(opts Options) (*Leader, error) {
+	if opts.Config == nil {
+		return nil, errors.New("leader: Options.Config is nil")
+	}
+	if opts.BlockSize < 1 {
+		return nil, fmt.Errorf("leader: block size %d tokens: must be positive", opts.BlockSize)
+	}
+	if opts.BytesPerBlock < 1 {
+		return nil, fmt.Errorf("leader: bytes_per_block %d reported by the workers: must be positive", opts.BytesPerBlock)
+	}
+	if opts.NumWorkers < 1 {
+		return nil, fmt.Errorf("leader: %d workers: need at least one", opts.NumWorkers)
+	}
+	cfg := opts.Config
+	total := opts.BytesPerBlock * int64(opts.NumWorkers)
+	hostBlocks, diskBlocks := 0, 0
+	if cfg.HostEnabled() {
+		hostBlocks = cfg.HostBlocks(total)
+		if hostBlocks < 1 {
+			return nil, fmt.Errorf("leader: host tier: DYN_KVBM_CPU_CACHE_GB=%g holds no block of %d bytes "+
+				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+				cfg.CPUCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
+		}
+	}
+	if cfg.DiskEnabled() {
+		diskBlocks = cfg.DiskBlocks(total)
+		if diskBlocks < 1 {
+			return nil, fmt.Errorf("leader: disk tier: DYN_KVBM_DISK_CACHE_GB=%g holds no block of %d bytes "+
+				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+				cfg.DiskCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
+		}
+	}
+	if hostBlocks == 0 && diskBlocks == 0 {
+		return nil, fmt.Errorf("leader: %w", config.ErrNoTier)
+	}
+
+	l := &Leader{
+		bs:        opts.BlockSize,
+		minPrio:   cfg.HostOffloadPrefixMinPriority,
+		maxMoves:  opts.MaxMovesPerStep,
+		slots:     make(map[string]*slot),
+		inflight:  make(map[string]*inflightLoad),
+		loadsByG1: make(map[int64]loadRef),
+		drops:     make(map[tierBlock]struct{}),
+		hits:      newHitWindow(cfg.CacheStatsMaxRequests),
+		statsLog:  statsLogger{interval: cfg.CacheStatsLogInterval},
+		workerID:  opts.WorkerID,
+		m:         opts.Metrics,
+		log:       opts.Logger,
+		now:       opts.Now,
+	}
+	if l.m == nil {
+		l.m = metrics.New()
+	}
+	if l.log == nil {
+		l.log = slog.Default()
+	}
+	if l.now == nil {
+		l.now = time.Now
+	}
+	sink := opts.Sink
+	if sink == nil {
+		sink = events.NopSink{}
+	}
+	if hostBlocks > 0 {
+		l.host = pool.New(plan.G2, hostBlocks, sink, events.HolderKvbmHost)
+		l.saveTo = l.host
+	}
+	if diskBlocks > 0 {
+		l.disk = pool.New(plan.G3, diskBlocks, sink, events.HolderKvbmDisk)
+		if l.host == nil {
+			// Disk-only mode (SPEC §4): write-through goes G1→G3 directly.
+			l.saveTo = l.disk
+		}
+	}
+	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
+		l.filter = newFreqFilter(l.now)
+	}
+	l.log.Info("kvbm leader sized",
+		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
+		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),
+		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio)
+	return l, nil
+}
+
+// NumHostBlocks is the G2 size in blocks (0 when not configured); workers
+// allocate this many blocks of their own bytes_per_block.
+func (l *Leader) NumHostBlocks() int {
+	if l.host == nil {
+		return 0
+	}
+	return l.host.Capacity()
+}
+
+// NumDiskBlocks is the G3 size in blocks (0 when not configured).
+func (l *Leader) NumDiskBlocks() int {
+	if l.disk == nil {
+		return 0
+	}
+	return l.disk.Capacity()
+}
+
+// DiskOnly reports disk-only mode: G3 configured without G2, saves go G1→G3.
+func (l *Leader) DiskOnly() bool { return l.host == nil && l.disk != nil }
+
+// BlockSize is the engine block size in tokens.
+func (l *Leader) BlockSize() int { return l.bs }
+
+// HitRates returns the host and disk hit rates (0..1) and the block counts
+// behind them, over the last CacheStatsMaxRequests finished requests.
+func (l *Leader) HitRates() (host, disk float64, hostBlocks, diskBlocks, queried int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	host, disk = l.hits.rates()
+	return host, disk, l.hits.host, l.hits.disk, l.hits.queried
+}
+
+func (l *Leader) poolOf(t plan.Tier) *pool.Pool {
+	switch t {
+	case plan.G2:
+		return l.host
+	case plan.G3:
+		return l.disk
+	}
+	return nil
+}
+
+// ResetCache forgets every G2 and G3 block (engine prefix-cache reset):
+// removals are published, queued disk copies are cancelled, the frequency
+// filter starts over. Blocks pinned by a staged or running load keep their
+// bytes until the load lets go, but are no longer findable.
+func (l *Leader) ResetCache() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, p := range []*pool.Pool{l.host, l.disk} {
+		if p == nil {
+			continue
+		}
+		l.idxBuf = p.InvalidateAll(l.idxBuf[:0])
+		for _, idx := range l.idxBuf {
+			l.dropIfFree(p, idx)
+		}
+	}
+	l.moves.clear()
+	if l.filter != nil {
+		l.filter.reset()
+	}
+	l.updateGauges()
+}
+
+// dropIfFree announces block idx of p as invalid in the next Step, if nothing
+// pins it. A pinned invalidated block is still being read by a load; it goes
+// back to the free list silently when released (its stale contents are never
+// read again: only registered blocks are read, and registering follows a write).
+func (l *Leader) dropIfFree(p *pool.Pool, idx int) {
+	if p.Info(idx).State == pool.Free {
+		l.drops[tierBlock{p.Tier(), idx}] = struct{}{}
+	}
+}
+
+func (l *Leader) updateGauges() {
+	if l.host != nil {
+		l.m.HostBlocksUsed.Set(float64(l.host.NumRegistered()))
+	}
+	if l.disk != nil {
+		l.m.DiskBlocksUsed.Set(float64(l.disk.NumRegistered()))
+	}
+	h, d := l.hits.rates()
+	l.m.HostHitRate.Set(h)
+	l.m.DiskHitRate.Set(d)
+}

@@ -1,0 +1,284 @@
+package leader
+
+import (
+	"slices"
+
+	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// slotFor returns the request's slot, creating it with salt when absent
+// (salt 0 means "not given": the default salt hash of a request without cache
+// salt and LoRA).
+func (l *Leader) slotFor(reqID string, salt uint64) *slot {
+	s, ok := l.slots[reqID]
+	if !ok {
+		if salt == 0 {
+			salt = hashing.DefaultSaltHash
+		}
+		if n := len(l.spare); n > 0 {
+			s = l.spare[n-1]
+			l.spare = l.spare[:n-1]
+		} else {
+			s = &slot{}
+		}
+		s.id, s.salt = reqID, salt
+		l.slots[reqID] = s
+	}
+	return s
+}
+
+// GetNumNewMatchedTokens applies SPEC §4's external matching rule to a
+// request whose first numComputed tokens are already in G1 (the engine's own
+// prefix-cache hit). tokens are all the request's tokens; salt is its salt
+// hash (hashing.SaltHash; 0 = default).
+//
+//  1. numComputed must be block aligned (else (0, false)), and at least one
+//     full block must remain beyond it (else (0, false)).
+//  2. Sequence hashes of all full blocks; matching starts after the G1 hit.
+//  3. Contiguous prefix in G2, then continue in G3 where G2 stopped (a G3 hit
+//     never fills a gap before a G2 hit).
+//  4. If that covers the whole prompt, the last matched block is dropped from
+//     the deepest tier used: the engine must compute at least one token, and
+//     computed counts stay block aligned.
+//  5. The matched blocks are pinned (staged) and (tokens, true) returned: the
+//     load is asynchronous. Nothing matched: (0, false).
+//
+// Calling it again for the same request re-stages from scratch (the previous
+// pins are released first, so nothing is pinned twice). It returns (0, false)
+// while a load for the request is already with the workers.
+func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint64, numComputed int) (int, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	bs := l.bs
+	if numComputed < 0 || numComputed%bs != 0 {
+		return 0, false
+	}
+	s := l.slotFor(reqID, salt)
+	if s.load == loadEmitted {
+		l.log.Warn("kvbm: get_num_new_matched_tokens while the request's load is running; not matching again",
+			"request", reqID)
+		return 0, false
+	}
+	l.unstage(s)
+	if salt != 0 {
+		s.setSalt(salt)
+	}
+	s.setTokens(tokens, bs)
+	s.matched = true
+	s.hits = requestHits{}
+	if len(tokens)-numComputed < bs {
+		return 0, false
+	}
+
+	nFull := len(tokens) / bs
+	s.ensureHashes(nFull, bs)
+	query := s.hashes[numComputed/bs : nFull]
+	s.hits.queried = len(query)
+
+	srcs := slices.Grow(s.staged[:0], len(query))
+	nHost := 0
+	if l.host != nil {
+		l.idxBuf = l.host.Match(query, l.idxBuf[:0])
+		nHost = len(l.idxBuf)
+		for k, idx := range l.idxBuf {
+			srcs = append(srcs, source{tier: plan.G2, idx: idx, hash: query[k]})
+		}
+	}
+	if l.disk != nil {
+		rest := query[nHost:]
+		l.idxBuf = l.disk.Match(rest, l.idxBuf[:0])
+		for k, idx := range l.idxBuf {
+			srcs = append(srcs, source{tier: plan.G3, idx: idx, hash: rest[k]})
+		}
+	}
+	if numComputed+len(srcs)*bs == len(tokens) {
+		// Full-prompt hit; the sources are ordered host then disk, so the last
+		// one is from the deepest tier used.
+		srcs = srcs[:len(srcs)-1]
+	}
+	for _, src := range srcs {
+		if src.tier == plan.G2 {
+			s.hits.host++
+		} else {
+			s.hits.disk++
+		}
+	}
+	s.staged = srcs
+	if len(srcs) == 0 {
+		return 0, false
+	}
+	for _, src := range srcs {
+		l.poolOf(src.tier).Pin(src.idx)
+	}
+	s.load = loadStaged
+	s.computedAt = numComputed
+	return len(srcs) * bs, true
+}
+
+// unstage releases a staged or planned (not yet emitted) load.
+func (l *Leader) unstage(s *slot) {
+	if s.load != loadStaged && s.load != loadPlanned {
+		return
+	}
+	for _, src := range s.staged {
+		l.poolOf(src.tier).Unpin(src.idx)
+	}
+	s.staged = s.staged[:0]
+	s.plannedLoad = plan.Load{}
+	s.load = loadNone // a planned slot left in l.planned is skipped by Step
+}
+
+// UpdateStateAfterAlloc plans the load of the request's staged blocks into
+// its G1 blocks: the blocks right after the numComputed tokens it had at
+// GetNumNewMatchedTokens time. g1BlockIDs are the request's G1 blocks (vLLM:
+// blocks.get_block_ids()[0]; TensorRT-LLM: all prompt blocks).
+//
+// numExternalTokens is what the engine accepted; it may be less than the match
+// (the unused tail is unpinned). 0 with a staged match means the engine will
+// not load: the staged blocks are released. vLLM calls this a second time with
+// 0 after the async load: a planned or running load is kept (SPEC §6.1).
+// The copies go out with the next Step; onboard metrics and matched tokens
+// are counted here, when the load is planned.
+func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExternalTokens int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	s, ok := l.slots[reqID]
+	if !ok || s.load != loadStaged {
+		if ok && numExternalTokens > 0 && s.load == loadNone {
+			l.log.Warn("kvbm: update_state_after_alloc promises external tokens that were not matched",
+				"request", reqID, "external_tokens", numExternalTokens)
+		}
+		return
+	}
+	if numExternalTokens <= 0 {
+		l.unstage(s)
+		return
+	}
+	bs := l.bs
+	n := min(numExternalTokens/bs, len(s.staged))
+	first := s.computedAt / bs
+	if avail := len(g1BlockIDs) - first; n > avail {
+		l.log.Warn("kvbm: fewer G1 blocks than promised external tokens; loading what fits",
+			"request", reqID, "g1_blocks", len(g1BlockIDs), "first_load_block", first,
+			"external_tokens", numExternalTokens)
+		n = max(avail, 0)
+	}
+	for _, src := range s.staged[n:] {
+		l.poolOf(src.tier).Unpin(src.idx)
+	}
+	s.staged = s.staged[:n]
+	if n == 0 {
+		s.load = loadNone
+		return
+	}
+	copies := make([]plan.Copy, n)
+	var fromHost, fromDisk int
+	for k := range s.staged {
+		src := &s.staged[k]
+		src.g1 = g1BlockIDs[first+k]
+		copies[k] = plan.Copy{Src: src.tier, SrcBlock: int64(src.idx), Dst: plan.G1, DstBlock: src.g1}
+		if src.tier == plan.G2 {
+			fromHost++
+			// A G2 hit that is used counts like a re-registration for the
+			// disk frequency filter ("frequency doubles on cache hit").
+			l.noteHostRegistration(src.idx, src.hash)
+		} else {
+			fromDisk++
+		}
+	}
+	s.plannedLoad = plan.Load{ReqID: reqID, Copies: copies}
+	s.load = loadPlanned
+	l.planned = append(l.planned, s)
+	l.m.OnboardH2D.Add(float64(fromHost))
+	l.m.OnboardD2D.Add(float64(fromDisk))
+	l.m.MatchedTokens.Add(float64(n * bs))
+}
+
+// LoadsFinished releases the sources of the requests' loads once the workers
+// reported them finished (successfully or not; failures come through
+// LoadErrors, which should be called first for the same report). Unknown ids
+// are ignored.
+func (l *Leader) LoadsFinished(reqIDs []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range reqIDs {
+		il, ok := l.inflight[id]
+		if !ok {
+			continue
+		}
+		for k, src := range il.sources {
+			if !il.done[k] {
+				l.poolOf(src.tier).Unpin(src.idx)
+			}
+		}
+		delete(l.inflight, id)
+		if s, ok := l.slots[id]; ok && s.load == loadEmitted {
+			s.load = loadNone
+		}
+	}
+}
+
+// LoadErrors handles G1 blocks whose load failed (copy error, or a G3
+// checksum that did not verify): the source registration is dropped from its
+// tier (it must never be served again), its pin released, and the failure
+// counted. The engine recomputes those blocks; their offload later registers
+// fresh copies. Ids that were not loaded by kvbm are ignored.
+func (l *Leader) LoadErrors(g1BlockIDs []int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, g1 := range g1BlockIDs {
+		ref, ok := l.loadsByG1[g1]
+		if !ok {
+			continue
+		}
+		delete(l.loadsByG1, g1)
+		l.m.LoadErrors.Inc()
+		p := l.poolOf(ref.src.tier)
+		if il, ok := l.inflight[ref.reqID]; ok && ref.k < len(il.sources) && il.sources[ref.k] == ref.src && !il.done[ref.k] {
+			il.done[ref.k] = true
+			p.Unpin(ref.src.idx)
+		}
+		if p.Holds(ref.src.idx, ref.src.hash) {
+			idx, _ := p.Invalidate(ref.src.hash)
+			l.dropIfFree(p, idx)
+			l.log.Warn("kvbm: load failed; dropped the source block", "tier", ref.src.tier,
+				"block", idx, "seq_hash", ref.src.hash, "g1_block", g1, "request", ref.reqID)
+		}
+	}
+	l.updateGauges()
+}
+
+// RequestFinished forgets the request. Its hit counts join the hit-rate
+// window, and a staged or planned load is cancelled (pins released).
+//
+// It always returns false (SPEC §6.1: true only while a save is in flight):
+// Step plans and emits a request's saves in the same call, and workers
+// execute a step's saves inside that step, before the engine can reuse the G1
+// blocks it frees now, so no save is ever outstanding. A load already with the
+// workers keeps its sources pinned until LoadsFinished.
+func (l *Leader) RequestFinished(reqID string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	s, ok := l.slots[reqID]
+	if !ok {
+		return false
+	}
+	if s.matched {
+		l.hits.add(s.hits)
+	}
+	l.unstage(s)
+	delete(l.slots, reqID)
+	if len(l.spare) < maxSpareSlots && cap(s.tokens) <= maxSpareTokens {
+		s.recycle()
+		l.spare = append(l.spare, s)
+	}
+	return false
+}
+
+// Finished slots are kept for reuse, up to these bounds (memory held: at most
+// maxSpareSlots × maxSpareTokens × ~7 bytes).
+const (
+	maxSpareSlots  = 64
+	maxSpareTokens = 256 * 1024
+)

@@ -1,0 +1,295 @@
+package leader
+
+import (
+	"cmp"
+	"container/heap"
+	"fmt"
+	"slices"
+
+	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/pool"
+)
+
+// RequestUpdate is what the engine scheduled for one request in this step.
+type RequestUpdate struct {
+	ReqID string
+	// NewTokens: on the request's first Step and on a Resumed update, all its
+	// tokens so far (the prompt; plus generated tokens when resumed);
+	// otherwise the tokens appended since the last update (may be empty).
+	NewTokens []uint32
+	// NewBlockIDs: G1 block ids appended since the last update. A list that
+	// repeats the ids already known (whole-list resends) is deduplicated.
+	NewBlockIDs []int64
+	// NumComputedTokens: tokens whose KV is in G1 before this step (G1 hit,
+	// loaded tokens, earlier chunks).
+	NumComputedTokens int
+	// NumScheduledTokens: tokens this step computes.
+	NumScheduledTokens int
+	// Priority of the request's blocks (eviction order, offload filter).
+	Priority int
+	// Salt is the request's salt hash (hashing.SaltHash), read when the slot
+	// is created; 0 = the default salt.
+	Salt uint64
+	// Resumed: the request was preempted and is scheduled again; its block
+	// list is replaced by NewBlockIDs.
+	Resumed bool
+}
+
+// Step plans one engine step and returns the encoded plan.Step for the
+// workers. In order:
+//
+//   - Loads: every load planned by UpdateStateAfterAlloc since the last Step
+//     (requests waiting for their load are not in updates).
+//   - Moves: queued G2→G3 copies (registered in earlier steps), highest
+//     priority first, FIFO within a priority; each G2 source is pinned while
+//     planning so this step's saves cannot take it (workers run Moves before
+//     Saves).
+//   - Saves (write-through): for each update, every block that is full after
+//     this step (computed+scheduled tokens, tokens known, G1 block known) and
+//     not evaluated yet is copied G1→G2 (G1→G3 in disk-only mode) and
+//     registered; a block whose hash the tier already has is not copied again
+//     but counts as a re-registration for the disk frequency filter. The
+//     priority filter stops a request's offload at its first block below
+//     DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY.
+//   - Drops: blocks invalidated since the last Step and not rewritten by it.
+//
+// Cost is O(blocks that changed) plus the queued moves; nothing walks a pool.
+func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.seq++
+	st := plan.Step{Seq: l.seq}
+
+	l.emitLoads(&st)
+	l.planMoves(&st)
+	for i := range updates {
+		l.applyUpdate(&updates[i], &st)
+	}
+
+	// The step is planned: workers will execute its Moves before its Saves,
+	// and both before the next step, so the step's pins can go.
+	for _, tb := range l.written {
+		l.poolOf(tb.tier).Release(tb.idx)
+	}
+	l.written = l.written[:0]
+	for _, idx := range l.moveSrc {
+		l.host.Unpin(idx)
+	}
+	l.moveSrc = l.moveSrc[:0]
+
+	if len(l.drops) > 0 {
+		st.Drops = make([]plan.Copy, 0, len(l.drops))
+		for tb := range l.drops {
+			st.Drops = append(st.Drops, plan.Copy{Src: tb.tier, SrcBlock: int64(tb.idx)})
+		}
+		slices.SortFunc(st.Drops, func(a, b plan.Copy) int {
+			return cmp.Or(cmp.Compare(a.Src, b.Src), cmp.Compare(a.SrcBlock, b.SrcBlock))
+		})
+		clear(l.drops)
+	}
+
+	l.updateGauges()
+	if l.statsLog.due(l.now(), l.hits) {
+		l.log.Info(l.hits.logLine(l.workerID))
+	}
+	b, err := st.Encode()
+	if err != nil {
+		return nil, fmt.Errorf("leader: encode step %d plan: %w", st.Seq, err)
+	}
+	return b, nil
+}
+
+// emitLoads moves planned loads into the step; their sources stay pinned
+// until LoadsFinished.
+func (l *Leader) emitLoads(st *plan.Step) {
+	for _, s := range l.planned {
+		if s.load != loadPlanned || l.slots[s.id] != s {
+			continue // cancelled, emitted through an earlier entry, or finished
+		}
+		st.Loads = append(st.Loads, s.plannedLoad)
+		il := l.inflight[s.id]
+		if il == nil {
+			il = &inflightLoad{reqID: s.id}
+			l.inflight[s.id] = il
+		}
+		for _, src := range s.staged {
+			l.loadsByG1[src.g1] = loadRef{reqID: s.id, k: len(il.sources), src: src}
+			il.sources = append(il.sources, src)
+			il.done = append(il.done, false)
+		}
+		s.staged = s.staged[:0]
+		s.plannedLoad = plan.Load{}
+		s.load = loadEmitted
+	}
+	clear(l.planned)
+	l.planned = l.planned[:0]
+}
+
+// allocate takes one block of p for writing in this step; it is pinned until
+// the step is emitted. A block rewritten in this step needs no Drop.
+func (l *Leader) allocate(p *pool.Pool) (int, bool) {
+	l.idxBuf = p.Allocate(1, l.idxBuf[:0])
+	if len(l.idxBuf) == 0 {
+		return 0, false
+	}
+	idx := l.idxBuf[0]
+	delete(l.drops, tierBlock{p.Tier(), idx})
+	return idx, true
+}
+
+// planMoves turns queued G2 blocks into G2→G3 copies.
+func (l *Leader) planMoves(st *plan.Step) {
+	if l.host == nil || l.disk == nil {
+		return
+	}
+	for n := 0; l.moves.Len() > 0 && (l.maxMoves == 0 || n < l.maxMoves); {
+		e := heap.Pop(&l.moves).(moveEntry)
+		if !l.host.Holds(e.idx, e.hash) {
+			continue // evicted or invalidated since it was queued
+		}
+		if _, ok := l.disk.Lookup(e.hash); ok {
+			continue
+		}
+		dst, ok := l.allocate(l.disk)
+		if !ok {
+			// Every disk block is pinned by running loads: retry next step.
+			heap.Push(&l.moves, e)
+			break
+		}
+		info := l.host.Info(e.idx)
+		dst, _ = l.disk.RegisterShared(dst, e.hash, info.Parent, info.HasParent, info.Tokens, info.Priority)
+		l.written = append(l.written, tierBlock{plan.G3, dst})
+		l.host.Pin(e.idx)
+		l.moveSrc = append(l.moveSrc, e.idx)
+		st.Moves = append(st.Moves, plan.Copy{Src: plan.G2, SrcBlock: int64(e.idx), Dst: plan.G3, DstBlock: int64(dst)})
+		l.m.OffloadH2D.Inc()
+		n++
+	}
+}
+
+// applyUpdate folds the engine's update into the slot and plans its saves.
+func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
+	s := l.slotFor(u.ReqID, u.Salt)
+	if !s.seen && u.Salt != 0 {
+		s.setSalt(u.Salt)
+	}
+	if !s.seen || u.Resumed {
+		s.setTokens(u.NewTokens, l.bs)
+		if u.Resumed {
+			s.g1 = s.g1[:0]
+		}
+		// What the engine has computed when it (re)schedules a request came
+		// from its own prefix cache or from a kvbm load: never offload it
+		// again. Later steps only advance through blocks this slot saw being
+		// computed, so a save that could not be placed is retried.
+		s.offloaded = max(s.offloaded, u.NumComputedTokens/l.bs)
+	} else {
+		s.appendTokens(u.NewTokens)
+	}
+	s.seen = true
+	s.mergeBlockIDs(u.NewBlockIDs)
+	s.priority = u.Priority
+	l.planSaves(s, u, st)
+}
+
+// planSaves is write-through offload for one request (SPEC §4).
+func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
+	if l.saveTo == nil || s.stopped {
+		return
+	}
+	bs := l.bs
+	end := min(u.NumComputedTokens+u.NumScheduledTokens, len(s.tokens)) / bs
+	end = min(end, len(s.g1))
+	start := s.offloaded
+	if start >= end {
+		return
+	}
+	if l.minPrio > 0 && u.Priority < l.minPrio {
+		s.stopped = true
+		l.log.Debug("kvbm: offload terminated at block (priority below DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY)",
+			"request", s.id, "block", start, "priority", u.Priority, "min_priority", l.minPrio)
+		return
+	}
+	s.ensureHashes(end, bs)
+	tier := l.saveTo.Tier()
+	for i := start; i < end; i++ {
+		h := s.hashes[i]
+		if idx, ok := l.saveTo.Lookup(h); ok {
+			l.saveTo.Touch(idx)
+			if l.saveTo == l.host {
+				l.noteHostRegistration(idx, h)
+			}
+			s.offloaded = i + 1
+			continue
+		}
+		dst, ok := l.allocate(l.saveTo)
+		if !ok {
+			// The tier is full of pinned blocks; the block stays in G1 (the
+			// request holds it) and is retried next step.
+			return
+		}
+		var parent uint64
+		if i > 0 {
+			parent = s.hashes[i-1]
+		}
+		dst, _ = l.saveTo.Register(dst, h, parent, i > 0, s.tokens[i*bs:(i+1)*bs], u.Priority)
+		l.written = append(l.written, tierBlock{tier, dst})
+		st.Saves = append(st.Saves, plan.Copy{Src: plan.G1, SrcBlock: s.g1[i], Dst: tier, DstBlock: int64(dst)})
+		if tier == plan.G2 {
+			l.m.OffloadD2H.Inc()
+			l.noteHostRegistration(dst, h)
+		} else {
+			l.m.OffloadD2D.Inc()
+		}
+		s.offloaded = i + 1
+	}
+}
+
+// noteHostRegistration is called when G2 block idx is (re-)registered under
+// h or onboarded from: it feeds the frequency filter and queues the block for
+// disk when it passes.
+func (l *Leader) noteHostRegistration(idx int, h uint64) {
+	if l.disk == nil || l.host == nil {
+		return
+	}
+	if _, ok := l.disk.Lookup(h); ok {
+		return
+	}
+	if l.filter != nil && !l.filter.observe(h) {
+		return
+	}
+	if l.moves.Len() >= 2*l.host.Capacity() {
+		return // bounded: the disk is far behind; this block stays host-only
+	}
+	l.moveSeq++
+	heap.Push(&l.moves, moveEntry{prio: l.host.Info(idx).Priority, seq: l.moveSeq, idx: idx, hash: h})
+}
+
+// moveEntry is one queued G2→G3 copy. It holds no pin: if the G2 block is
+// evicted before its turn, the entry is skipped.
+type moveEntry struct {
+	prio int
+	seq  uint64
+	idx  int
+	hash uint64
+}
+
+// moveQueue is a heap: highest priority first, then FIFO.
+type moveQueue []moveEntry
+
+func (q moveQueue) Len() int { return len(q) }
+func (q moveQueue) Less(i, j int) bool {
+	if q[i].prio != q[j].prio {
+		return q[i].prio > q[j].prio
+	}
+	return q[i].seq < q[j].seq
+}
+func (q moveQueue) Swap(i, j int) { q[i], q[j] = q[j], q[i] }
+func (q *moveQueue) Push(x any)   { *q = append(*q, x.(moveEntry)) }
+func (q *moveQueue) Pop() any {
+	old := *q
+	e := old[len(old)-1]
+	*q = old[:len(old)-1]
+	return e
+}
+func (q *moveQueue) clear() { *q = (*q)[:0] }

@@ -52,6 +52,12 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	defer l.mu.Unlock()
 	bs := l.bs
 	if numComputed < 0 || numComputed%bs != 0 {
+		// A partial G1 hit (TensorRT-LLM partial reuse): kvbm only loads
+		// whole blocks after a block-aligned prefix. Forget any earlier
+		// staging for the request.
+		if s, ok := l.slots[reqID]; ok {
+			l.unstage(s)
+		}
 		return 0, false
 	}
 	s := l.slotFor(reqID, salt)
@@ -197,8 +203,8 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 
 // LoadsFinished releases the sources of the requests' loads once the workers
 // reported them finished (successfully or not; failures come through
-// LoadErrors, which should be called first for the same report). Unknown ids
-// are ignored.
+// LoadErrors, in either order: the leader remembers the last load into each
+// G1 block). Unknown ids are ignored.
 func (l *Leader) LoadsFinished(reqIDs []string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

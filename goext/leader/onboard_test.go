@@ -88,6 +88,12 @@ func TestMatchingIdempotent(t *testing.T) {
 	n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 4)
 	require.Equal(t, 8, n)
 	require.Zero(t, e.l.host.Info(0).Refs, "block 0 no longer staged")
+	// An unaligned call drops the staging altogether.
+	n, _ = e.l.GetNumNewMatchedTokens("r", prompt, 0, 5)
+	require.Zero(t, n)
+	require.Equal(t, 3, e.l.host.NumInactive())
+	n, _ = e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 12, n)
 	require.False(t, e.l.RequestFinished("r"))
 	require.Equal(t, 3, e.l.host.NumInactive(), "finishing unpins everything")
 }

@@ -1,0 +1,193 @@
+// Package main is kvbm's C ABI, built with -buildmode=c-shared and loaded by
+// the Python package through ctypes.
+//
+// House rules (checked by tests):
+//   - Only kvbm_* symbols are exported.
+//   - Every export returns an int status (KVBM_OK or an error code) and, on
+//     error, a message in *err that the caller frees with kvbm_free_string.
+//   - Every export recovers panics: a panic is reported as KVBM_ERR_INTERNAL
+//     with its message, the library is marked poisoned, and every later call
+//     fails fast with KVBM_ERR_POISONED. A panic never unwinds into the engine.
+//   - Go objects reach C only as opaque handles (runtime/cgo.Handle); C never
+//     holds a Go pointer. Buffers returned to C are C.malloc'ed and released
+//     with kvbm_free_buffer.
+package main
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"runtime/cgo"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Status codes; mirrored in python/kvbm/_native.py.
+const (
+	statusOK       = 0
+	statusInvalid  = 1 // bad argument or input
+	statusConfig   = 2 // invalid configuration (names the variable)
+	statusIO       = 3 // file system, network, memory mapping
+	statusState    = 4 // unknown handle, call in the wrong state
+	statusInternal = 5 // a panic was recovered; the library is now poisoned
+	statusPoisoned = 6 // an earlier panic poisoned the library
+)
+
+// codedError carries a status code to the ABI boundary.
+type codedError struct {
+	code int
+	err  error
+}
+
+func (e *codedError) Error() string { return e.err.Error() }
+func (e *codedError) Unwrap() error { return e.err }
+
+func withCode(code int, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &codedError{code: code, err: err}
+}
+
+func errorf(code int, format string, args ...any) error {
+	return &codedError{code: code, err: fmt.Errorf(format, args...)}
+}
+
+// poison holds the message of the first recovered panic; empty while healthy.
+var poison atomic.Pointer[string]
+
+func setErr(errOut **C.char, msg string) {
+	if errOut != nil {
+		*errOut = C.CString(msg)
+	}
+}
+
+// finish converts a Go error into a status code and message.
+func finish(err error, errOut **C.char) C.int {
+	if err == nil {
+		return statusOK
+	}
+	code := statusInvalid
+	var ce *codedError
+	if errors.As(err, &ce) {
+		code = ce.code
+	}
+	setErr(errOut, err.Error())
+	return C.int(code)
+}
+
+// guard must be deferred directly by every export: recover only works in the
+// deferred function itself.
+func guard(rc *C.int, errOut **C.char) {
+	r := recover()
+	if r == nil {
+		return
+	}
+	msg := fmt.Sprintf("kvbm internal error (library poisoned, restart the process): panic: %v\n%s", r, debug.Stack())
+	poison.CompareAndSwap(nil, &msg)
+	setErr(errOut, msg)
+	*rc = statusInternal
+}
+
+// healthy is the first check of every export.
+func healthy() error {
+	if p := poison.Load(); p != nil {
+		first := *p
+		if i := indexByte(first, '\n'); i >= 0 {
+			first = first[:i]
+		}
+		return errorf(statusPoisoned, "kvbm is poisoned by an earlier internal error; restart the process (%s)", first)
+	}
+	return nil
+}
+
+func indexByte(s string, b byte) int {
+	for i := 0; i < len(s); i++ {
+		if s[i] == b {
+			return i
+		}
+	}
+	return -1
+}
+
+// handle resolves an opaque handle to T.
+func handle[T any](h C.uint64_t) (T, error) {
+	var zero T
+	if h == 0 {
+		return zero, errorf(statusState, "null handle")
+	}
+	defer func() { _ = recover() }() // cgo.Handle.Value panics on an unknown handle
+	v, ok := cgo.Handle(uintptr(h)).Value().(T)
+	if !ok {
+		return zero, errorf(statusState, "handle %d is not a %T", uint64(h), zero)
+	}
+	return v, nil
+}
+
+func newHandle(v any) C.uint64_t { return C.uint64_t(cgo.NewHandle(v)) }
+
+func deleteHandle(h C.uint64_t) {
+	if h != 0 {
+		cgo.Handle(uintptr(h)).Delete()
+	}
+}
+
+// goBytes views C memory as a Go slice without copying; valid only during the call.
+func goBytes(p unsafe.Pointer, n C.int64_t) []byte {
+	if p == nil || n <= 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(p), int(n))
+}
+
+// cBuffer copies b into C memory the caller frees with kvbm_free_buffer.
+func cBuffer(b []byte, out **C.uint8_t, outLen *C.int64_t) {
+	if len(b) == 0 {
+		*out = nil
+		*outLen = 0
+		return
+	}
+	p := C.malloc(C.size_t(len(b)))
+	copy(unsafe.Slice((*byte)(p), len(b)), b)
+	*out = (*C.uint8_t)(p)
+	*outLen = C.int64_t(len(b))
+}
+
+//export kvbm_free_string
+func kvbm_free_string(s *C.char) {
+	C.free(unsafe.Pointer(s))
+}
+
+//export kvbm_free_buffer
+func kvbm_free_buffer(p *C.uint8_t) {
+	C.free(unsafe.Pointer(p))
+}
+
+//export kvbm_is_poisoned
+func kvbm_is_poisoned() C.int {
+	if poison.Load() != nil {
+		return 1
+	}
+	return 0
+}
+
+//export kvbm_debug_panic
+func kvbm_debug_panic(errOut **C.char) (rc C.int) {
+	// Exists so tests can prove that a panic becomes an error and poisons the
+	// library instead of killing the host process.
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	var m map[string]int
+	m["boom"] = 1 // nil map write: a real runtime panic
+	return statusOK
+}
+
+func main() {}

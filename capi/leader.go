@@ -1,0 +1,278 @@
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/leader"
+	"github.com/kvbm/kvbm/goext/metrics"
+)
+
+// leaderOptions is the JSON the Python adapter passes to kvbm_leader_new.
+type leaderOptions struct {
+	BlockSize     int    `json:"block_size"`
+	BytesPerBlock int64  `json:"bytes_per_block"`
+	NumWorkers    int    `json:"num_workers"`
+	WorkerID      uint64 `json:"worker_id"`
+	// Consolidator, when set, starts the KV event consolidator and feeds it
+	// the leader's G2/G3 events.
+	Consolidator *consolidatorOptions `json:"consolidator,omitempty"`
+}
+
+type leaderHandle struct {
+	l       *leader.Leader
+	m       *metrics.Metrics
+	metrics *metrics.Server
+	cons    closer
+	once    sync.Once
+}
+
+type closer interface{ Close() error }
+
+func (h *leaderHandle) close() {
+	h.once.Do(func() {
+		if h.metrics != nil {
+			_ = h.metrics.Close()
+		}
+		if h.cons != nil {
+			_ = h.cons.Close()
+		}
+	})
+}
+
+//export kvbm_leader_new
+func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	var o leaderOptions
+	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_leader_new: options: %v", err), errOut)
+	}
+	cfg, err := config.Load()
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	if err := cfg.Validate(); err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	log := kvbmLogger()
+	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })
+
+	h := &leaderHandle{m: metrics.New()}
+	var sink events.Sink = events.NopSink{}
+	if o.Consolidator != nil {
+		c, s, err := startConsolidator(o.Consolidator, cfg, h.m, log)
+		if err != nil {
+			return finish(err, errOut)
+		}
+		h.cons, sink = c, s
+	}
+	l, err := leader.New(leader.Options{
+		Config:        cfg,
+		BlockSize:     o.BlockSize,
+		BytesPerBlock: o.BytesPerBlock,
+		NumWorkers:    max(o.NumWorkers, 1),
+		Sink:          sink,
+		Metrics:       h.m,
+		Logger:        log,
+		WorkerID:      o.WorkerID,
+	})
+	if err != nil {
+		h.close()
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	h.l = l
+	if cfg.Metrics {
+		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
+		if err != nil {
+			// The cache works without its metrics endpoint; say why it is missing.
+			log.Warn("kvbm metrics endpoint not started", "err", err)
+		} else {
+			h.metrics = srv
+			log.Info("kvbm metrics endpoint", "url", "http://"+srv.Addr+"/metrics")
+		}
+	}
+	*out = newHandle(h)
+	return statusOK
+}
+
+//export kvbm_leader_free
+func kvbm_leader_free(hd C.uint64_t) {
+	defer func() { _ = recover() }()
+	if h, err := handle[*leaderHandle](hd); err == nil {
+		h.close()
+		deleteHandle(hd)
+	}
+}
+
+// kvbm_leader_info returns JSON: host/disk block counts and the metrics address.
+//
+//export kvbm_leader_info
+func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	host, disk, hb, db, q := h.l.HitRates()
+	info := map[string]any{
+		"host_blocks": h.l.NumHostBlocks(), "disk_blocks": h.l.NumDiskBlocks(), "disk_only": h.l.DiskOnly(),
+		"host_hit_rate": host, "disk_hit_rate": disk, "host_hit_blocks": hb, "disk_hit_blocks": db, "queried_blocks": q,
+	}
+	if h.metrics != nil {
+		info["metrics_addr"] = h.metrics.Addr
+	}
+	b, _ := json.Marshal(info)
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
+	if err := healthy(); err != nil {
+		return nil, err
+	}
+	h, err := handle[*leaderHandle](hd)
+	if err != nil {
+		return nil, err
+	}
+	if h.l == nil {
+		return nil, errorf(statusState, "leader is closed")
+	}
+	return h, nil
+}
+
+//export kvbm_leader_match
+func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int64_t, salt C.uint64_t,
+	numComputed C.int64_t, outTokens *C.int64_t, outAsync *C.int32_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if n < 0 || numComputed < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
+	}
+	got, async := h.l.GetNumNewMatchedTokens(C.GoString(reqID), tokensView(tokens, n), uint64(salt), int(numComputed))
+	*outTokens = C.int64_t(got)
+	*outAsync = 0
+	if async {
+		*outAsync = 1
+	}
+	return statusOK
+}
+
+func int64View(p *C.int64_t, n C.int64_t) []int64 {
+	if p == nil || n <= 0 {
+		return nil
+	}
+	return unsafe.Slice((*int64)(unsafe.Pointer(p)), int(n))
+}
+
+//export kvbm_leader_update_after_alloc
+func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.int64_t, n C.int64_t,
+	numExternal C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	ids := append([]int64(nil), int64View(blockIDs, n)...)
+	h.l.UpdateStateAfterAlloc(C.GoString(reqID), ids, int(numExternal))
+	return statusOK
+}
+
+// stepUpdate is one scheduled request, msgpack-encoded by the Python adapter
+// as an array: [req_id, new_tokens, new_block_ids, num_computed,
+// num_scheduled, priority, salt, resumed].
+type stepUpdate struct {
+	_msgpack     struct{} `msgpack:",as_array"`
+	ReqID        string
+	NewTokens    []uint32
+	NewBlockIDs  []int64
+	NumComputed  int
+	NumScheduled int
+	Priority     int
+	Salt         uint64
+	Resumed      bool
+}
+
+// stepInput is [updates, finished_loading_ids, load_error_blocks].
+type stepInput struct {
+	_msgpack   struct{} `msgpack:",as_array"`
+	Updates    []stepUpdate
+	Loaded     []string
+	LoadErrors []int64
+}
+
+// kvbm_leader_step plans one engine step; returns the encoded plan for workers.
+//
+//export kvbm_leader_step
+func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	var si stepInput
+	if err := msgpack.Unmarshal(goBytes(in, inLen), &si); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_leader_step: decode updates: %v", err), errOut)
+	}
+	if len(si.LoadErrors) > 0 {
+		h.l.LoadErrors(si.LoadErrors)
+	}
+	if len(si.Loaded) > 0 {
+		h.l.LoadsFinished(si.Loaded)
+	}
+	ups := make([]leader.RequestUpdate, len(si.Updates))
+	for i, u := range si.Updates {
+		ups[i] = leader.RequestUpdate{
+			ReqID: u.ReqID, NewTokens: u.NewTokens, NewBlockIDs: u.NewBlockIDs,
+			NumComputedTokens: u.NumComputed, NumScheduledTokens: u.NumScheduled,
+			Priority: u.Priority, Salt: u.Salt, Resumed: u.Resumed,
+		}
+	}
+	b, err := h.l.Step(ups)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+//export kvbm_leader_request_finished
+func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.int32_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	*outPending = 0
+	if h.l.RequestFinished(C.GoString(reqID)) {
+		*outPending = 1
+	}
+	return statusOK
+}
+
+//export kvbm_leader_reset
+func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	h.l.ResetCache()
+	return statusOK
+}

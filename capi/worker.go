@@ -1,0 +1,218 @@
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"unsafe"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/worker"
+)
+
+// workerOptions is the JSON the Python adapter passes to kvbm_worker_new:
+// the engine's KV tensors (addresses stay owned by the engine) and this
+// rank's place in the tensor-parallel group.
+type workerOptions struct {
+	Rank       int            `json:"rank"`
+	NumWorkers int            `json:"num_workers"`
+	Kind       string         `json:"kind"`
+	NumBlocks  int            `json:"num_blocks"`
+	BlockSize  int            `json:"block_size"`
+	DtypeBytes int            `json:"dtype_bytes"`
+	Tensors    []tensorOption `json:"tensors"`
+}
+
+type tensorOption struct {
+	Ptr     uint64  `json:"ptr"`
+	Shape   []int64 `json:"shape"`
+	Strides []int64 `json:"strides"`
+}
+
+type workerHandle struct {
+	w       *worker.Worker
+	m       *metrics.Metrics
+	layout  *layout.Engine
+	summary map[string]any
+}
+
+//export kvbm_worker_new
+func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	var o workerOptions
+	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_worker_new: options: %v", err), errOut)
+	}
+	cfg, err := config.Load()
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	if err := cfg.Validate(); err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	kind, err := layout.ParseKind(o.Kind)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	spec := layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes}
+	for _, t := range o.Tensors {
+		spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(t.Ptr), Shape: t.Shape, Strides: t.Strides})
+	}
+	eng, err := layout.NewEngine(spec)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	nw := max(o.NumWorkers, 1)
+	total := eng.BytesPerBlock() * int64(nw)
+	hostBlocks, diskBlocks := 0, 0
+	if cfg.HostEnabled() {
+		hostBlocks = cfg.HostBlocks(total)
+	}
+	if cfg.DiskEnabled() {
+		diskBlocks = cfg.DiskBlocks(total)
+	}
+	log := kvbmLogger()
+	m := metrics.New()
+	w, err := worker.New(worker.Options{
+		Rank: o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
+		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m,
+	})
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	if err := w.RegisterG1(eng); err != nil {
+		_ = w.Close()
+		return finish(withCode(statusIO, err), errOut)
+	}
+	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
+		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath())
+	h := &workerHandle{w: w, m: m, layout: eng, summary: map[string]any{
+		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
+		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
+	}}
+	*out = newHandle(h)
+	return statusOK
+}
+
+func workerOf(hd C.uint64_t) (*workerHandle, error) {
+	if err := healthy(); err != nil {
+		return nil, err
+	}
+	h, err := handle[*workerHandle](hd)
+	if err != nil {
+		return nil, err
+	}
+	if h.w == nil {
+		return nil, errorf(statusState, "worker is closed")
+	}
+	return h, nil
+}
+
+//export kvbm_worker_free
+func kvbm_worker_free(hd C.uint64_t) {
+	defer func() { _ = recover() }()
+	if h, err := handle[*workerHandle](hd); err == nil && h.w != nil {
+		_ = h.w.Close()
+		h.w = nil
+		deleteHandle(hd)
+	}
+}
+
+//export kvbm_worker_info
+func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
+	for k, v := range h.summary {
+		info[k] = v
+	}
+	b, _ := json.Marshal(info)
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+//export kvbm_worker_bind
+func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_worker_bind: %v", err), errOut)
+	}
+	return statusOK
+}
+
+//export kvbm_worker_start_load
+func kvbm_worker_start_load(hd C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	h.w.StartLoad()
+	return statusOK
+}
+
+// kvbm_worker_wait_loads blocks until every started load completed (engines
+// that need the KV before the forward pass, e.g. synchronous loads).
+//
+//export kvbm_worker_wait_loads
+func kvbm_worker_wait_loads(hd C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	h.w.WaitLoads()
+	return statusOK
+}
+
+//export kvbm_worker_wait_for_save
+func kvbm_worker_wait_for_save(hd C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	h.w.WaitForSave()
+	return statusOK
+}
+
+// kvbm_worker_finished returns msgpack [loaded_request_ids, load_error_g1_blocks].
+//
+//export kvbm_worker_finished
+func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	loaded, errs := h.w.Finished()
+	if len(loaded) == 0 && len(errs) == 0 {
+		*out, *outLen = nil, 0
+		return statusOK
+	}
+	b, err := msgpack.Marshal([]any{loaded, errs})
+	if err != nil {
+		return finish(fmt.Errorf("encode finished: %w", err), errOut)
+	}
+	cBuffer(b, out, outLen)
+	return statusOK
+}

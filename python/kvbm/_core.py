@@ -1,0 +1,177 @@
+"""Typed Python handles over the native leader and worker (kvbm._native).
+
+Engine adapters (vLLM, TensorRT-LLM) convert engine objects into the plain
+values these take; all logic lives in Go.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
+
+import msgpack
+
+from kvbm import _native
+
+log = logging.getLogger("kvbm")
+
+_P = POINTER
+_ERR = _P(c_char_p)
+_native.register_signatures(
+    {
+        "kvbm_leader_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
+        "kvbm_leader_free": (None, [c_uint64]),
+        "kvbm_leader_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_match": (
+            ctypes.c_int,
+            [c_uint64, c_char_p, _P(c_uint32), c_int64, c_uint64, c_int64, _P(c_int64), _P(c_int32), _ERR],
+        ),
+        "kvbm_leader_update_after_alloc": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int64), c_int64, c_int64, _ERR]),
+        "kvbm_leader_step": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_request_finished": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int32), _ERR]),
+        "kvbm_leader_reset": (ctypes.c_int, [c_uint64, _ERR]),
+        "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
+        "kvbm_worker_free": (None, [c_uint64]),
+        "kvbm_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_worker_bind": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
+        "kvbm_worker_start_load": (ctypes.c_int, [c_uint64, _ERR]),
+        "kvbm_worker_wait_loads": (ctypes.c_int, [c_uint64, _ERR]),
+        "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
+        "kvbm_worker_finished": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+    }
+)
+
+
+def _buffer_call(name, *args) -> bytes:
+    buf = _P(c_uint8)()
+    n = c_int64()
+    _native.call(name, *args, byref(buf), byref(n))
+    return _native.take_buffer(buf, n)
+
+
+def _int64_array(values):
+    n = len(values)
+    return (c_int64 * max(n, 1))(*values), n
+
+
+class Leader:
+    """The logical block manager of one engine instance (scheduler process)."""
+
+    def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
+                 consolidator: dict | None = None):
+        opts = {
+            "block_size": int(block_size),
+            "bytes_per_block": int(bytes_per_block),
+            "num_workers": int(num_workers),
+            "worker_id": int(worker_id),
+        }
+        if consolidator:
+            opts["consolidator"] = consolidator
+        h = c_uint64()
+        _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
+        self._h = h.value
+        self.block_size = int(block_size)
+
+    def info(self) -> dict:
+        return json.loads(_buffer_call("kvbm_leader_info", self._h))
+
+    def match(self, req_id: str, tokens, salt_hash: int, num_computed: int) -> tuple[int, bool]:
+        ptr, n, _keep = _native._u32_array(tokens)
+        got = c_int64()
+        is_async = c_int32()
+        _native.call("kvbm_leader_match", self._h, req_id.encode(), ptr, n, salt_hash, num_computed,
+                     byref(got), byref(is_async))
+        return got.value, bool(is_async.value)
+
+    def update_after_alloc(self, req_id: str, block_ids, num_external_tokens: int) -> None:
+        arr, n = _int64_array(list(block_ids))
+        _native.call("kvbm_leader_update_after_alloc", self._h, req_id.encode(), arr, n, int(num_external_tokens))
+
+    def step(self, updates, loaded=(), load_errors=()) -> bytes:
+        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed]."""
+        payload = msgpack.packb([updates, list(loaded), list(load_errors)], use_bin_type=True)
+        return _buffer_call("kvbm_leader_step", self._h, payload, len(payload))
+
+    def request_finished(self, req_id: str) -> bool:
+        pending = c_int32()
+        _native.call("kvbm_leader_request_finished", self._h, req_id.encode(), byref(pending))
+        return bool(pending.value)
+
+    def reset(self) -> None:
+        _native.call("kvbm_leader_reset", self._h)
+
+    def close(self) -> None:
+        if getattr(self, "_h", 0):
+            try:
+                _native.lib().kvbm_leader_free(self._h)
+            finally:
+                self._h = 0
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Worker:
+    """One rank's bytes: the engine's G1 tensors plus kvbm's G2/G3 regions.
+
+    tensors: list of (data_ptr, shape, strides) in layer order (one entry for
+    TensorRT-LLM's single tensor). The memory stays owned by the engine.
+    """
+
+    def __init__(self, *, tensors, kind: str, num_blocks: int, block_size: int, dtype_bytes: int,
+                 rank: int = 0, num_workers: int = 1):
+        opts = {
+            "rank": int(rank),
+            "num_workers": int(num_workers),
+            "kind": kind,
+            "num_blocks": int(num_blocks),
+            "block_size": int(block_size),
+            "dtype_bytes": int(dtype_bytes),
+            "tensors": [
+                {"ptr": int(p), "shape": [int(x) for x in shape], "strides": [int(x) for x in strides]}
+                for p, shape, strides in tensors
+            ],
+        }
+        h = c_uint64()
+        _native.call("kvbm_worker_new", json.dumps(opts).encode(), byref(h))
+        self._h = h.value
+
+    def info(self) -> dict:
+        return json.loads(_buffer_call("kvbm_worker_info", self._h))
+
+    def bind(self, plan: bytes) -> None:
+        _native.call("kvbm_worker_bind", self._h, plan, len(plan))
+
+    def start_load(self) -> None:
+        _native.call("kvbm_worker_start_load", self._h)
+
+    def wait_loads(self) -> None:
+        _native.call("kvbm_worker_wait_loads", self._h)
+
+    def wait_for_save(self) -> None:
+        _native.call("kvbm_worker_wait_for_save", self._h)
+
+    def finished(self) -> tuple[list[str], list[int]]:
+        data = _buffer_call("kvbm_worker_finished", self._h)
+        if not data:
+            return [], []
+        loaded, errors = msgpack.unpackb(data, raw=False)
+        return list(loaded or []), list(errors or [])
+
+    def close(self) -> None:
+        if getattr(self, "_h", 0):
+            try:
+                _native.lib().kvbm_worker_free(self._h)
+            finally:
+                self._h = 0
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

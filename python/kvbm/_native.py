@@ -1,0 +1,209 @@
+"""Lazy ctypes binding to kvbm's Go shared library.
+
+The library is loaded on first use, never at import. The loading process id is
+recorded; a call from any other process (a child forked after loading) raises
+:class:`kvbm.KvbmForkError` instead of touching a Go runtime that did not
+survive the fork.
+
+Library choice: ``KVBM_LIBRARY`` (a path) wins; otherwise the CUDA variant
+``lib/libkvbm_cuda.so`` when it is installed and a CUDA driver with a device is
+usable, else the default ``lib/libkvbm.so``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
+
+from kvbm._errors import BY_CODE, KvbmError, KvbmForkError
+
+log = logging.getLogger("kvbm")
+
+_lock = threading.Lock()
+_lib = None
+_lib_pid = None
+_lib_path = None
+_lib_variant = None
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cuda_usable() -> bool:
+    if os.environ.get("KVBM_DISABLE_CUDA", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    try:
+        if cuda.cuInit(0) != 0:
+            return False
+        n = c_int(0)
+        return cuda.cuDeviceGetCount(byref(n)) == 0 and n.value > 0
+    except Exception:  # pragma: no cover - exotic drivers
+        return False
+
+
+def library_path() -> tuple[str, str]:
+    """Return (path, variant) of the library that would be loaded."""
+    env = os.environ.get("KVBM_LIBRARY")
+    if env:
+        return env, "custom"
+    cuda_lib = os.path.join(_PKG_DIR, "lib", "libkvbm_cuda.so")
+    if os.path.exists(cuda_lib) and _cuda_usable():
+        return cuda_lib, "cuda"
+    return os.path.join(_PKG_DIR, "lib", "libkvbm.so"), "default"
+
+
+def _declare(lib):
+    P = POINTER
+    err = P(c_char_p)
+    sig = {
+        "kvbm_version": (c_char_p, []),
+        "kvbm_free_string": (None, [c_void_p]),
+        "kvbm_free_buffer": (None, [c_void_p]),
+        "kvbm_is_poisoned": (c_int, []),
+        "kvbm_debug_panic": (c_int, [err]),
+        "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, P(c_uint64), err]),
+        "kvbm_sequence_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_uint64, P(c_uint64), c_int64, P(c_int64), err]),
+        "kvbm_router_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_char_p, P(c_uint64), c_int64, P(c_int64), err]),
+        "kvbm_config_check": (c_int, [c_int, P(P(c_uint8)), P(c_int64), err]),
+    }
+    sig.update(_EXTRA_SIGNATURES)
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            continue
+        fn.restype = res
+        fn.argtypes = args
+
+
+# Filled by modules that add exports (leader, worker, consolidator) through
+# register_signatures.
+_EXTRA_SIGNATURES: dict = {}
+
+
+def register_signatures(sigs: dict) -> None:
+    """Declare ctypes signatures of more exports (applied now if already loaded)."""
+    _EXTRA_SIGNATURES.update(sigs)
+    if _lib is not None:
+        _declare(_lib)
+
+
+def lib():
+    """The loaded library; loads it on first use and enforces the owning pid."""
+    global _lib, _lib_pid, _lib_path, _lib_variant
+    pid = os.getpid()
+    cur = _lib
+    if cur is not None:
+        if _lib_pid != pid:
+            raise KvbmForkError(
+                f"kvbm's native library was loaded by process {_lib_pid} and cannot be used from "
+                f"process {pid} (a fork after loading). Create kvbm objects in the process that uses "
+                f"them, or start workers with the 'spawn' method."
+            )
+        return cur
+    with _lock:
+        if _lib is None:
+            path, variant = library_path()
+            if not os.path.exists(path):
+                raise KvbmError(
+                    f"kvbm native library not found at {path}; build it with `make build` or reinstall "
+                    f"with `pip install .` (needs Go)"
+                )
+            handle = ctypes.CDLL(path)
+            _declare(handle)
+            _lib, _lib_pid, _lib_path, _lib_variant = handle, pid, path, variant
+            log.info("kvbm %s: loaded %s library %s (pid %d)", version(), variant, path, pid)
+    return lib()
+
+
+def loaded_variant():
+    return _lib_variant
+
+
+def version() -> str:
+    return _lib.kvbm_version().decode() if _lib is not None else lib().kvbm_version().decode()
+
+
+def call(name: str, *args):
+    """Call export ``name`` with ``args`` plus the trailing error pointer."""
+    fn = getattr(lib(), name)
+    err = c_char_p()
+    rc = fn(*args, byref(err))
+    if rc != 0:
+        # The message buffer was malloc'ed by Go; read it before freeing.
+        msg = ctypes.string_at(err) if err else b""
+        if err:
+            _lib.kvbm_free_string(err)
+        raise BY_CODE.get(rc, KvbmError)(msg.decode("utf-8", "replace") or "unknown kvbm error", rc)
+
+
+def take_buffer(ptr, n) -> bytes:
+    """Copy a buffer returned by Go and free it."""
+    if not ptr or n.value == 0:
+        return b""
+    data = ctypes.string_at(ptr, n.value)
+    lib().kvbm_free_buffer(ptr)
+    return data
+
+
+def is_poisoned() -> bool:
+    return bool(lib().kvbm_is_poisoned())
+
+
+def debug_panic() -> None:
+    """Trigger a Go panic inside the library (tests: panic → exception, poison)."""
+    call("kvbm_debug_panic")
+
+
+def _u32_array(tokens):
+    try:
+        import numpy as np
+
+        if isinstance(tokens, np.ndarray):
+            arr = np.ascontiguousarray(tokens, dtype=np.uint32)
+            return arr.ctypes.data_as(POINTER(c_uint32)), len(arr), arr
+    except ImportError:  # pragma: no cover
+        pass
+    n = len(tokens)
+    arr = (c_uint32 * n)(*tokens)
+    return arr, n, arr
+
+
+def salt_hash(salt=None, lora_name=None) -> int:
+    out = c_uint64()
+    s = salt.encode() if salt is not None else None
+    l = lora_name.encode() if lora_name is not None else None
+    call("kvbm_salt_hash", s, int(salt is not None), l, int(lora_name is not None), byref(out))
+    return out.value
+
+
+def sequence_hashes(tokens, block_size: int, *, salt_hash: int) -> list[int]:
+    ptr, n, _keep = _u32_array(tokens)
+    cap = n // block_size if block_size > 0 else 0
+    out = (c_uint64 * max(cap, 1))()
+    got = c_int64()
+    call("kvbm_sequence_hashes", ptr, n, block_size, salt_hash, out, cap, byref(got))
+    return list(out[: got.value])
+
+
+def router_hashes(tokens, block_size: int, *, lora_name=None) -> list[int]:
+    ptr, n, _keep = _u32_array(tokens)
+    cap = n // block_size if block_size > 0 else 0
+    out = (c_uint64 * max(cap, 1))()
+    got = c_int64()
+    l = lora_name.encode() if lora_name else None
+    call("kvbm_router_hashes", ptr, n, block_size, l, out, cap, byref(got))
+    return list(out[: got.value])
+
+
+def config_check(require_tier: bool = False) -> str:
+    """Validate the environment; returns the effective configuration summary."""
+    buf = POINTER(c_uint8)()
+    n = c_int64()
+    call("kvbm_config_check", int(require_tier), byref(buf), byref(n))
+    return take_buffer(buf, n).decode()

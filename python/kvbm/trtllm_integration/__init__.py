@@ -1,0 +1,1 @@
+"""kvbm for TensorRT-LLM: ``kvbm.trtllm_integration.connector``."""

@@ -1,0 +1,1 @@
+"""kvbm for vLLM: ``kvbm.vllm_integration.connector.DynamoConnector``."""

@@ -1,0 +1,362 @@
+"""``DynamoConnector``: vLLM's KV connector v1 interface over kvbm's Go leader
+and worker.
+
+The scheduler-side instance (role SCHEDULER, in vLLM's EngineCore process)
+owns a :class:`kvbm._core.Leader`; each worker-side instance (role WORKER,
+one per tensor-parallel rank) owns a :class:`kvbm._core.Worker`. The adapter
+only turns vLLM objects into plain lists and back: matching, offload planning
+and byte movement happen in Go.
+
+Per engine step:
+
+* scheduler: ``build_connector_meta`` sends what was scheduled to the leader
+  and ships the returned plan (bytes) in :class:`DynamoConnectorMetadata`;
+* worker: ``bind_connector_metadata`` hands the plan to the worker,
+  ``start_load_kv`` starts its loads (G2/G3 → G1, asynchronous),
+  ``wait_for_save`` runs its offloads (G1 → G2, G2 → G3) once the forward pass
+  has written the step's KV, and ``get_finished`` reports finished loads;
+* load failures (a G3 block whose checksum does not verify, an I/O error) are
+  reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+
+Anything kvbm cannot handle (multimodal prompts, hybrid models with several
+KV cache groups, device tensors without the CUDA build) is bypassed with a log
+line: the engine keeps serving, those requests just get no external hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm import _native
+
+log = logging.getLogger("kvbm")
+
+try:  # vLLM is optional at import time (config tooling, unit tests).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+
+    _HAVE_VLLM = True
+except Exception:  # pragma: no cover - exercised only without vLLM
+    _HAVE_VLLM = False
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        def __init__(self, *args, **kwargs):
+            pass
+
+    class KVConnectorRole:  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+
+@dataclass
+class DynamoConnectorMetadata(KVConnectorMetadata):
+    """One step's plan for the workers (opaque bytes from the Go leader)."""
+
+    plan: bytes = b""
+    seq: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _role_name(role) -> str:
+    return getattr(role, "name", str(role)).upper()
+
+
+def _lora_name(request) -> str | None:
+    lr = getattr(request, "lora_request", None)
+    return getattr(lr, "lora_name", None) if lr is not None else None
+
+
+def _tp(vllm_config) -> tuple[int, int]:
+    """(rank, size) of this tensor-parallel group; (0, 1) outside vLLM's groups."""
+    size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    rank = 0
+    if size > 1:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:
+            rank = int(os.environ.get("RANK", "0"))
+    return rank, size
+
+
+def _single_group(kv_cache_config):
+    """The one KV cache group kvbm supports, or None with the reason."""
+    if kv_cache_config is None:
+        return None, "no kv_cache_config"
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if len(groups) != 1:
+        return None, (f"{len(groups)} KV cache groups (hybrid or mixed-shape model); "
+                      "kvbm supports models whose layers share one KV cache shape")
+    return groups[0], None
+
+
+class DynamoConnector(KVConnectorBase_V1):
+    """kvbm as a vLLM KV connector (both roles)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        try:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        except TypeError:  # vLLM < 0.12: no kv_cache_config
+            super().__init__(vllm_config=vllm_config, role=role)
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._is_scheduler = _role_name(role).endswith("SCHEDULER")
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._leader = None
+        self._worker = None
+        self._disabled_reason = None
+        if self._is_scheduler:
+            self._init_scheduler()
+        # The worker side is created in register_kv_caches, once the tensors exist.
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ common
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is only a future miss: vLLM need not wait for delivery.
+        return False
+
+    def _disable(self, reason: str) -> None:
+        self._disabled_reason = reason
+        log.error("kvbm disabled for this engine: %s. vLLM keeps serving without kvbm's cache tiers.", reason)
+
+    def shutdown(self):
+        for obj in (self._leader, self._worker):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # pragma: no cover
+                    log.exception("kvbm: error while shutting down")
+        self._leader = self._worker = None
+
+    # --------------------------------------------------------------- scheduler
+
+    def _init_scheduler(self) -> None:
+        from kvbm._core import Leader
+        from kvbm.vllm_integration.consolidator_config import get_consolidator_endpoints, should_enable_consolidator
+
+        group, why = _single_group(self._kv_cache_config)
+        if group is None:
+            self._disable(why)
+            return
+        spec = group.kv_cache_spec
+        num_layers = len(group.layer_names)
+        bytes_per_block = int(spec.page_size_bytes) * num_layers
+        _, tp_size = _tp(self._vllm_config)
+        consolidator = None
+        if should_enable_consolidator(self._vllm_config):
+            engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
+            consolidator = {"engine": "vllm", "engine_endpoint": engine_ep, "zmq_bind": out_bind}
+        self._leader = Leader(
+            block_size=self._block_size,
+            bytes_per_block=bytes_per_block,
+            num_workers=tp_size,
+            consolidator=consolidator,
+        )
+        info = self._leader.info()
+        log.info(
+            "kvbm leader ready (pid %d): block_size=%d layers=%d bytes_per_block=%d tp=%d host_blocks=%d "
+            "disk_blocks=%d consolidator=%s metrics=%s",
+            os.getpid(), self._block_size, num_layers, bytes_per_block, tp_size, info["host_blocks"],
+            info["disk_blocks"], bool(consolidator), info.get("metrics_addr", "off"),
+        )
+        self._requests: dict[str, Any] = {}
+        self._sent_tokens: dict[str, int] = {}
+        self._salts: dict[str, int] = {}
+        self._loaded: list[str] = []
+        self._invalid_blocks: list[int] = []
+        self._seq = 0
+
+    def _salt(self, request) -> int:
+        rid = request.request_id
+        s = self._salts.get(rid)
+        if s is None:
+            s = _native.salt_hash(getattr(request, "cache_salt", None), _lora_name(request))
+            self._salts[rid] = s
+        return s
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if self._leader is None:
+            return 0, False
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            # Token ids do not identify multimodal or embedding prompts' KV.
+            log.debug("kvbm: request %s bypassed (multimodal or prompt embeddings)", request.request_id)
+            return 0, False
+        tokens = request.all_token_ids
+        got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
+        return got, is_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self._leader is None:
+            return
+        rid = request.request_id
+        self._requests[rid] = request
+        if num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+            self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> DynamoConnectorMetadata:
+        if self._leader is None:
+            return DynamoConnectorMetadata()
+        num_sched = scheduler_output.num_scheduled_tokens
+        updates = []
+        for nr in scheduler_output.scheduled_new_reqs:
+            rid = nr.req_id
+            req = self._requests.get(rid)
+            tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
+            self._sent_tokens[rid] = len(tokens)
+            updates.append([
+                rid, tokens, list(nr.block_ids[0]) if nr.block_ids else [], int(nr.num_computed_tokens),
+                int(num_sched.get(rid, 0)), int(getattr(req, "priority", 0) or 0),
+                self._salt(req) if req is not None else _native.salt_hash(), False,
+            ])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            is_resumed = rid in resumed
+            all_tokens = req.all_token_ids
+            if is_resumed:
+                tokens = list(all_tokens)
+            else:
+                tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
+            self._sent_tokens[rid] = len(all_tokens)
+            updates.append([
+                rid, tokens, list(new_blocks[0]) if new_blocks else [], int(cached.num_computed_tokens[i]),
+                int(num_sched.get(rid, 0)), int(getattr(req, "priority", 0) or 0), self._salt(req), is_resumed,
+            ])
+        loaded, self._loaded = self._loaded, []
+        invalid, self._invalid_blocks = self._invalid_blocks, []
+        plan = self._leader.step(updates, loaded, invalid)
+        for rid in scheduler_output.finished_req_ids or ():
+            self._forget(rid)
+        self._seq += 1
+        return DynamoConnectorMetadata(plan=plan, seq=self._seq)
+
+    def update_connector_output(self, connector_output):
+        if self._leader is None:
+            return
+        recv = getattr(connector_output, "finished_recving", None)
+        if recv:
+            self._loaded.extend(recv)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._invalid_blocks.extend(int(b) for b in invalid)
+
+    def request_finished(self, request, block_ids):
+        if self._leader is None:
+            return False, None
+        pending = self._leader.request_finished(request.request_id)
+        return pending, None
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._sent_tokens.pop(rid, None)
+        self._salts.pop(rid, None)
+
+    def take_events(self):
+        return ()
+
+    def reset_cache(self):
+        if self._leader is not None:
+            self._leader.reset()
+        return True
+
+    def get_finished_count(self):
+        return None
+
+    # ------------------------------------------------------------------ worker
+
+    def register_kv_caches(self, kv_caches):
+        from kvbm._core import Worker
+
+        try:
+            tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
+        except ValueError as e:
+            self._disable(str(e))
+            return
+        rank, tp_size = _tp(self._vllm_config)
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        if num_blocks is None:
+            num_blocks = next(iter(kv_caches.values())).shape[0]
+        self._kv_caches = kv_caches  # keep the engine's tensors alive as long as we hold their addresses
+        self._worker = Worker(
+            tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
+            dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
+        )
+        info = self._worker.info()
+        log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
+                 "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
+                 info["host_blocks"], info["disk_blocks"])
+
+    def _describe_caches(self, kv_caches):
+        from kvbm._layers import order_layers
+
+        names = order_layers(list(kv_caches))
+        first = kv_caches[names[0]]
+        if first.device.type != "cpu" and _native.library_path()[1] != "cuda":
+            raise ValueError(
+                f"KV cache tensors are on {first.device} but the loaded kvbm library has no CUDA support "
+                "(build it with `make cuda`)")
+        nd = first.dim()
+        if first.device.type == "cpu":
+            kind = "cpu_paged" if nd == 4 else ("cpu" if nd == 5 else "mla")
+        elif nd == 5:
+            kind = "flash_attn" if first.shape[0] == 2 else "flashinfer"
+        elif nd == 3:
+            kind = "mla"
+        else:
+            raise ValueError(f"cannot interpret KV cache tensor shape {tuple(first.shape)}")
+        tensors = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in (kv_caches[n] for n in names)]
+        return tensors, kind, first.element_size()
+
+    def bind_connector_metadata(self, connector_metadata):
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and connector_metadata is not None and connector_metadata.plan:
+            self._worker.bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self):
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs):
+        if self._worker is not None:
+            self._worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        # Saves run in wait_for_save, once the whole step has been written: layer
+        # hooks are skipped under full CUDA graphs and on steps without attention.
+        return None
+
+    def wait_for_save(self):
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids):
+        if self._worker is None:
+            return None, None
+        loaded, errors = self._worker.finished()
+        if errors:
+            self._load_errors.update(errors)
+            log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
+        return None, (set(loaded) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs

@@ -1,0 +1,144 @@
+"""The C ABI and its Python binding: lazy loading, errors, panics, fork safety."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIB = os.path.join(ROOT, "python", "kvbm", "lib", "libkvbm.so")
+
+
+def run_py(code, env=None):
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=120)
+
+
+def test_import_does_not_load_native_library():
+    r = run_py(
+        """
+        import kvbm, kvbm._native as n
+        import kvbm.vllm_integration.connector, kvbm.trtllm_integration.connector
+        assert n._lib is None, "native library loaded at import"
+        with open('/proc/self/maps') as f:
+            assert 'libkvbm' not in f.read()
+        print('ok')
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout
+
+
+def test_only_kvbm_symbols_exported():
+    out = subprocess.run(["nm", "-D", "--defined-only", LIB], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.split() and line.split()[-2] in ("T", "t")]
+    assert names, "no exported functions found"
+    stray = [n for n in names if not n.startswith("kvbm_")]
+    assert not stray, f"symbols outside the kvbm_ namespace: {stray[:20]}"
+
+
+def test_golden_hashes_through_python():
+    import kvbm
+    from kvbm import _native
+
+    # SPEC §3: default salt ("{}"), blocks [1,2,3,4] and [5,6,7,8].
+    assert _native.salt_hash() == 1389868326933519382
+    seq = kvbm.sequence_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert seq == [8026409477313730465, 8178148779430958753]  # trailing partial block has no hash
+    # Seed/salt 1337 chain.
+    assert _native.sequence_hashes(list(range(1, 13)), 4, salt_hash=1337) == [
+        14643705804678351452,
+        4945711292740353085,
+        12583592247330656132,
+    ]
+    assert kvbm.router_hashes(list(range(16)), 16) == [15310707395893867146]
+    # Salt and LoRA change the hash.
+    assert kvbm.sequence_hashes([1, 2, 3, 4], 4, salt="s")[0] != seq[0]
+    assert kvbm.sequence_hashes([1, 2, 3, 4], 4, lora_name="a")[0] != seq[0]
+
+
+def test_invalid_argument_raises_with_go_message():
+    import kvbm
+    from kvbm import _native
+
+    with pytest.raises(kvbm.KvbmError, match="block_size must be positive"):
+        _native.sequence_hashes([1, 2, 3], 0, salt_hash=1)
+
+
+def test_config_error_names_variable():
+    r = run_py(
+        """
+        import kvbm, kvbm._native as n
+        try:
+            n.config_check()
+        except kvbm.KvbmConfigError as e:
+            print('ERR', e)
+        """,
+        env={"DYN_KVBM_CPU_CACHE_GB": "lots", "DYN_KVBM_METRICS_PORT": "70000"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "DYN_KVBM_CPU_CACHE_GB" in r.stdout and "lots" in r.stdout
+    assert "DYN_KVBM_METRICS_PORT" in r.stdout and "70000" in r.stdout
+
+
+def test_config_requires_a_tier():
+    r = run_py(
+        """
+        import kvbm, kvbm._native as n
+        print(n.config_check(require_tier=False).splitlines()[0])
+        try:
+            n.config_check(require_tier=True)
+        except kvbm.KvbmConfigError as e:
+            print('ERR', e)
+        """,
+        env={"DYN_KVBM_CPU_CACHE_GB": "", "DYN_KVBM_DISK_CACHE_GB": ""},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERR" in r.stdout and "DYN_KVBM_CPU_CACHE_GB" in r.stdout
+
+
+def test_panic_becomes_exception_and_poisons():
+    r = run_py(
+        """
+        import kvbm, kvbm._native as n
+        assert n.sequence_hashes([1,2,3,4], 4, salt_hash=1337) == [14643705804678351452]
+        try:
+            n.debug_panic()
+        except kvbm.KvbmInternalError as e:
+            assert 'panic' in str(e) and 'nil map' in str(e), e
+            print('caught')
+        assert n.is_poisoned()
+        try:
+            n.sequence_hashes([1,2,3,4], 4, salt_hash=1337)
+        except kvbm.KvbmPoisonedError as e:
+            print('poisoned:', str(e).splitlines()[0])
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "caught" in r.stdout
+    assert "poisoned: kvbm is poisoned" in r.stdout
+
+
+def test_fork_then_call_raises():
+    r = run_py(
+        """
+        import os, kvbm, kvbm._native as n
+        n.salt_hash()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                n.salt_hash()
+                os._exit(3)
+            except kvbm.KvbmForkError as e:
+                os._exit(0 if 'forked' in str(e) or 'fork' in str(e) else 4)
+        _, status = os.waitpid(pid, 0)
+        print('child', os.waitstatus_to_exitcode(status))
+        print('parent still works', n.salt_hash() == 1389868326933519382)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "child 0" in r.stdout
+    assert "parent still works True" in r.stdout

@@ -1,0 +1,317 @@
+// Package consolidator merges the engine's KV events (G1) with kvbm's host
+// (G2) and disk (G3) tier events into one stream for KV-aware routers
+// (SPEC §7): one STORE per logical block, one REMOVE when no holder has it
+// any more.
+package consolidator
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math/bits"
+
+	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/hashing"
+)
+
+// Engine names the engine whose G1 events the consolidator receives; it
+// only changes how the engine holder is named in log lines.
+type Engine uint8
+
+const (
+	EngineVllm   Engine = iota // vLLM (default)
+	EngineTrtllm               // TensorRT-LLM
+)
+
+func (e Engine) String() string {
+	if e == EngineTrtllm {
+		return "Trtllm"
+	}
+	return "Vllm"
+}
+
+// numHolders bounds events.Holder values (1..3) for the per-holder arrays.
+const numHolders = 4
+
+// extEntry maps one external hash to its block.
+type extEntry struct {
+	key uint64 // the block's dedup key
+	// holders is the set (bit per events.Holder) of holders that stored the
+	// block under this external hash. kvbm's host and disk tiers share
+	// their external hash (kvbm's sequence hash), so one entry can serve
+	// both; it is deleted when its last holder removes it.
+	holders uint8
+}
+
+// block is one logical block, by dedup key.
+type block struct {
+	first uint64 // the external hash the router was told in the STORE
+	// refs counts, per holder, the external hashes through which that
+	// holder holds the block. It is a count rather than a flag because an
+	// engine can cache identical content at the same position under two
+	// external hashes (e.g. two cache salts: vLLM's hashes differ, the
+	// router key does not); the block stays until the last one goes.
+	refs [numHolders]uint32
+}
+
+func (b *block) holders() (set uint8) {
+	for h := 1; h < numHolders; h++ {
+		if b.refs[h] > 0 {
+			set |= 1 << h
+		}
+	}
+	return set
+}
+
+// Tracker is the deduplication state machine of SPEC §7.2. It is not safe
+// for concurrent use: the Consolidator serialises all calls under its lock.
+//
+// Improvements over the reference: kvbm's host and disk tiers are separate
+// holders (evicting one tier's copy never removes a block the other still
+// has), holders are reference-counted per external hash, and the dedup key
+// includes the LoRA adapter as the router's own hash does (the reference
+// ignores it, so identical tokens under two adapters collide).
+type Tracker struct {
+	name  Engine // how the engine holder (events.HolderEngine) is named in logs
+	log   *slog.Logger
+	debug bool // log.Enabled(debug) at construction; avoids formatting on the hot path
+
+	blocks map[uint64]*block   // dedup key → block
+	ext    map[uint64]extEntry // external hash → key and holders
+	queue  []events.ConsolidatedEvent
+
+	// Stats (monotonic).
+	stores, removes, clears uint64
+	deduped                 uint64 // stores and removes absorbed without an event
+	unknownRemoves          uint64 // removes of hashes or holders not tracked (warned)
+}
+
+// NewTracker returns an empty tracker. logger may be nil (discard).
+func NewTracker(engine Engine, logger *slog.Logger) *Tracker {
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	return &Tracker{
+		name:   engine,
+		log:    logger,
+		debug:  logger.Enabled(context.Background(), slog.LevelDebug),
+		blocks: make(map[uint64]*block),
+		ext:    make(map[uint64]extEntry),
+	}
+}
+
+// holderName renders a holder as the log lines of SPEC §7.2 do: the engine
+// as Vllm or Trtllm, kvbm's tiers as KvbmHost and KvbmDisk.
+func (t *Tracker) holderName(h events.Holder) string {
+	if h == events.HolderEngine {
+		return t.name.String()
+	}
+	return h.String()
+}
+
+func validHolder(h events.Holder) bool {
+	return h >= events.HolderEngine && h <= events.HolderKvbmDisk
+}
+
+// Key returns the dedup key of a block: the router sequence hash (SPEC §3)
+// of its tokens chained onto its parent's key, or its local hash when the
+// parent is absent or not tracked (an unknown parent keys the block as a
+// first block, as the reference does).
+func (t *Tracker) Key(tokens []uint32, lora string, parentExt uint64, hasParent bool) (key, local uint64) {
+	local = hashing.RouterLocalHash(tokens, lora)
+	if hasParent {
+		if pe, ok := t.ext[parentExt]; ok {
+			return hashing.RouterSequenceHash(pe.key, local), local
+		}
+	}
+	return local, local
+}
+
+// Store records that holder h caches the block with external hash ext.
+// It queues a STORE and returns true only when no holder had the block
+// before. tokens are copied when queued; the caller may reuse them.
+func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt uint64, hasParent bool,
+	blockSize int, lora string) bool {
+	if !validHolder(h) {
+		t.log.Warn(fmt.Sprintf("Ignoring store of block %d from unknown holder %d", ext, uint8(h)))
+		return false
+	}
+	bit := uint8(1) << h
+
+	// A known external hash names the same block whatever its parent's
+	// state now: hashes are derived from the content and its whole prefix.
+	// Recomputing would go wrong once the parent has been evicted (kvbm's
+	// LRU can drop a parent from G2 before its child is copied to G3), so
+	// the mapping wins.
+	if e, ok := t.ext[ext]; ok {
+		b := t.blocks[e.key]
+		if e.holders&bit != 0 {
+			t.deduped++
+			if t.debug {
+				t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) already in source %s, external_hash=%d",
+					b.first, e.key, t.holderName(h), ext))
+			}
+			return false
+		}
+		t.ext[ext] = extEntry{key: e.key, holders: e.holders | bit}
+		t.addRef(b, e.key, h, ext, len(tokens))
+		return false
+	}
+
+	key, local := t.Key(tokens, lora, parentExt, hasParent)
+	if b, ok := t.blocks[key]; ok {
+		t.ext[ext] = extEntry{key: key, holders: bit}
+		t.addRef(b, key, h, ext, len(tokens))
+		return false
+	}
+
+	b := &block{first: ext}
+	b.refs[h] = 1
+	t.blocks[key] = b
+	t.ext[ext] = extEntry{key: key, holders: bit}
+
+	ev := events.ConsolidatedEvent{Kind: events.KindStored, BlockHash: ext,
+		TokenIDs: append([]uint32(nil), tokens...), BlockSize: blockSize, LoraName: lora, TokensHash: local}
+	// The router knows a block only by the hash it was first told, so the
+	// parent is named by its first hash, not by this holder's hash of it.
+	if hasParent {
+		if pe, ok := t.ext[parentExt]; ok {
+			if pb, ok := t.blocks[pe.key]; ok {
+				ev.ParentHash, ev.HasParent = pb.first, true
+			}
+		}
+	}
+	t.queue = append(t.queue, ev)
+	t.stores++
+	if t.debug {
+		t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) stored in first source %s, will publish STORE event (total tracked: %d, hash_mapping: %d)",
+			ext, key, t.holderName(h), len(t.blocks), len(t.ext)))
+	}
+	return true
+}
+
+// addRef adds a reference from holder h to an existing block (a
+// deduplicated store).
+func (t *Tracker) addRef(b *block, key uint64, h events.Holder, ext uint64, ntok int) {
+	b.refs[h]++
+	t.deduped++
+	if t.debug && b.refs[h] == 1 {
+		t.log.Debug(fmt.Sprintf("DEDUP: Block %d (seq_hash=%d) added to source %s (already exists in %d source(s), %d tokens, external_hash=%d)",
+			b.first, key, t.holderName(h), bits.OnesCount8(b.holders())-1, ntok, ext))
+	}
+}
+
+// Remove records that holder h evicted the block with external hash ext.
+// It queues a REMOVE (under the block's first hash) and returns true only
+// when no holder has the block any more.
+func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
+	e, ok := t.ext[ext]
+	if !ok {
+		t.unknownRemoves++
+		t.log.Warn(fmt.Sprintf("Attempted to remove unknown block %d from source %s (not in hash_mapping)", ext, t.holderName(h)))
+		return false
+	}
+	bit := uint8(1) << h
+	if !validHolder(h) || e.holders&bit == 0 {
+		t.unknownRemoves++
+		t.log.Warn(fmt.Sprintf("Attempted to remove source %s from block %d but it wasn't present", t.holderName(h), ext))
+		return false
+	}
+	if e.holders &^= bit; e.holders == 0 {
+		delete(t.ext, ext)
+	} else {
+		t.ext[ext] = e
+	}
+	b := t.blocks[e.key]
+	b.refs[h]--
+	if set := b.holders(); set != 0 {
+		t.deduped++
+		if t.debug {
+			t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) removed from source %s, still in %d source(s) (hash_mapping: %d)",
+				b.first, e.key, t.holderName(h), bits.OnesCount8(set), len(t.ext)))
+		}
+		return false
+	}
+	// Every extEntry pointing at the key held a reference, so with none
+	// left no mapping to the block remains: nothing stray to purge.
+	delete(t.blocks, e.key)
+	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: b.first})
+	t.removes++
+	if t.debug {
+		t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) removed from last source %s, will publish REMOVE event (total tracked: %d, hash_mapping: %d)",
+			b.first, e.key, t.holderName(h), len(t.blocks), len(t.ext)))
+	}
+	return true
+}
+
+// ClearAll forgets every block and queues CLEAR (SPEC §7.2). kvbm's later
+// removals of blocks it still held are then warned about as unknown, and
+// its re-registrations published as new STOREs, as in the reference.
+func (t *Tracker) ClearAll() {
+	clear(t.blocks)
+	clear(t.ext)
+	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindCleared})
+	t.clears++
+	if t.debug {
+		t.log.Debug("All blocks cleared, will publish CLEAR event")
+	}
+}
+
+// ApplyEngine feeds one decoded engine event (holder: the engine).
+func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
+	switch ev.Kind {
+	case events.KindStored:
+		for i, h := range ev.BlockHashes {
+			p, hp := ev.Parent(i)
+			t.Store(h, events.HolderEngine, ev.Block(i), p, hp, ev.BlockSize, ev.LoraName)
+		}
+	case events.KindRemoved:
+		for _, h := range ev.BlockHashes {
+			t.Remove(h, events.HolderEngine)
+		}
+	case events.KindCleared:
+		t.ClearAll()
+	}
+}
+
+// ApplyKvbm feeds one kvbm tier event: its external hash is kvbm's
+// sequence hash, its parent the parent's sequence hash.
+func (t *Tracker) ApplyKvbm(ev *events.BlockEvent) {
+	if ev.Removed {
+		t.Remove(ev.SeqHash, ev.Holder)
+		return
+	}
+	t.Store(ev.SeqHash, ev.Holder, ev.Tokens, ev.Parent, ev.HasParent, ev.BlockSize, ev.LoraName)
+}
+
+// Drain appends the queued events to dst, empties the queue and returns the
+// extended slice.
+func (t *Tracker) Drain(dst []events.ConsolidatedEvent) []events.ConsolidatedEvent {
+	dst = append(dst, t.queue...)
+	clear(t.queue) // drop token slices for the GC
+	t.queue = t.queue[:0]
+	return dst
+}
+
+// Queued is the number of events waiting to be drained.
+func (t *Tracker) Queued() int { return len(t.queue) }
+
+// Len is the number of logical blocks tracked.
+func (t *Tracker) Len() int { return len(t.blocks) }
+
+// Holders returns the holders of the block with external hash ext (nil if
+// not tracked), for tests and diagnostics.
+func (t *Tracker) Holders(ext uint64) []events.Holder {
+	e, ok := t.ext[ext]
+	if !ok {
+		return nil
+	}
+	var out []events.Holder
+	set := t.blocks[e.key].holders()
+	for h := events.HolderEngine; h <= events.HolderKvbmDisk; h++ {
+		if set&(1<<h) != 0 {
+			out = append(out, h)
+		}
+	}
+	return out
+}

@@ -31,8 +31,11 @@ func main() {
 	dir := flag.String("dir", os.TempDir(), "directory on a real disk (not tmpfs) for the G3 file and the baseline file")
 	reps := flag.Int("reps", 5, "rounds; the table shows medians")
 	noDisk := flag.Bool("no-disk", false, "skip the G3 rows")
+	conc := flag.Int("concurrency", worker.DefaultMaxConcurrent, "DYN_KVBM_MAX_CONCURRENT_TRANSFERS")
+	batch := flag.Int("batch", worker.DefaultBatchSize, "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE")
 	flag.Parse()
-	if err := run(*blocks, *dir, *reps, !*noDisk); err != nil {
+	o := workerbench.Options{Blocks: *blocks, Disk: !*noDisk, DiskDir: *dir, MaxConcurrent: *conc, BatchSize: *batch}
+	if err := run(o, *reps); err != nil {
 		fmt.Fprintln(os.Stderr, "bench/transfer:", err)
 		os.Exit(1)
 	}
@@ -46,8 +49,9 @@ func median(ds []time.Duration) time.Duration {
 	return s[len(s)/2]
 }
 
-func run(blocks int, dir string, reps int, disk bool) error {
-	f, err := workerbench.New(workerbench.Options{Blocks: blocks, Disk: disk, DiskDir: dir})
+func run(o workerbench.Options, reps int) error {
+	blocks, disk := o.Blocks, o.Disk
+	f, err := workerbench.New(o)
 	if err != nil {
 		return err
 	}
@@ -82,7 +86,7 @@ func run(blocks int, dir string, reps int, disk bool) error {
 		blocks, f.Engine.BytesPerBlock(), float64(f.Bytes)/1e9)
 	fmt.Printf("layout: %v\n", f.Engine)
 	fmt.Printf("worker: max concurrent batches %d, batch size %d, O_DIRECT %v; GOMAXPROCS-visible CPUs %d; %d rounds, medians\n\n",
-		worker.DefaultMaxConcurrent, worker.DefaultBatchSize, f.Worker.DiskDirect(), numCPU(), reps)
+		o.MaxConcurrent, o.BatchSize, f.Worker.DiskDirect(), numCPU(), reps)
 	fmt.Printf("%-20s %8s   %-30s %8s   %6s\n", "operation", "GB/s", "baseline (same run)", "GB/s", "ratio")
 	for _, r := range rows {
 		var ops, bases []time.Duration

@@ -28,7 +28,7 @@ func Gather(e *layout.Engine, block int, dst []byte) {
 	for l := 0; l < e.NumLayers; l++ {
 		for o := 0; o < e.OuterDim; o++ {
 			off := h.ChunkOffset(l, o)
-			copy(dst[off:off+e.ChunkBytes], bytesAt(e.ChunkAddr(block, l, o), e.ChunkBytes))
+			copyChunk(dst[off:off+e.ChunkBytes], bytesAt(e.ChunkAddr(block, l, o), e.ChunkBytes))
 		}
 	}
 }
@@ -40,7 +40,7 @@ func Scatter(e *layout.Engine, block int, src []byte) {
 	for l := 0; l < e.NumLayers; l++ {
 		for o := 0; o < e.OuterDim; o++ {
 			off := h.ChunkOffset(l, o)
-			copy(bytesAt(e.ChunkAddr(block, l, o), e.ChunkBytes), src[off:off+e.ChunkBytes])
+			copyChunk(bytesAt(e.ChunkAddr(block, l, o), e.ChunkBytes), src[off:off+e.ChunkBytes])
 		}
 	}
 }

@@ -103,3 +103,57 @@ func TestLimiter(t *testing.T) {
 		require.LessOrEqual(t, int(peak.Load()), max(tc.slots, 1))
 	}
 }
+
+func TestCopyChunk(t *testing.T) {
+	src := mmap(t, 1<<16)
+	dst := mmap(t, 1<<16+64)
+	for i := range src {
+		src[i] = byte(i*13 + i>>8)
+	}
+	for _, n := range []int{0, 1, 127, 4095, 4096, 4097, 5000, 32768, 1<<16 - 3} {
+		for _, dOff := range []int{0, 1, 8, 15, 16, 33} {
+			for _, sOff := range []int{0, 3} {
+				if sOff+n > len(src) {
+					continue
+				}
+				clear(dst)
+				copyChunk(dst[dOff:dOff+n], src[sOff:sOff+n])
+				require.Equal(t, src[sOff:sOff+n], dst[dOff:dOff+n], "n=%d dst+%d src+%d", n, dOff, sOff)
+				require.Zero(t, bytes.Count(dst[:dOff], []byte{0})-dOff, "wrote before dst")
+				require.Equal(t, len(dst)-dOff-n, bytes.Count(dst[dOff+n:], []byte{0}), "wrote past dst")
+			}
+		}
+	}
+}
+
+// BenchmarkGather compares plain and non-temporal stores on the issue's
+// FlashAttention shape (32 KiB chunks, 32 layers), gathering scattered blocks.
+func BenchmarkGather(b *testing.B) {
+	const layers, nb, chunk = 32, 256, 32 << 10
+	mem, err := unix.Mmap(-1, 0, layers*2*nb*chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
+	require.NoError(b, err)
+	defer func() { _ = unix.Munmap(mem) }()
+	var ts []layout.Tensor
+	for l := 0; l < layers; l++ {
+		ts = append(ts, layout.Tensor{Ptr: uintptr(unsafe.Pointer(&mem[l*2*nb*chunk])), Shape: []int64{2, nb, 16, 8, 128}})
+	}
+	e, err := layout.NewEngine(layout.Spec{Tensors: ts, NumBlocks: nb, BlockSize: 16, DtypeBytes: 2})
+	require.NoError(b, err)
+	host, err := unix.Mmap(-1, 0, nb*int(e.BytesPerBlock()), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
+	require.NoError(b, err)
+	defer func() { _ = unix.Munmap(host) }()
+	bpb := int(e.BytesPerBlock())
+	for _, nt := range []bool{false, true} {
+		b.Run(map[bool]string{false: "plain", true: "nontemporal"}[nt], func(b *testing.B) {
+			old := useNT
+			useNT = nt
+			defer func() { useNT = old }()
+			b.SetBytes(int64(nb * bpb))
+			for b.Loop() {
+				for i := 0; i < nb; i++ {
+					Gather(e, (i*97)%nb, host[i*bpb:(i+1)*bpb])
+				}
+			}
+		})
+	}
+}

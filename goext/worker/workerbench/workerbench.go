@@ -40,6 +40,8 @@ type Options struct {
 	G1Blocks int    // engine blocks (≥ 2 × Blocks so sources and targets scatter); 0: 2 × Blocks
 	Disk     bool   // also create a G3 tier and a baseline file
 	DiskDir  string // a directory on a real disk (not tmpfs); "": os.TempDir()
+	// MaxConcurrent and BatchSize go to the worker; 0: its defaults.
+	MaxConcurrent, BatchSize int
 	Logger   *slog.Logger
 }
 
@@ -102,7 +104,8 @@ func New(o Options) (*Fixture, error) {
 		f.srcs = append(f.srcs, int64(perm[i]))
 		f.dsts = append(f.dsts, int64(perm[o.Blocks+i%(o.G1Blocks-o.Blocks)]))
 	}
-	wo := worker.Options{HostBlocks: o.Blocks, Logger: o.Logger, Metrics: metrics.New()}
+	wo := worker.Options{HostBlocks: o.Blocks, Logger: o.Logger, Metrics: metrics.New(),
+		MaxConcurrent: o.MaxConcurrent, BatchSize: o.BatchSize}
 	if o.Disk {
 		if f.dir, err = os.MkdirTemp(o.DiskDir, "kvbm-bench-"); err != nil {
 			f.Close()

@@ -1,0 +1,7 @@
+//go:build !amd64
+
+package transfer
+
+var useNT = false
+
+func copyChunk(dst, src []byte) { copy(dst, src) }

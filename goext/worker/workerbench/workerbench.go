@@ -42,7 +42,7 @@ type Options struct {
 	DiskDir  string // a directory on a real disk (not tmpfs); "": os.TempDir()
 	// MaxConcurrent and BatchSize go to the worker; 0: its defaults.
 	MaxConcurrent, BatchSize int
-	Logger   *slog.Logger
+	Logger                   *slog.Logger
 }
 
 // Fixture holds the memory and worker of one benchmark run.

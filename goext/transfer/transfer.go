@@ -45,6 +45,43 @@ func Scatter(e *layout.Engine, block int, src []byte) {
 	}
 }
 
+// GatherBlocks is Gather for several blocks: dsts[i] receives G1 block
+// blocks[i]. It walks (layer, outer, block) rather than block by block, so
+// with block ids sorted, consecutive copies read neighbouring engine memory
+// (one long stream per layer and K/V instead of 2 × layers short ones per
+// block); scattered reads were measured at ~60% of a contiguous memcpy, this
+// order recovers most of the gap.
+func GatherBlocks(e *layout.Engine, blocks []int, dsts [][]byte) {
+	h := e.Host()
+	for i := range blocks {
+		_ = dsts[i][h.BytesPerBlock()-1]
+	}
+	for l := 0; l < e.NumLayers; l++ {
+		for o := 0; o < e.OuterDim; o++ {
+			off := h.ChunkOffset(l, o)
+			for i, b := range blocks {
+				copyChunk(dsts[i][off:off+e.ChunkBytes], bytesAt(e.ChunkAddr(b, l, o), e.ChunkBytes))
+			}
+		}
+	}
+}
+
+// ScatterBlocks is Scatter for several blocks: srcs[i] goes to G1 block blocks[i].
+func ScatterBlocks(e *layout.Engine, blocks []int, srcs [][]byte) {
+	h := e.Host()
+	for i := range blocks {
+		_ = srcs[i][h.BytesPerBlock()-1]
+	}
+	for l := 0; l < e.NumLayers; l++ {
+		for o := 0; o < e.OuterDim; o++ {
+			off := h.ChunkOffset(l, o)
+			for i, b := range blocks {
+				copyChunk(bytesAt(e.ChunkAddr(b, l, o), e.ChunkBytes), srcs[i][off:off+e.ChunkBytes])
+			}
+		}
+	}
+}
+
 // Limiter bounds how many transfer batches run at once across every caller
 // sharing it (DYN_KVBM_MAX_CONCURRENT_TRANSFERS). Each running batch holds
 // one slot; slot numbers index per-slot scratch buffers (disk bounce buffers).

@@ -29,6 +29,7 @@
 package worker
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -442,7 +443,24 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 		order[i] = i
 	}
 	key := func(c plan.Copy) int { return int(c.Src)*16 + int(c.Dst) }
-	slices.SortStableFunc(order, func(a, b int) int { return key(ops[a]) - key(ops[b]) })
+	// Within one direction, order by the block whose placement matters:
+	// the G1 block (neighbouring engine memory, see transfer.GatherBlocks),
+	// else the disk block (sequential file offsets).
+	locality := func(c plan.Copy) int64 {
+		switch {
+		case c.Src == plan.G1:
+			return c.SrcBlock
+		case c.Dst == plan.G1, c.Dst == plan.G3:
+			return c.DstBlock
+		}
+		return c.SrcBlock
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		if d := key(ops[a]) - key(ops[b]); d != 0 {
+			return d
+		}
+		return cmp.Compare(locality(ops[a]), locality(ops[b]))
+	})
 	type batch struct{ lo, hi int } // range of order
 	var batches []batch
 	for lo := 0; lo < len(order); {
@@ -458,8 +476,16 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 		dir := direction(ops[order[b.lo]])
 		start := time.Now()
 		var moved int64
-		for _, i := range order[b.lo:b.hi] {
-			if errs[i] = w.copyOne(ops[i], slot); errs[i] == nil {
+		idx := order[b.lo:b.hi]
+		if c := ops[idx[0]]; (c.Src == plan.G1 && c.Dst == plan.G2) || (c.Src == plan.G2 && c.Dst == plan.G1) {
+			w.copyMemBatch(ops, idx, errs)
+		} else {
+			for _, i := range idx {
+				errs[i] = w.copyOne(ops[i], slot)
+			}
+		}
+		for _, i := range idx {
+			if errs[i] == nil {
 				moved += w.bpb
 			}
 		}
@@ -493,6 +519,54 @@ func (w *Worker) checkBlock(t plan.Tier, b int64) error {
 		return fmt.Errorf("%v block %d out of range [0, %d)", t, b, n)
 	}
 	return nil
+}
+
+// copyMemBatch runs one batch of G1→G2 or G2→G1 copies as a single chunk
+// walk over all its blocks (transfer.GatherBlocks / ScatterBlocks).
+func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
+	toHost := ops[idx[0]].Src == plan.G1
+	g1s := make([]int, 0, len(idx))
+	bufs := make([][]byte, 0, len(idx))
+	live := make([]int, 0, len(idx))
+	for _, i := range idx {
+		c := ops[i]
+		if err := w.checkBlock(c.Src, c.SrcBlock); err != nil {
+			errs[i] = fmt.Errorf("copy source: %w", err)
+			continue
+		}
+		if err := w.checkBlock(c.Dst, c.DstBlock); err != nil {
+			errs[i] = fmt.Errorf("copy destination: %w", err)
+			continue
+		}
+		if toHost {
+			w.hostValid[c.DstBlock].Store(false)
+			g1s, bufs = append(g1s, int(c.SrcBlock)), append(bufs, w.host.Block(int(c.DstBlock)))
+		} else {
+			if !w.hostValid[c.SrcBlock].Load() {
+				errs[i] = fmt.Errorf("G2 block %d: %w", c.SrcBlock, ErrNotValid)
+				continue
+			}
+			g1s, bufs = append(g1s, int(c.DstBlock)), append(bufs, w.host.Block(int(c.SrcBlock)))
+		}
+		live = append(live, i)
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			err := fmt.Errorf("internal error in a batch of %d copies: %v", len(live), r)
+			w.log.Error("kvbm worker: recovered from a panic in a copy batch", "err", err)
+			for _, i := range live {
+				errs[i] = err
+			}
+		}
+	}()
+	if toHost {
+		transfer.GatherBlocks(w.g1, g1s, bufs)
+		for _, i := range live {
+			w.hostValid[ops[i].DstBlock].Store(true)
+		}
+	} else {
+		transfer.ScatterBlocks(w.g1, g1s, bufs)
+	}
 }
 
 // copyOne moves one block. slot owns bounce block `slot` for G1↔G3 copies.

@@ -108,3 +108,16 @@ func anyTokens(chunks ...[]uint32) []any {
 	}
 	return out
 }
+
+// dumpOnFail prints a consolidator's stats and log lines if the test fails.
+func dumpOnFail(t *testing.T, c *Consolidator, rec *logRecorder) {
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		t.Logf("stats %+v", c.Stats())
+		for _, l := range rec.all() {
+			t.Log(l)
+		}
+	})
+}

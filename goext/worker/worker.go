@@ -108,6 +108,7 @@ type Worker struct {
 	degraded  atomic.Bool
 
 	loads sync.WaitGroup // background load goroutines (owned by StartLoad, joined by WaitLoads/Close)
+	saves sync.WaitGroup // WaitForSave calls in progress (Close waits for them before unmapping)
 
 	mu       sync.Mutex // guards everything below
 	step     *plan.Step // the bound step
@@ -357,7 +358,9 @@ func (w *Worker) WaitForSave() {
 		return
 	}
 	w.savesRun = true
+	w.saves.Add(1)
 	w.mu.Unlock()
+	defer w.saves.Done()
 	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
 		w.logFailures("move", s.Moves, errs)
 	}
@@ -391,7 +394,10 @@ func (w *Worker) Close() error {
 	}
 	w.closed = true
 	w.mu.Unlock()
+	// Nothing new starts once closed is set; wait for what is running
+	// before the regions it copies into disappear.
 	w.loads.Wait()
+	w.saves.Wait()
 	var errs []error
 	for _, c := range []interface{ Close() error }{w.host, w.diskFile, w.bounce} {
 		if c != nil && !isNilRegion(c) {

@@ -422,3 +422,39 @@ func TestSkippedPhasesRunAtNextBind(t *testing.T) {
 	require.Empty(t, failed)
 	require.Equal(t, want, g.block(1))
 }
+
+// TestLoadsOverlapSaves: a step's background loads run while its saves
+// execute (as in an engine step); both land byte exact, race-free.
+func TestLoadsOverlapSaves(t *testing.T) {
+	g := newG1(t, layout.FlashInfer)
+	w := newWorker(t, g, Options{HostBlocks: 24, MaxConcurrent: 4, BatchSize: 1})
+	first := []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}
+	want := make([][]byte, 0, 20)
+	for _, b := range first {
+		want = append(want, g.block(b))
+	}
+	run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, first, plan.G2, first)})
+	second := []int64{10, 11, 12, 13, 14, 15, 16, 17, 18, 19}
+	for _, b := range second {
+		want = append(want, g.block(b))
+	}
+	targets := []int64{30, 31, 32, 33, 34, 35, 36, 37, 38, 39}
+	require.NoError(t, w.Bind(&plan.Step{Seq: 2,
+		Loads: []plan.Load{{ReqID: "r", Copies: copies(plan.G2, first, plan.G1, targets)}},
+		Saves: copies(plan.G1, second, plan.G2, second)}))
+	w.StartLoad()
+	w.WaitForSave()
+	w.WaitLoads()
+	loaded, failed := w.Finished()
+	require.Equal(t, []string{"r"}, loaded)
+	require.Empty(t, failed)
+	for i, b := range targets {
+		require.Equal(t, want[i], g.block(b))
+	}
+	targets2 := []int64{20, 21, 22, 23, 24, 25, 26, 27, 28, 29}
+	_, failed = run(t, w, &plan.Step{Seq: 3, Loads: []plan.Load{{ReqID: "s", Copies: copies(plan.G2, second, plan.G1, targets2)}}})
+	require.Empty(t, failed)
+	for i, b := range targets2 {
+		require.Equal(t, want[10+i], g.block(b))
+	}
+}

@@ -22,8 +22,8 @@ import "C"
 import (
 	"errors"
 	"fmt"
-	"runtime/debug"
 	"runtime/cgo"
+	"runtime/debug"
 	"sync/atomic"
 	"unsafe"
 )

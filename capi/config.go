@@ -6,20 +6,42 @@ package main
 import "C"
 
 import (
+	"encoding/json"
+
 	"github.com/kvbm/kvbm/goext/config"
 )
+
+// loadConfig parses kvbm's configuration from env, the variables as the
+// caller's runtime sees them (Python's os.environ). A Go library loaded with
+// dlopen sees the process environment as of its load, which can miss
+// variables set later; a nil env falls back to the process environment.
+func loadConfig(env map[string]string) (*config.Config, error) {
+	if env == nil {
+		return config.Load()
+	}
+	return config.FromLookup(func(k string) (string, bool) {
+		v, ok := env[k]
+		return v, ok
+	})
+}
 
 // kvbm_config_check parses and validates every kvbm environment variable and
 // returns the effective configuration summary (or the errors, each naming its
 // variable). requireTier != 0 also demands that G2 or G3 is configured.
 //
 //export kvbm_config_check
-func kvbm_config_check(requireTier C.int, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+func kvbm_config_check(envJSON *C.char, requireTier C.int, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
-	cfg, err := config.Load()
+	var env map[string]string
+	if envJSON != nil {
+		if err := json.Unmarshal([]byte(C.GoString(envJSON)), &env); err != nil {
+			return finish(errorf(statusInvalid, "kvbm_config_check: environment: %v", err), errOut)
+		}
+	}
+	cfg, err := loadConfig(env)
 	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
 	}

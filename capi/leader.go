@@ -13,7 +13,6 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
@@ -28,6 +27,8 @@ type leaderOptions struct {
 	// Consolidator, when set, starts the KV event consolidator and feeds it
 	// the leader's G2/G3 events.
 	Consolidator *consolidatorOptions `json:"consolidator,omitempty"`
+	// Env holds kvbm's variables as the caller sees them (see loadConfig).
+	Env map[string]string `json:"env"`
 }
 
 type leaderHandle struct {
@@ -61,7 +62,8 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_new: options: %v", err), errOut)
 	}
-	cfg, err := config.Load()
+	applyLogEnv(o.Env)
+	cfg, err := loadConfig(o.Env)
 	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
 	}

@@ -12,7 +12,6 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/worker"
@@ -29,6 +28,8 @@ type workerOptions struct {
 	BlockSize  int            `json:"block_size"`
 	DtypeBytes int            `json:"dtype_bytes"`
 	Tensors    []tensorOption `json:"tensors"`
+	// Env holds kvbm's variables as the caller sees them (see loadConfig).
+	Env map[string]string `json:"env"`
 }
 
 type tensorOption struct {
@@ -54,7 +55,8 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_worker_new: options: %v", err), errOut)
 	}
-	cfg, err := config.Load()
+	applyLogEnv(o.Env)
+	cfg, err := loadConfig(o.Env)
 	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
 	}

@@ -108,6 +108,11 @@ func (s *slot) setSalt(salt uint64) {
 // ensureHashes extends hashes to the first n full blocks (n ≤ len(tokens)/bs).
 // Each new block costs one block hash and one chain hash: O(new blocks).
 func (s *slot) ensureHashes(n, bs int) {
+	if n <= len(s.hashes) {
+		// Already known, e.g. matching hashed the whole prompt before a
+		// chunked prefill offloads its first chunk.
+		return
+	}
 	s.hashes = slices.Grow(s.hashes, n-len(s.hashes))
 	for i := len(s.hashes); i < n; i++ {
 		h := hashing.BlockHash(s.tokens[i*bs:(i+1)*bs], s.salt)

@@ -387,3 +387,17 @@ func TestSaltFromStep(t *testing.T) {
 	_, ok := e.l.host.Lookup(hashing.SequenceHashes(toks(0, 4), bs, salt, nil)[0])
 	require.True(t, ok)
 }
+
+// TestChunkedPrefillAfterMatch: matching hashes the whole prompt; the first
+// prefill chunk then offloads fewer blocks than are already hashed (a vLLM
+// run with a small max_num_batched_tokens found this).
+func TestChunkedPrefillAfterMatch(t *testing.T) {
+	e := newEnv(t, 16, 0, nil)
+	prompt := toks(700, 4*bs+1)
+	n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 0, n)
+	st := e.step(t, RequestUpdate{ReqID: "r", NewTokens: prompt, NewBlockIDs: []int64{1, 2, 3, 4, 5}, NumScheduledTokens: bs})
+	require.Equal(t, []plan.Copy{save(1, plan.G2, 0)}, st.Saves)
+	st = e.step(t, RequestUpdate{ReqID: "r", NumComputedTokens: bs, NumScheduledTokens: 3*bs + 1})
+	require.Len(t, st.Saves, 3)
+}

@@ -69,6 +69,7 @@ class Leader:
         }
         if consolidator:
             opts["consolidator"] = consolidator
+        opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
@@ -136,6 +137,7 @@ class Worker:
                 {"ptr": int(p), "shape": [int(x) for x in shape], "strides": [int(x) for x in strides]}
                 for p, shape, strides in tensors
             ],
+            "env": _native.env_snapshot(),
         }
         h = c_uint64()
         _native.call("kvbm_worker_new", json.dumps(opts).encode(), byref(h))

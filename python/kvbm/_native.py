@@ -70,7 +70,7 @@ def _declare(lib):
         "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, P(c_uint64), err]),
         "kvbm_sequence_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_uint64, P(c_uint64), c_int64, P(c_int64), err]),
         "kvbm_router_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_char_p, P(c_uint64), c_int64, P(c_int64), err]),
-        "kvbm_config_check": (c_int, [c_int, P(P(c_uint8)), P(c_int64), err]),
+        "kvbm_config_check": (c_int, [c_char_p, c_int, P(P(c_uint8)), P(c_int64), err]),
     }
     sig.update(_EXTRA_SIGNATURES)
     for name, (res, args) in sig.items():
@@ -201,9 +201,24 @@ def router_hashes(tokens, block_size: int, *, lora_name=None) -> list[int]:
     return list(out[: got.value])
 
 
+_ENV_PREFIXES = ("DYN_KVBM_", "NATS_SERVER", "DYN_LOG")
+
+
+def env_snapshot() -> dict:
+    """kvbm's variables as Python sees them now.
+
+    Passed to every native constructor: a Go library loaded with dlopen reads
+    the process environment as it was when the library was loaded, which can
+    miss variables an engine sets later (os.environ is authoritative).
+    """
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+
+
 def config_check(require_tier: bool = False) -> str:
     """Validate the environment; returns the effective configuration summary."""
+    import json
+
     buf = POINTER(c_uint8)()
     n = c_int64()
-    call("kvbm_config_check", int(require_tier), byref(buf), byref(n))
+    call("kvbm_config_check", json.dumps(env_snapshot()).encode(), int(require_tier), byref(buf), byref(n))
     return take_buffer(buf, n).decode()

@@ -3,7 +3,7 @@
 No model hub is reachable from this project's machines, so end-to-end tests and
 benchmarks create their own model directory:
 
-    from tests.e2e.tiny_model import make_tiny_model
+    from kvbm.testing.tiny_model import make_tiny_model
     path = make_tiny_model("/tmp/kvbm-tiny")              # ~1 MB, 2 layers
     path = make_tiny_model("/tmp/kvbm-05b", **QWEN2_05B_LIKE)  # ~0.4B params
 

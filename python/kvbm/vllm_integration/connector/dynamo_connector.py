@@ -25,14 +25,18 @@ line: the engine keeps serving, those requests just get no external hits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from kvbm import _native
 
-log = logging.getLogger("kvbm")
+# A child of vLLM's logger, so lines appear in the engine's own log format.
+log = logging.getLogger("vllm.kvbm")
 
 try:  # vLLM is optional at import time (config tooling, unit tests).
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -100,6 +104,33 @@ def _single_group(kv_cache_config):
     return groups[0], None
 
 
+def _guarded(default=None):
+    """Engine-facing methods never raise into vLLM: a kvbm failure (including
+    a Go panic, which poisons the library) disables kvbm for this process with
+    one error log, and vLLM keeps serving by recomputing."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            if self._failed is not None:
+                return default(self) if callable(default) else default
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the engine must survive
+                self._fail(fn.__name__, e)
+                return default(self) if callable(default) else default
+
+        return wrapper
+
+    return deco
+
+
+def _plan_loads(plan: bytes) -> dict[str, list[int]]:
+    """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
+    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    return {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()}
+
+
 class DynamoConnector(KVConnectorBase_V1):
     """kvbm as a vLLM KV connector (both roles)."""
 
@@ -115,7 +146,12 @@ class DynamoConnector(KVConnectorBase_V1):
         self._leader = None
         self._worker = None
         self._disabled_reason = None
+        self._failed = None
+        # Worker side: loads bound but not yet reported finished (request id →
+        # G1 blocks), so that a failure can still answer vLLM for them.
+        self._inflight_loads: dict[str, list[int]] = {}
         if self._is_scheduler:
+            self._prefer_recompute_on_load_failure()
             self._init_scheduler()
         # The worker side is created in register_kv_caches, once the tensors exist.
         self._load_errors: set[int] = set()
@@ -131,6 +167,21 @@ class DynamoConnector(KVConnectorBase_V1):
         self._disabled_reason = reason
         log.error("kvbm disabled for this engine: %s. vLLM keeps serving without kvbm's cache tiers.", reason)
 
+    def _fail(self, where: str, err: Exception) -> None:
+        self._failed = f"{where}: {err}"
+        log.error("kvbm failed in %s and is disabled for this process; vLLM keeps serving and recomputes "
+                  "what kvbm would have loaded. Cause: %s", where, err)
+
+    def _failed_finished(self):
+        # Loads the worker can no longer complete: report them finished with
+        # every block failed, so vLLM recomputes instead of waiting forever.
+        if not self._inflight_loads:
+            return None, None
+        loads, self._inflight_loads = self._inflight_loads, {}
+        for blocks in loads.values():
+            self._load_errors.update(blocks)
+        return None, set(loads)
+
     def shutdown(self):
         for obj in (self._leader, self._worker):
             if obj is not None:
@@ -141,6 +192,24 @@ class DynamoConnector(KVConnectorBase_V1):
         self._leader = self._worker = None
 
     # --------------------------------------------------------------- scheduler
+
+    def _prefer_recompute_on_load_failure(self) -> None:
+        # kvbm is a cache: a block that cannot be loaded (failed read, checksum
+        # mismatch) must be recomputed, not fail the request. vLLM's default
+        # policy is "fail"; its scheduler reads the policy after creating this
+        # connector, so it can be set here. kv_connector_extra_config
+        # {"kv_load_failure_policy": "fail"} keeps vLLM's behaviour.
+        ktc = getattr(self._vllm_config, "kv_transfer_config", None)
+        if ktc is None or not hasattr(ktc, "kv_load_failure_policy"):
+            return
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        wanted = extra.get("kv_load_failure_policy", "recompute")
+        if ktc.kv_load_failure_policy != wanted:
+            try:
+                ktc.kv_load_failure_policy = wanted
+                log.info("kvbm: kv_load_failure_policy=%s (a failed kvbm load is recomputed)", wanted)
+            except Exception as e:  # noqa: BLE001 - frozen config: keep vLLM's policy
+                log.warning("kvbm: could not set kv_load_failure_policy=%s: %s", wanted, e)
 
     def _init_scheduler(self) -> None:
         from kvbm._core import Leader
@@ -186,6 +255,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._salts[rid] = s
         return s
 
+    @_guarded((0, False))
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._leader is None:
             return 0, False
@@ -197,6 +267,7 @@ class DynamoConnector(KVConnectorBase_V1):
         got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
         return got, is_async
 
+    @_guarded(None)
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._leader is None:
             return
@@ -206,6 +277,7 @@ class DynamoConnector(KVConnectorBase_V1):
             block_ids = blocks.get_block_ids()[0]
             self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
 
+    @_guarded(lambda self: DynamoConnectorMetadata())
     def build_connector_meta(self, scheduler_output) -> DynamoConnectorMetadata:
         if self._leader is None:
             return DynamoConnectorMetadata()
@@ -218,7 +290,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._sent_tokens[rid] = len(tokens)
             updates.append([
                 rid, tokens, list(nr.block_ids[0]) if nr.block_ids else [], int(nr.num_computed_tokens),
-                int(num_sched.get(rid, 0)), int(getattr(req, "priority", 0) or 0),
+                int(num_sched.get(rid, 0)), -int(getattr(req, "priority", 0) or 0),
                 self._salt(req) if req is not None else _native.salt_hash(), False,
             ])
         cached = scheduler_output.scheduled_cached_reqs
@@ -237,7 +309,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._sent_tokens[rid] = len(all_tokens)
             updates.append([
                 rid, tokens, list(new_blocks[0]) if new_blocks else [], int(cached.num_computed_tokens[i]),
-                int(num_sched.get(rid, 0)), int(getattr(req, "priority", 0) or 0), self._salt(req), is_resumed,
+                int(num_sched.get(rid, 0)), -int(getattr(req, "priority", 0) or 0), self._salt(req), is_resumed,
             ])
         loaded, self._loaded = self._loaded, []
         invalid, self._invalid_blocks = self._invalid_blocks, []
@@ -247,6 +319,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._seq += 1
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
 
+    @_guarded(None)
     def update_connector_output(self, connector_output):
         if self._leader is None:
             return
@@ -257,6 +330,7 @@ class DynamoConnector(KVConnectorBase_V1):
         if invalid:
             self._invalid_blocks.extend(int(b) for b in invalid)
 
+    @_guarded((False, None))
     def request_finished(self, request, block_ids):
         if self._leader is None:
             return False, None
@@ -271,6 +345,7 @@ class DynamoConnector(KVConnectorBase_V1):
     def take_events(self):
         return ()
 
+    @_guarded(False)
     def reset_cache(self):
         if self._leader is not None:
             self._leader.reset()
@@ -281,6 +356,7 @@ class DynamoConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker
 
+    @_guarded(None)
     def register_kv_caches(self, kv_caches):
         from kvbm._core import Worker
 
@@ -326,12 +402,24 @@ class DynamoConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and connector_metadata is not None and connector_metadata.plan:
-            self._worker.bind(connector_metadata.plan)
+        plan = getattr(connector_metadata, "plan", b"")
+        if not plan:
+            return
+        try:
+            self._inflight_loads.update(_plan_loads(plan))
+        except Exception as e:  # noqa: BLE001
+            self._fail("bind_connector_metadata", e)
+            return
+        if self._failed is None and self._worker is not None:
+            try:
+                self._worker.bind(plan)
+            except Exception as e:  # noqa: BLE001
+                self._fail("bind_connector_metadata", e)
 
     def clear_connector_metadata(self):
         super().clear_connector_metadata()
 
+    @_guarded(None)
     def start_load_kv(self, forward_context, **kwargs):
         if self._worker is not None:
             self._worker.start_load()
@@ -344,14 +432,21 @@ class DynamoConnector(KVConnectorBase_V1):
         # hooks are skipped under full CUDA graphs and on steps without attention.
         return None
 
+    @_guarded(None)
     def wait_for_save(self):
         if self._worker is not None:
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids):
-        if self._worker is None:
-            return None, None
-        loaded, errors = self._worker.finished()
+        if self._worker is None or self._failed is not None:
+            return self._failed_finished()
+        try:
+            loaded, errors = self._worker.finished()
+        except Exception as e:  # noqa: BLE001
+            self._fail("get_finished", e)
+            return self._failed_finished()
+        for rid in loaded:
+            self._inflight_loads.pop(rid, None)
         if errors:
             self._load_errors.update(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))

@@ -1,0 +1,169 @@
+"""Run vLLM's CPU backend with or without kvbm and report what happened.
+
+Used as a subprocess (vLLM spawns its engine processes, so each run gets a
+fresh interpreter)::
+
+    python -m kvbm.testing.vllm_harness spec.json result.json
+
+spec: {"model": {...make_tiny_model kwargs..., "dir": path},
+       "engine": {...LLM kwargs overrides...},
+       "kvbm": true|false, "env": {...},
+       "events": false | {"endpoint": "tcp://*:5557"},
+       "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
+                   {"reset": true}, {"corrupt_disk": true}, {"sleep": 0.5}]}
+result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import urllib.request
+
+CONNECTOR = {
+    "kv_connector": "DynamoConnector",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "kvbm.vllm_integration.connector",
+}
+
+_METRIC_LINE = re.compile(r"^(kvbm_[a-z0-9_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    """kvbm_* metrics (unlabelled, or summed over labels) from the endpoint."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError as e:
+        return {"_error": str(e)}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def engine_kwargs(model: str, spec: dict) -> dict:
+    kw = dict(
+        model=model,
+        tokenizer=model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        num_gpu_blocks_override=16,
+        max_model_len=448,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        seed=0,
+        disable_log_stats=True,
+    )
+    kw.update(spec.get("engine", {}))
+    if spec.get("kvbm", True):
+        kw["kv_transfer_config"] = dict(CONNECTOR)
+    if spec.get("events"):
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": spec["events"].get("endpoint", "tcp://*:5557"),
+                                  "topic": spec["events"].get("topic", "")}
+    return kw
+
+
+def corrupt_disk_files(directory: str) -> int:
+    """Flip bytes in every kvbm disk tier file under directory; returns files touched."""
+    n = 0
+    for name in os.listdir(directory):
+        if not name.startswith("kvbm"):
+            continue
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            step = 4096
+            for off in range(0, size, step):
+                f.seek(off)
+                b = f.read(1)
+                if not b:
+                    break
+                f.seek(off)
+                f.write(bytes([b[0] ^ 0xFF]))
+        n += 1
+    return n
+
+
+def run(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for k, v in (spec.get("env") or {}).items():
+        os.environ[k] = str(v)
+    metrics_port = None
+    if spec.get("kvbm", True):
+        metrics_port = free_port()
+        os.environ["DYN_KVBM_METRICS"] = "true"
+        os.environ["DYN_KVBM_METRICS_PORT"] = str(metrics_port)
+
+    from kvbm.testing.tiny_model import make_tiny_model
+
+    mspec = dict(spec.get("model") or {})
+    model_dir = mspec.pop("dir", "/tmp/kvbm-tiny-model")
+    model = make_tiny_model(model_dir, **mspec)
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(**engine_kwargs(model, spec))
+    result = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
+    for i, act in enumerate(spec.get("actions", [])):
+        rec: dict = {"tag": act.get("tag", str(i))}
+        if "generate" in act:
+            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in act["generate"]]
+            t = time.time()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            rec["secs"] = time.time() - t
+            rec["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            rec["num_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in outs]
+            ttfts = []
+            for o in outs:
+                m = getattr(o, "metrics", None)
+                ft = getattr(m, "first_token_latency", None) if m is not None else None
+                ttfts.append(ft)
+            rec["ttft_s"] = ttfts
+        elif act.get("reset"):
+            rec["reset"] = bool(llm.reset_prefix_cache())
+        elif act.get("corrupt_disk"):
+            rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
+        elif "sleep" in act:
+            time.sleep(act["sleep"])
+        if metrics_port:
+            rec["metrics"] = scrape(metrics_port)
+        result["actions"].append(rec)
+        print(f"[harness] {rec['tag']}: " + json.dumps({k: v for k, v in rec.items() if k not in ('tokens',)})[:400],
+              flush=True)
+    del llm
+    return result
+
+
+def main(argv=None) -> int:
+    argv = argv or sys.argv[1:]
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    res = run(spec)
+    with open(argv[1], "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,10 +22,12 @@
 // writes are skipped and G3 reads fail, and the worker carries on with G2.
 //
 // Metrics split: the worker counts what only it can see — bytes moved per
-// direction (kvbm_transfer_bytes), batch latency (kvbm_transfer_seconds) and
-// failed block loads (kvbm_load_errors, one per G1 block on this rank). The
-// leader counts the SPEC §9 block counters (kvbm_offload_blocks_*,
-// kvbm_onboard_blocks_*), which it knows from its plan.
+// direction (kvbm_transfer_bytes, labels g1_to_g2, g2_to_g1, g2_to_g3,
+// g1_to_g3, g3_to_g1, g3_to_g2) and batch latency (kvbm_transfer_seconds).
+// The leader counts the SPEC §9 block counters (kvbm_offload_blocks_*,
+// kvbm_onboard_blocks_*) from its plan, and kvbm_load_errors from the failed
+// G1 blocks the engine reports back — once per block, where every
+// tensor-parallel worker counting its own failures would count it N times.
 package worker
 
 import (
@@ -336,7 +338,6 @@ func (w *Worker) runLoads(loads []plan.Load) {
 	}
 	if len(failed) > 0 {
 		w.logFailures("load", direct, errs)
-		w.m.LoadErrors.Add(float64(len(failed)))
 	}
 	w.mu.Lock()
 	for _, ld := range loads {

@@ -214,7 +214,6 @@ func TestRoundTrip(t *testing.T) {
 				require.True(t, bytes.Equal(before[i], after[i]), "tensor %d changed outside the loaded blocks", i)
 			}
 			require.Equal(t, float64(5)*float64(bpb), testutil.ToFloat64(m.BytesMoved.WithLabelValues("g3_to_g1")))
-			require.Zero(t, testutil.ToFloat64(m.LoadErrors))
 		})
 	}
 }
@@ -273,7 +272,6 @@ func TestCorruptDiskBlock(t *testing.T) {
 	require.Equal(t, []int64{21}, failed)
 	require.Equal(t, want[0], g.block(20))
 	require.Equal(t, want[2], g.block(22))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.LoadErrors))
 
 	// Even if the file were repaired, the block stays forgotten until rewritten.
 	_, failed = run(t, w, &plan.Step{Seq: 4, Loads: []plan.Load{{ReqID: "again", Copies: copies(plan.G3, []int64{1}, plan.G2, []int64{3})}}})

@@ -1,25 +1,145 @@
 package main
 
+/*
+#include <stdint.h>
+*/
+import "C"
+
 import (
+	"encoding/json"
 	"log/slog"
+	"strings"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/metrics"
 )
 
-// consolidatorOptions configures the KV event consolidator started by a leader.
+// consolidatorOptions configures the KV event consolidator, either started by
+// a leader (fed the leader's G2/G3 events in-process) or standalone.
 type consolidatorOptions struct {
-	EngineEndpoint string `json:"engine_endpoint"` // engine KV events (ZMQ SUB connects here)
 	Engine         string `json:"engine"`          // "vllm" or "trtllm"
+	EngineEndpoint string `json:"engine_endpoint"` // engine KV events (ZMQ SUB connects here); "" = none
 	ZMQBind        string `json:"zmq_bind"`        // consolidated output (ZMQ PUB binds here); "" = none
-	NATS           bool   `json:"nats"`            // publish RouterEvents on NATS
+	NATS           bool   `json:"nats"`            // publish RouterEvents on NATS (NATS_SERVER or nats_url)
+	NATSURL        string `json:"nats_url"`
 	Namespace      string `json:"namespace"`
 	Component      string `json:"component"`
+	LegacySubject  bool   `json:"legacy_subject"`
 	WorkerID       uint64 `json:"worker_id"`
+	BufferLimit    int    `json:"buffer_limit"`
+	// Env holds kvbm's variables as the caller sees them (standalone use).
+	Env map[string]string `json:"env"`
 }
 
-// startConsolidator is wired once goext/consolidator lands.
-func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (closer, events.Sink, error) {
-	return nil, events.NopSink{}, errorf(statusState, "consolidator not available in this build")
+func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (*consolidator.Consolidator, events.Sink, error) {
+	cc := consolidator.Config{
+		ZMQBind:       o.ZMQBind,
+		WorkerID:      o.WorkerID,
+		BufferLimit:   o.BufferLimit,
+		LegacySubject: o.LegacySubject,
+		Logger:        log,
+		Metrics:       m,
+	}
+	switch strings.ToLower(o.Engine) {
+	case "", "vllm":
+		cc.Engine = consolidator.EngineVllm
+	case "trtllm", "tensorrt_llm":
+		cc.Engine = consolidator.EngineTrtllm
+	default:
+		return nil, nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm or trtllm)", o.Engine)
+	}
+	if o.EngineEndpoint != "" {
+		cc.EngineEndpoints = []string{o.EngineEndpoint}
+	}
+	if o.NATS {
+		cc.NATSURL = o.NATSURL
+		if cc.NATSURL == "" {
+			cc.NATSURL = cfg.NatsServer
+		}
+		cc.Namespace = o.Namespace
+		if cc.Namespace == "" {
+			cc.Namespace = "dynamo"
+		}
+		cc.Component = o.Component
+		if cc.Component == "" {
+			if cc.Engine == consolidator.EngineTrtllm {
+				cc.Component = "tensorrt_llm"
+			} else {
+				cc.Component = "backend"
+			}
+		}
+	}
+	c, err := consolidator.New(cc)
+	if err != nil {
+		return nil, nil, withCode(statusIO, err)
+	}
+	log.Info("kvbm consolidator started", "engine", cc.Engine, "input", o.EngineEndpoint,
+		"zmq_out", c.ZMQEndpoint(), "nats", cc.NATSURL, "namespace", cc.Namespace, "component", cc.Component)
+	return c, c, nil
+}
+
+type consolidatorHandle struct {
+	c *consolidator.Consolidator
+	m *metrics.Metrics
+}
+
+// kvbm_consolidator_new starts a standalone consolidator (no leader): engine
+// events in, consolidated events out.
+//
+//export kvbm_consolidator_new
+func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	var o consolidatorOptions
+	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_consolidator_new: options: %v", err), errOut)
+	}
+	applyLogEnv(o.Env)
+	cfg, err := loadConfig(o.Env)
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	m := metrics.New()
+	c, _, err := startConsolidator(&o, cfg, m, kvbmLogger())
+	if err != nil {
+		return finish(err, errOut)
+	}
+	*out = newHandle(&consolidatorHandle{c: c, m: m})
+	return statusOK
+}
+
+// kvbm_consolidator_stats returns the consolidator's counters as JSON.
+//
+//export kvbm_consolidator_stats
+func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	h, err := handle[*consolidatorHandle](hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	st := h.c.Stats()
+	b, _ := json.Marshal(map[string]any{
+		"batches_in": st.BatchesIn, "events_in": st.EventsIn, "invalid": st.Invalid,
+		"deduplicated": st.Deduplicated, "unknown_removes": st.UnknownRemoves, "tracked": st.Tracked,
+		"zmq_messages": st.ZMQMessages, "zmq_events": st.ZMQEvents, "nats_events": st.NATSEvents,
+		"nats_dropped": st.NATSDropped, "nats_buffered": st.NATSBuffered, "zmq_endpoint": h.c.ZMQEndpoint(),
+	})
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+//export kvbm_consolidator_free
+func kvbm_consolidator_free(hd C.uint64_t) {
+	defer func() { _ = recover() }()
+	if h, err := handle[*consolidatorHandle](hd); err == nil {
+		_ = h.c.Close()
+		deleteHandle(hd)
+	}
 }

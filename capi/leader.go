@@ -13,6 +13,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
@@ -37,6 +38,8 @@ type leaderHandle struct {
 	metrics *metrics.Server
 	cons    closer
 	once    sync.Once
+
+	consolidator *consolidator.Consolidator // nil unless started with the leader
 }
 
 type closer interface{ Close() error }
@@ -81,6 +84,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 			return finish(err, errOut)
 		}
 		h.cons, sink = c, s
+		h.consolidator = c
 	}
 	l, err := leader.New(leader.Options{
 		Config:        cfg,
@@ -136,6 +140,14 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	}
 	if h.metrics != nil {
 		info["metrics_addr"] = h.metrics.Addr
+	}
+	if h.consolidator != nil {
+		st := h.consolidator.Stats()
+		info["consolidator"] = map[string]any{
+			"events_in": st.EventsIn, "deduplicated": st.Deduplicated, "zmq_events": st.ZMQEvents,
+			"nats_events": st.NATSEvents, "nats_dropped": st.NATSDropped, "tracked": st.Tracked,
+			"zmq_endpoint": h.consolidator.ZMQEndpoint(),
+		}
 	}
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)

@@ -5,6 +5,8 @@
 //
 // Execution order inside one step (workers rely on it, the leader plans for it):
 //
+//  0. Drops, when the step is bound: a dropped block may be reused by this
+//     same step's saves, so forgetting it afterwards would lose their data.
 //  1. Loads (G2/G3 → G1) at start_load_kv, before the forward pass reads G1.
 //  2. Moves (G2 → G3) at wait_for_save, before any save can overwrite their source.
 //  3. Saves (G1 → G2, or G1 → G3 in disk-only mode) at wait_for_save, after the

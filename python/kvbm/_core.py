@@ -40,6 +40,9 @@ _native.register_signatures(
         "kvbm_worker_wait_loads": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_finished": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_consolidator_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
+        "kvbm_consolidator_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_consolidator_free": (None, [c_uint64]),
     }
 )
 
@@ -171,6 +174,48 @@ class Worker:
                 _native.lib().kvbm_worker_free(self._h)
             finally:
                 self._h = 0
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Consolidator:
+    """A standalone KV Event Consolidator (SPEC §7): engine KV events in (ZMQ),
+    deduplicated events out (ZMQ PUB in vLLM's format and/or RouterEvent JSON
+    on NATS). A Leader started with ``consolidator=`` runs one itself and
+    feeds it kvbm's G2/G3 events; this class is for the engine-only case and
+    for tests.
+
+    Keywords: engine ("vllm"|"trtllm"), engine_endpoint, zmq_bind, nats (bool),
+    nats_url (default NATS_SERVER), namespace, component, worker_id,
+    buffer_limit, legacy_subject.
+    """
+
+    def __init__(self, **opts):
+        opts = dict(opts)
+        opts["env"] = _native.env_snapshot()
+        h = c_uint64()
+        _native.call("kvbm_consolidator_new", json.dumps(opts).encode(), byref(h))
+        self._h = h.value
+
+    def stats(self) -> dict:
+        return json.loads(_buffer_call("kvbm_consolidator_stats", self._h))
+
+    def close(self) -> None:
+        if getattr(self, "_h", 0):
+            try:
+                _native.lib().kvbm_consolidator_free(self._h)
+            finally:
+                self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __del__(self):  # pragma: no cover
         try:

@@ -79,6 +79,52 @@ def engine_kwargs(model: str, spec: dict) -> dict:
     return kw
 
 
+class FrameCollector:
+    """Collects every ZMQ message published at an endpoint (a SUB thread)."""
+
+    def __init__(self, endpoint: str):
+        import threading
+
+        import zmq
+
+        self.frames: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(50):
+                self.frames.append(self._sub.recv_multipart())
+
+    def close(self) -> list[list[bytes]]:
+        self._stop.set()
+        self._thread.join(2)
+        self._sub.close(0)
+        self._ctx.term()
+        return self.frames
+
+
+def _decode_frames(frames):
+    import msgpack
+
+    out = []
+    for f in frames:
+        try:
+            out.append(msgpack.unpackb(f[-1], raw=False, strict_map_key=False))
+        except Exception as e:  # noqa: BLE001
+            out.append({"_undecodable": repr(e)})
+    return out
+
+
 def corrupt_disk_files(directory: str) -> int:
     """Flip bytes in every kvbm disk tier file under directory; returns files touched."""
     n = 0
@@ -121,6 +167,7 @@ def run(spec: dict) -> dict:
 
     from vllm import LLM, SamplingParams
 
+    collectors = {name: FrameCollector(ep) for name, ep in (spec.get("collect") or {}).items()}
     t0 = time.time()
     llm = LLM(**engine_kwargs(model, spec))
     result = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
@@ -151,6 +198,9 @@ def run(spec: dict) -> dict:
         result["actions"].append(rec)
         print(f"[harness] {rec['tag']}: " + json.dumps({k: v for k, v in rec.items() if k not in ('tokens',)})[:400],
               flush=True)
+    if collectors:
+        time.sleep(spec.get("collect_grace_s", 1.0))
+        result["collected"] = {name: _decode_frames(c.close()) for name, c in collectors.items()}
     del llm
     return result
 

@@ -146,6 +146,43 @@ def corrupt_disk_files(directory: str) -> int:
     return n
 
 
+def _conversations(llm, SamplingParams, act) -> dict:
+    """Multi-turn chat: every conversation shares a system prefix; each turn
+    appends a user message and the model's reply to its history. Turns are
+    interleaved across conversations, so their KV competes for G1. TTFT is the
+    wall time of a max_tokens=1 request for the turn's prompt; the reply is
+    then generated from the same prompt (a G1 prefix hit)."""
+    import random
+
+    rng = random.Random(act.get("seed", 0))
+    vocab = act.get("vocab", 500)
+    prefix = [rng.randrange(3, vocab - 1) for _ in range(act.get("prefix_len", 256))]
+    n, turns = act["conversations"], act.get("turns", 3)
+    history = [[] for _ in range(n)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    reply = SamplingParams(temperature=0.0, max_tokens=act.get("reply_len", 32), ignore_eos=True)
+    out = {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": []}
+    total = n * turns
+    for t in range(turns):
+        for c in range(n):
+            user = [rng.randrange(3, vocab - 1) for _ in range(act.get("user_len", 64))]
+            p = prefix + history[c] + user
+            t0 = time.time()
+            first = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
+            ttft = time.time() - t0
+            r = llm.generate([{"prompt_token_ids": p}], reply, use_tqdm=False)[0]
+            toks = list(r.outputs[0].token_ids)
+            history[c] += user + toks
+            out["ttft_each"].append(ttft)
+            out["prompt_lens"].append(len(p))
+            out["tokens"].append(toks)
+            out["num_cached_tokens"].append(getattr(first, "num_cached_tokens", None))
+            k = len(out["ttft_each"])
+            print(f"[{act.get('tag', 'chat')}] request {k}/{total}: conversation {c + 1} turn {t + 1}, "
+                  f"{len(p)} prompt tokens, TTFT {ttft * 1000:.0f} ms", flush=True)
+    return out
+
+
 def run(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,7 +210,23 @@ def run(spec: dict) -> dict:
     result = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
     for i, act in enumerate(spec.get("actions", [])):
         rec: dict = {"tag": act.get("tag", str(i))}
-        if "generate" in act:
+        if "conversations" in act:
+            rec.update(_conversations(llm, SamplingParams, act))
+        elif "each" in act:
+            # One request at a time: the wall time of a max_tokens=1 request is
+            # its time to first token on an otherwise idle engine.
+            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 1), ignore_eos=True)
+            rec["secs_each"], rec["tokens"], rec["num_cached_tokens"] = [], [], []
+            for j, p in enumerate(act["each"]):
+                t = time.time()
+                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+                rec["secs_each"].append(time.time() - t)
+                rec["tokens"].append(list(o.outputs[0].token_ids))
+                rec["num_cached_tokens"].append(getattr(o, "num_cached_tokens", None))
+                if act.get("progress"):
+                    print(f"[{act.get('tag', i)}] request {j + 1}/{len(act['each'])}: {len(p)} prompt tokens, "
+                          f"{rec['secs_each'][-1] * 1000:.0f} ms", flush=True)
+        elif "generate" in act:
             sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in act["generate"]]
             t = time.time()

@@ -1,0 +1,117 @@
+"""Leader and worker driven from Python through kvbm._core, with numpy arrays
+standing in for the engine's KV cache (G1)."""
+
+import numpy as np
+import pytest
+
+from kvbm import KvbmConfigError, KvbmError, _native
+from kvbm._core import Leader, Worker
+
+BS = 16
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "32")
+    monkeypatch.delenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", raising=False)
+    monkeypatch.setenv("DYN_KVBM_DISK_CACHE_DIR", str(tmp_path))
+    return monkeypatch
+
+
+def flash_attn_caches(layers=3, blocks=24, heads=2, dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 2**16, size=(2, blocks, BS, heads, dim), dtype=np.uint16) for _ in range(layers)]
+
+
+def describe(caches):
+    return [(c.ctypes.data, list(c.shape), [s // c.itemsize for s in c.strides]) for c in caches]
+
+
+def make_pair(caches, kind="flash_attn"):
+    worker = Worker(tensors=describe(caches), kind=kind, num_blocks=caches[0].shape[1], block_size=BS,
+                    dtype_bytes=caches[0].itemsize)
+    bpb = worker.info()["bytes_per_block"]
+    leader = Leader(block_size=BS, bytes_per_block=bpb)
+    return leader, worker
+
+
+def run_step(leader, worker, updates, loaded=()):
+    plan = leader.step(updates, loaded)
+    worker.bind(plan)
+    worker.start_load()
+    worker.wait_loads()
+    worker.wait_for_save()
+    return worker.finished()
+
+
+def block_bytes(caches, b):
+    return [c[:, b].tobytes() for c in caches]
+
+
+def test_offload_then_onboard_into_other_blocks_byte_exact(env):
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    assert leader.info()["host_blocks"] == 32 == worker.info()["host_blocks"]
+    prompt = list(range(100, 100 + 4 * BS + 3))
+    assert leader.match("r1", prompt, _native.salt_hash(), 0) == (0, False)
+    first = [5, 9, 2, 7, 11]
+    run_step(leader, worker, [["r1", prompt, first, 0, len(prompt), 0, 0, False]])
+    assert leader.request_finished("r1") is False
+    want = [block_bytes(caches, b) for b in first[:4]]
+
+    # A second request with the same prompt: 4 full blocks cached; the whole
+    # prompt is not covered (3 extra tokens), so all 4 are matched.
+    got, is_async = leader.match("r2", prompt, _native.salt_hash(), 0)
+    assert (got, is_async) == (4 * BS, True)
+    dst = [20, 3, 17, 14, 1]
+    for b in dst:
+        for c in caches:
+            c[:, b] = 0
+    leader.update_after_alloc("r2", dst, got)
+    loaded, errors = run_step(leader, worker, [])
+    assert loaded == ["r2"] and errors == []
+    for i, b in enumerate(dst[:4]):
+        assert block_bytes(caches, b) == want[i], f"block {i} differs"
+    assert leader.info()["host_hit_blocks"] == 0  # r2 has not finished yet
+    leader.request_finished("r2")
+    assert leader.info()["host_hit_blocks"] == 4
+    worker.close()
+    leader.close()
+
+
+def test_salt_isolates_caches(env):
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    prompt = list(range(3 * BS + 1))
+    run_step(leader, worker, [["a", prompt, [1, 2, 3, 4], 0, len(prompt), 0, _native.salt_hash("tenant-a"), False]])
+    assert leader.match("b", prompt, _native.salt_hash("tenant-b"), 0) == (0, False)
+    assert leader.match("c", prompt, _native.salt_hash("tenant-a"), 0) == (3 * BS, True)
+
+
+def test_bad_layout_is_a_clear_error(env):
+    caches = [np.zeros((2, 24, BS, 2, 8), np.uint16), np.zeros((2, 24, BS, 4, 8), np.uint16)]
+    with pytest.raises(KvbmError, match="mixed per-layer KV shapes"):
+        make_pair(caches)
+
+
+def test_no_tier_configured_names_the_variable(monkeypatch):
+    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", raising=False)
+    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB", raising=False)
+    monkeypatch.delenv("DYN_KVBM_DISK_CACHE_GB", raising=False)
+    monkeypatch.delenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", raising=False)
+    with pytest.raises(KvbmConfigError, match="DYN_KVBM_CPU_CACHE_GB"):
+        Leader(block_size=BS, bytes_per_block=1024)
+
+
+def test_invalid_value_names_variable_and_value(env):
+    env.setenv("DYN_KVBM_MAX_CONCURRENT_TRANSFERS", "-3")
+    with pytest.raises(KvbmConfigError, match=r'DYN_KVBM_MAX_CONCURRENT_TRANSFERS="-3"'):
+        Leader(block_size=BS, bytes_per_block=1024)
+
+
+def test_garbage_plan_is_rejected_not_executed(env):
+    caches = flash_attn_caches()
+    _, worker = make_pair(caches)
+    with pytest.raises(KvbmError, match="decode step plan"):
+        worker.bind(b"\xc1garbage")
+    assert not _native.is_poisoned()

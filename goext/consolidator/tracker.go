@@ -78,6 +78,7 @@ type Tracker struct {
 
 	blocks map[uint64]*block   // dedup key → block
 	ext    map[uint64]extEntry // external hash → key and holders
+	firsts map[uint64]uint64   // a live block's first hash → its key
 	queue  []events.ConsolidatedEvent
 
 	// Stats (monotonic).
@@ -97,6 +98,7 @@ func NewTracker(engine Engine, logger *slog.Logger) *Tracker {
 		debug:  logger.Enabled(context.Background(), slog.LevelDebug),
 		blocks: make(map[uint64]*block),
 		ext:    make(map[uint64]extEntry),
+		firsts: make(map[uint64]uint64),
 	}
 }
 
@@ -158,6 +160,17 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 		return false
 	}
 
+	// The router still indexes a live block under its first hash even
+	// after the holder that sent it dropped it (say kvbm's host tier
+	// evicted it while the engine keeps it under its own hash). The same
+	// hash coming back names that block: publishing a second STORE of it
+	// would be a duplicate for the router, whatever the parent's state.
+	if key, ok := t.firsts[ext]; ok {
+		t.ext[ext] = extEntry{key: key, holders: bit}
+		t.addRef(t.blocks[key], key, h, ext, len(tokens))
+		return false
+	}
+
 	key, local := t.Key(tokens, lora, parentExt, hasParent)
 	if b, ok := t.blocks[key]; ok {
 		t.ext[ext] = extEntry{key: key, holders: bit}
@@ -165,22 +178,23 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 		return false
 	}
 
-	b := &block{first: ext}
-	b.refs[h] = 1
-	t.blocks[key] = b
-	t.ext[ext] = extEntry{key: key, holders: bit}
-
 	ev := events.ConsolidatedEvent{Kind: events.KindStored, BlockHash: ext,
 		TokenIDs: append([]uint32(nil), tokens...), BlockSize: blockSize, LoraName: lora, TokensHash: local}
 	// The router knows a block only by the hash it was first told, so the
 	// parent is named by its first hash, not by this holder's hash of it.
+	// Resolved before ext is mapped, so that a block naming itself as its
+	// parent is published as a first block, never as its own child.
 	if hasParent {
 		if pe, ok := t.ext[parentExt]; ok {
-			if pb, ok := t.blocks[pe.key]; ok {
-				ev.ParentHash, ev.HasParent = pb.first, true
-			}
+			ev.ParentHash, ev.HasParent = t.blocks[pe.key].first, true
 		}
 	}
+
+	b := &block{first: ext}
+	b.refs[h] = 1
+	t.blocks[key] = b
+	t.firsts[ext] = key
+	t.ext[ext] = extEntry{key: key, holders: bit}
 	t.queue = append(t.queue, ev)
 	t.stores++
 	if t.debug {
@@ -235,6 +249,7 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	// Every extEntry pointing at the key held a reference, so with none
 	// left no mapping to the block remains: nothing stray to purge.
 	delete(t.blocks, e.key)
+	delete(t.firsts, b.first)
 	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: b.first})
 	t.removes++
 	if t.debug {
@@ -250,6 +265,7 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 func (t *Tracker) ClearAll() {
 	clear(t.blocks)
 	clear(t.ext)
+	clear(t.firsts)
 	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindCleared})
 	t.clears++
 	if t.debug {

@@ -218,6 +218,7 @@ func (o *natsOut) deliver(deadline time.Time) {
 		o.mu.Unlock()
 		if o.m != nil {
 			o.m.EventsOut.Add(float64(n))
+			o.m.EventQueue.Set(float64(o.buffered()))
 		}
 		if outage > 0 && o.buffered() == 0 {
 			o.log.Warn(fmt.Sprintf("KV event consolidator: NATS caught up; %d event(s) were dropped while it was unavailable (see event_id gaps)", outage))

@@ -1,0 +1,77 @@
+// Package wire is the leader⇄worker side channel (SPEC §2): the handshake that
+// sizes the host and disk tiers from what every tensor-parallel rank reports,
+// operations that are not tied to an engine step (a plan.Step broadcast to
+// every rank, completed by per-rank acks), and heartbeats that notice a rank
+// that died or stopped answering.
+//
+// Per-step plans do not travel here: the engine ships the leader's encoded
+// plan to every worker itself (vLLM pickles the connector metadata to all
+// ranks, TensorRT-LLM broadcasts it). This channel carries what the engine
+// does not: start-up, background operations and liveness.
+//
+// # Sockets
+//
+// The leader binds, workers connect, as in the reference:
+//
+//	leader PUB  bind tcp://DYN_KVBM_LEADER_ZMQ_HOST:DYN_KVBM_LEADER_ZMQ_PUB_PORT   (56001)
+//	leader PULL bind tcp://DYN_KVBM_LEADER_ZMQ_HOST:DYN_KVBM_LEADER_ZMQ_ACK_PORT   (56002)
+//	worker SUB  connect (all topics), worker PUSH connect
+//
+// PUB rather than ROUTER: every leader message is for every rank (a worker
+// answers with its rank in the frame), so addressed sends buy nothing, and
+// keeping the reference's socket pair keeps its two port variables meaning
+// what they mean there. PUB drops what a subscriber that has not finished
+// joining would have received (the "slow joiner"), so every handshake message
+// is re-sent until every rank has answered it; operations are only broadcast
+// once every rank has answered the handshake, i.e. is subscribed.
+//
+// When the leader and its only worker share a process (vLLM and TensorRT-LLM
+// with TP=1), TransportInProc runs the same protocol over Go channels: no
+// ports are bound and none can conflict.
+//
+// # Frames
+//
+// Leader → workers, multipart: [id u64 big-endian, function, payload?].
+// Worker → leader, multipart:  [id u64 big-endian, function, rank u32 big-endian, payload?].
+// Ids are the leader's counter, starting at 1; a worker's unsolicited first
+// message uses id 0.
+//
+//	function         direction  payload
+//	worker_metadata  L→W        none: "report your metadata"
+//	worker_metadata  W→L        msgpack WorkerMetadata (also sent unsolicited on connect)
+//	leader_metadata  L→W        msgpack LeaderMetadata: allocate your tiers
+//	allocating       W→L        none: leader_metadata received, allocation in progress
+//	ping             L→W        none
+//	step             L→W        an encoded plan.Step to execute
+//	ack              W→L        none on success, else the error text; answers
+//	                            leader_metadata (allocation finished), ping and step
+//	shutdown         L→W        none: the leader is closing
+//
+// # Handshake
+//
+//  1. The leader broadcasts worker_metadata every RetryInterval until all
+//     NumWorkers ranks reported (workers also report on their own as soon as
+//     they connect, so workers may start before or after the leader, in any
+//     order). It checks the reports agree: world size, bytes_per_block,
+//     num_device_blocks, and no rank reported by two processes.
+//  2. It sizes G2/G3 from bytes_per_block × NumWorkers (SPEC §2) and
+//     broadcasts leader_metadata until every rank acked it. A worker acks
+//     only after its allocation finished (single flight: repeats of the
+//     message while allocating are answered with "allocating").
+//  3. Readiness is confirmed when every rank acked; an allocation error
+//     fails the handshake and names the rank. The whole handshake is bounded
+//     by DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS; the timeout error names the
+//     ranks that never answered and those still allocating.
+//
+// # Liveness
+//
+// After the handshake the leader pings every PingInterval (500 ms by default)
+// and every message from a rank counts as a sign of life. A rank silent for
+// DeadAfter (3 × PingInterval) is logged with its rank and marked dead for
+// good: its shard of every block may be missing, so its return cannot be
+// trusted. Operations waiting on it fail with ErrRankDead, and later
+// Broadcasts fail at once with an error naming it, so callers stop planning
+// transfers that need it and the engine keeps serving (misses recompute).
+// Workers answer pings from their receive loop, so a long transfer does not
+// look like silence.
+package wire

@@ -1,0 +1,344 @@
+package wire
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"sync"
+	"time"
+)
+
+// WorkerOptions configure one rank's end of the side channel.
+type WorkerOptions struct {
+	Rank      int
+	WorldSize int
+	// What this rank reports in the handshake: its G1 block count and its
+	// share of one block (layout.Engine.BytesPerBlock).
+	NumDeviceBlocks int
+	BytesPerBlock   int64
+	Endpoint        Endpoint
+	Transport       Transport
+	// Allocate is called once, on its own goroutine, with the leader's tier
+	// sizes; the leader counts the rank ready when it returns nil. An error
+	// is reported to the leader, which fails the handshake naming the rank.
+	Allocate func(LeaderMetadata) error
+	// Execute runs one broadcast operation (an encoded plan.Step). Calls are
+	// sequential, in the order the leader sent them; the returned error
+	// travels back in the ack.
+	Execute func(step []byte) error
+	// RetryInterval between connection attempts while the leader is not up
+	// (0: DefaultRetryInterval).
+	RetryInterval time.Duration
+	Logger        *slog.Logger
+}
+
+// Worker is one rank's end of the side channel. Connect starts it in the
+// background: it returns at once (vLLM registers the KV caches on every
+// worker before the scheduler, and so the leader, exists).
+//
+// Goroutines: a run loop (connect, receive, answer) and an executor that
+// runs operations in order; Close stops both and waits for them.
+type Worker struct {
+	opts     WorkerOptions
+	log      *slog.Logger
+	instance uint64
+
+	stop  chan struct{} // closed by Close
+	done  chan struct{} // closed when the run loop ended
+	ready chan struct{} // closed when Allocate succeeded
+	exec  chan leaderMsg
+	wg    sync.WaitGroup
+	once  sync.Once
+
+	mu        sync.Mutex // guards everything below
+	t         workerTransport
+	meta      *LeaderMetadata
+	allocDone bool
+	allocErr  error
+	lastOp    uint64 // highest operation id queued (duplicates are dropped)
+	err       error  // why the run loop ended
+}
+
+// Connect validates opts and starts connecting in the background.
+func Connect(opts WorkerOptions) (*Worker, error) {
+	if opts.WorldSize < 1 || opts.Rank < 0 || opts.Rank >= opts.WorldSize {
+		return nil, fmt.Errorf("kvbm worker side channel: rank %d of world size %d: want 0 ≤ rank < world size", opts.Rank, opts.WorldSize)
+	}
+	if opts.BytesPerBlock <= 0 {
+		return nil, fmt.Errorf("kvbm worker side channel rank %d: bytes_per_block %d: must be positive", opts.Rank, opts.BytesPerBlock)
+	}
+	if opts.Allocate == nil || opts.Execute == nil {
+		return nil, fmt.Errorf("kvbm worker side channel rank %d: Allocate and Execute are required", opts.Rank)
+	}
+	if opts.RetryInterval <= 0 {
+		opts.RetryInterval = DefaultRetryInterval
+	}
+	w := &Worker{
+		opts:     opts,
+		log:      opts.Logger,
+		instance: rand.Uint64() | 1,
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
+		ready:    make(chan struct{}),
+		exec:     make(chan leaderMsg, 1024),
+	}
+	if w.log == nil {
+		w.log = slog.Default()
+	}
+	w.log = w.log.With("rank", opts.Rank)
+	w.wg.Add(2)
+	go w.run()
+	go w.executor()
+	return w, nil
+}
+
+// Ready is closed once this rank allocated its tiers for the leader.
+func (w *Worker) Ready() <-chan struct{} { return w.ready }
+
+// Done is closed when the worker stopped: Close, or the leader went away
+// (Err says which).
+func (w *Worker) Done() <-chan struct{} { return w.done }
+
+// Err is why the worker stopped (nil while running).
+func (w *Worker) Err() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.err
+}
+
+// WaitReady blocks until the handshake allocated this rank's tiers and
+// returns the leader's sizes, or the allocation error, or ctx's.
+func (w *Worker) WaitReady(ctx context.Context) (LeaderMetadata, error) {
+	select {
+	case <-w.ready:
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return *w.meta, nil
+	case <-w.done:
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.allocErr != nil {
+			return LeaderMetadata{}, w.allocErr
+		}
+		return LeaderMetadata{}, fmt.Errorf("kvbm worker rank %d: side channel stopped before the handshake: %w", w.opts.Rank, w.err)
+	case <-ctx.Done():
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.allocErr != nil {
+			return LeaderMetadata{}, w.allocErr
+		}
+		return LeaderMetadata{}, fmt.Errorf("kvbm worker rank %d: waiting for the leader's handshake (%s): %w",
+			w.opts.Rank, w.opts.Endpoint.PubURL(), ctx.Err())
+	}
+}
+
+func (w *Worker) metadata() []byte {
+	return marshal(WorkerMetadata{
+		Rank: w.opts.Rank, WorldSize: w.opts.WorldSize, NumDeviceBlocks: w.opts.NumDeviceBlocks,
+		BytesPerBlock: w.opts.BytesPerBlock, Pid: os.Getpid(), Instance: w.instance,
+	})
+}
+
+func (w *Worker) send(id uint64, fn string, payload []byte) {
+	w.mu.Lock()
+	t := w.t
+	w.mu.Unlock()
+	if t == nil {
+		return
+	}
+	if err := t.send(encodeWorker(id, fn, w.opts.Rank, payload)); err != nil && !errors.Is(err, errTransportClosed) {
+		w.log.Debug("kvbm worker side channel: send", "function", fn, "err", err)
+	}
+}
+
+func (w *Worker) finish(err error) {
+	w.mu.Lock()
+	if w.err == nil {
+		w.err = err
+	}
+	w.mu.Unlock()
+}
+
+func (w *Worker) run() {
+	defer w.wg.Done()
+	defer close(w.done)
+	var t workerTransport
+	tr := w.opts.Transport.resolve(w.opts.WorldSize)
+	if tr == TransportInProc {
+		t = dialInProc(w.opts.Endpoint)
+	} else {
+		tt, err := dialTCP(w.opts.Endpoint, w.opts.RetryInterval, w.stop, w.log)
+		if err != nil {
+			w.finish(ErrClosed)
+			return
+		}
+		t = tt
+	}
+	w.mu.Lock()
+	w.t = t
+	w.mu.Unlock()
+	defer t.close()
+	// Close may have run between the dial and the assignment above, seeing
+	// no transport to close.
+	select {
+	case <-w.stop:
+		w.finish(ErrClosed)
+		return
+	default:
+	}
+	w.log.Debug("kvbm worker side channel connected", "transport", tr.String(), "pub", w.opts.Endpoint.PubURL())
+	// Report at once: the leader may already be waiting. PUSH delivery is
+	// reliable once connected; the leader's periodic request covers the rest.
+	w.send(0, fnWorkerMetadata, w.metadata())
+	for {
+		frames, err := t.recv()
+		if err != nil {
+			select {
+			case <-w.stop:
+				w.finish(ErrClosed)
+			default:
+				w.log.Warn("kvbm worker: lost the leader's side channel", "err", err)
+				w.finish(fmt.Errorf("%w: %v", errLeaderGone, err))
+			}
+			return
+		}
+		m, err := decodeLeader(frames)
+		if err != nil {
+			w.log.Warn("kvbm worker side channel: ignoring message", "err", err)
+			continue
+		}
+		switch m.fn {
+		case fnWorkerMetadata:
+			w.send(m.id, fnWorkerMetadata, w.metadata())
+		case fnLeaderMetadata:
+			w.onLeaderMetadata(m)
+		case fnPing:
+			w.send(m.id, fnAck, nil)
+		case fnStep:
+			w.mu.Lock()
+			dup := m.id <= w.lastOp
+			if !dup {
+				w.lastOp = m.id
+			}
+			w.mu.Unlock()
+			if dup {
+				continue
+			}
+			select {
+			case w.exec <- m:
+			case <-w.stop:
+			}
+		case fnShutdown:
+			w.log.Info("kvbm worker: the leader closed the side channel")
+			w.finish(errLeaderGone)
+			return
+		default:
+			w.log.Debug("kvbm worker side channel: unknown function", "function", m.fn)
+		}
+	}
+}
+
+func (w *Worker) onLeaderMetadata(m leaderMsg) {
+	var md LeaderMetadata
+	if err := unmarshal(m.payload, &md); err != nil {
+		w.send(m.id, fnAck, []byte(err.Error()))
+		return
+	}
+	w.mu.Lock()
+	switch {
+	case w.meta == nil:
+		w.meta = &md
+		w.mu.Unlock()
+		w.send(m.id, fnAllocating, nil)
+		w.log.Info("KVBM worker is under initialization. It could take a while if set with large CPU or DISK cache size. Please wait...",
+			"host_blocks", md.NumHostBlocks, "disk_blocks", md.NumDiskBlocks)
+		w.wg.Add(1)
+		go func() {
+			defer w.wg.Done()
+			err := w.opts.Allocate(md)
+			if err != nil {
+				err = fmt.Errorf("kvbm worker rank %d: allocating %d host and %d disk blocks: %w", w.opts.Rank, md.NumHostBlocks, md.NumDiskBlocks, err)
+				w.log.Error("kvbm worker: allocation failed", "err", err)
+			}
+			w.mu.Lock()
+			w.allocDone, w.allocErr = true, err
+			w.mu.Unlock()
+			if err == nil {
+				close(w.ready)
+				w.send(m.id, fnAck, nil)
+			} else {
+				w.send(m.id, fnAck, []byte(err.Error()))
+			}
+		}()
+	case !w.allocDone:
+		w.mu.Unlock()
+		w.send(m.id, fnAllocating, nil)
+	default:
+		// A repeat: the leader missed our ack.
+		var reply []byte
+		if w.allocErr != nil {
+			reply = []byte(w.allocErr.Error())
+		} else if *w.meta != md {
+			reply = fmt.Appendf(nil, "rank %d already allocated %+v, leader now asks %+v", w.opts.Rank, *w.meta, md)
+		}
+		w.mu.Unlock()
+		w.send(m.id, fnAck, reply)
+	}
+}
+
+// executor runs operations one at a time, in order.
+func (w *Worker) executor() {
+	defer w.wg.Done()
+	for {
+		select {
+		case <-w.stop:
+			return
+		case m := <-w.exec:
+			var reply []byte
+			select {
+			case <-w.ready:
+				if err := w.execute(m.payload); err != nil {
+					reply = []byte(err.Error())
+					if len(reply) == 0 {
+						reply = []byte("error")
+					}
+				}
+			default:
+				reply = fmt.Appendf(nil, "rank %d has not finished its handshake", w.opts.Rank)
+			}
+			w.send(m.id, fnAck, reply)
+		}
+	}
+}
+
+// execute runs Execute, turning a panic into an error: a bug in one
+// operation must not take down the engine's worker process.
+func (w *Worker) execute(step []byte) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("internal error executing an operation: %v", r)
+			w.log.Error("kvbm worker: recovered from a panic in Execute", "err", err)
+		}
+	}()
+	return w.opts.Execute(step)
+}
+
+// Close stops the worker's goroutines (an allocation in progress finishes
+// first) and closes its connection.
+func (w *Worker) Close() error {
+	w.once.Do(func() {
+		close(w.stop)
+		w.mu.Lock()
+		t := w.t
+		w.mu.Unlock()
+		if t != nil {
+			_ = t.close()
+		}
+		w.wg.Wait()
+		w.finish(ErrClosed)
+	})
+	return nil
+}

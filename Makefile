@@ -43,12 +43,33 @@ pytest: build
 	$(PY) -m pytest -q -ra tests
 
 bench: build
-	$(GO) test -run='^$$' -bench=. -benchmem ./goext/...
-	@for d in bench/*/; do [ -f $$d/main.go ] && { echo "== $$d"; $(GO) run ./$$d; } || true; done
-	@for f in bench/*.py; do [ -f $$f ] && { echo "== $$f"; $(PY) $$f; } || true; done
+	@echo "== hashing and C-ABI call cost"; $(PY) bench/hashing_abi.py
+	@echo "== leader: match of a 32K-token prompt against 100K registered blocks"
+	$(GO) test -run '^$$' -bench 'Match32K' -benchmem ./goext/leader
+	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer
+	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator
+	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire; fi
+	@echo "== vLLM (CPU backend) with vs without kvbm"; $(PY) bench/vllm_ttft.py
+	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"
 
 demo: build
 	$(PY) -m kvbm.demo
+
+# CUDA variant (docs/cuda.md): gorgonia.org/cu v0.9.6 needs CUDA 11.x headers
+# (not 12/13) and a linkable libcuda; scripts/cuda-deps.sh extracts both from
+# Debian's nvidia-cuda-dev into CUDA_HOME (no GPU needed to build).
+CUDA_HOME ?= /opt/cuda-11.8-extract/usr
+CUDA_STUBS ?= $(firstword $(wildcard $(CUDA_HOME)/lib/x86_64-linux-gnu/stubs $(CUDA_HOME)/lib64/stubs) $(CUDA_HOME)/lib64/stubs)
+CUDA_CGO := CGO_CFLAGS="-I$(CUDA_HOME)/include" CGO_LDFLAGS="-L$(CUDA_STUBS)"
+CUDA_LIB := python/kvbm/lib/libkvbm_cuda.so
+
+cuda: $(CUDA_LIB)
+
+$(CUDA_LIB): $(GO_SOURCES)
+	@test -f $(CUDA_HOME)/include/cuda.h || { echo "no $(CUDA_HOME)/include/cuda.h: run scripts/cuda-deps.sh (or set CUDA_HOME)"; exit 1; }
+	@mkdir -p $(dir $@)
+	$(CUDA_CGO) CGO_ENABLED=1 $(GO) build -tags cuda -trimpath -buildmode=c-shared $(GO_LDFLAGS) -o $@ ./capi
+	@rm -f $(basename $@).h
 
 clean:
 	rm -rf python/kvbm/lib build dist *.egg-info python/*.egg-info .pytest_cache

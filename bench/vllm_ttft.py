@@ -77,6 +77,8 @@ def main():
     model = dict(QWEN2_05B_LIKE, dir=a.model_dir, dtype="bfloat16")
     longs = prompts(1, n_long, length, vocab)
     uniques = prompts(2, n_unique, unique_len, vocab)
+    warm_uniques = prompts(3, n_unique, unique_len, vocab)
+    uniques_2 = prompts(4, n_unique, unique_len, vocab)
     g1_blocks = (length // BS + 2) * 2 + 4  # room for ~two long prompts: the rest are evicted
     engine = {"num_gpu_blocks_override": g1_blocks, "max_model_len": length + 64, "max_num_batched_tokens": 2048,
               "dtype": "bfloat16", "max_num_seqs": 8}
@@ -84,7 +86,9 @@ def main():
         {"each": [longs[0][:256]], "max_tokens": 1, "tag": "warmup"},
         {"each": longs, "max_tokens": 1, "tag": "first_visit", "progress": True},
         {"each": longs, "max_tokens": 1, "tag": "revisit", "progress": True},
+        {"generate": warm_uniques, "max_tokens": out_len, "tag": "no_reuse_warmup"},
         {"generate": uniques, "max_tokens": out_len, "tag": "no_reuse"},
+        {"generate": uniques_2, "max_tokens": out_len, "tag": "no_reuse_2"},
     ]
     results = {}
     for label, use in (("without kvbm", False), ("with kvbm", True)):
@@ -98,7 +102,10 @@ def main():
     rb, rk = base["revisit"]["secs_each"], kv["revisit"]["secs_each"]
     fb, fk = base["first_visit"]["secs_each"], kv["first_visit"]["secs_each"]
     ntok = n_unique * out_len
-    tb, tk = ntok / base["no_reuse"]["secs"], ntok / kv["no_reuse"]["secs"]
+    # Two measured batches of unique prompts per engine; the better of the two
+    # is reported for each (the machine is shared; the max is the least noisy).
+    tb = max(ntok / base[t]["secs"] for t in ("no_reuse", "no_reuse_2"))
+    tk = max(ntok / kv[t]["secs"] for t in ("no_reuse", "no_reuse_2"))
     m = kv["no_reuse"].get("metrics", {})
     print()
     print(f"model: Qwen2-0.5B-like (hidden {QWEN2_05B_LIKE['hidden']}, {QWEN2_05B_LIKE['layers']} layers, "

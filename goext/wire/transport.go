@@ -91,8 +91,12 @@ func (e Endpoint) host() string {
 }
 
 // PubURL and AckURL are the ZeroMQ addresses.
-func (e Endpoint) PubURL() string { return "tcp://" + net.JoinHostPort(e.host(), strconv.Itoa(e.PubPort)) }
-func (e Endpoint) AckURL() string { return "tcp://" + net.JoinHostPort(e.host(), strconv.Itoa(e.AckPort)) }
+func (e Endpoint) PubURL() string {
+	return "tcp://" + net.JoinHostPort(e.host(), strconv.Itoa(e.PubPort))
+}
+func (e Endpoint) AckURL() string {
+	return "tcp://" + net.JoinHostPort(e.host(), strconv.Itoa(e.AckPort))
+}
 
 // inprocKey names the in-process channel of an endpoint.
 func (e Endpoint) inprocKey() string {

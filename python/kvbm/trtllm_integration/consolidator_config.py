@@ -42,3 +42,34 @@ def get_consolidator_endpoints() -> tuple[str, str, str]:
     engine = env_port("DYN_KVBM_TRTLLM_ZMQ_PORT") or env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
     out = consolidator_output_port()
     return f"tcp://*:{engine}", f"tcp://0.0.0.0:{out}", f"tcp://127.0.0.1:{out}"
+
+
+def consolidator_options(arg_map):
+    """The ``consolidator=`` options for kvbm's leader in a TensorRT-LLM
+    engine, or None when it should not run (disabled, not our connector, or
+    DYN_KVBM_TRTLLM_ZMQ_PORT unset: then an error names the variable).
+
+    Input: the engine events that ``ZmqKvEventPublisher`` binds on
+    DYN_KVBM_TRTLLM_ZMQ_PORT. Output: ZMQ PUB on DYN_KVBM_LEADER_ZMQ_PUB_PORT +
+    1000 (what Dynamo's worker-side publisher reads), plus RouterEvents on NATS
+    when NATS_SERVER is set, on ``namespace.{DYN_NAMESPACE or dynamo}.component.
+    tensorrt_llm.kv-events`` with worker id DYN_KVBM_WORKER_ID (default 0).
+    """
+    import os
+
+    if not should_enable_consolidator(arg_map):
+        return None
+    port = engine_events_port()
+    if port is None:
+        return None
+    _, out_bind, _ = get_consolidator_endpoints()
+    opts = {"engine": "trtllm", "engine_endpoint": f"tcp://127.0.0.1:{port}", "zmq_bind": out_bind}
+    if os.environ.get("NATS_SERVER", "").strip():
+        raw_id = os.environ.get("DYN_KVBM_WORKER_ID", "0").strip() or "0"
+        try:
+            worker_id = int(raw_id)
+        except ValueError:
+            raise ValueError(f"invalid DYN_KVBM_WORKER_ID={raw_id!r}: not an integer") from None
+        opts.update(nats=True, namespace=os.environ.get("DYN_NAMESPACE", "").strip() or "dynamo",
+                    component="tensorrt_llm", worker_id=worker_id)
+    return opts

@@ -1,0 +1,76 @@
+"""Pieces shared by the engine adapters (vLLM, TensorRT-LLM).
+
+Both adapters follow one rule: an engine-facing method never raises into the
+engine at run time. A kvbm failure (including a Go panic, which poisons the
+library) disables kvbm for the process with one error log, and the engine
+keeps serving by recomputing. Configuration errors are different: they are
+raised from the connector constructors so that a bad setting fails start-up
+with a message naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import msgpack
+
+
+def guarded(default=None):
+    """Decorator for engine-facing methods of an object with ``_failed``
+    (None while healthy) and ``_fail(where, err)``.
+
+    ``default`` is returned when the object has failed or the call raises; a
+    callable default is called with the object (for fresh mutable values).
+    """
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            if self._failed is not None:
+                return default(self) if callable(default) else default
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the engine must survive
+                self._fail(fn.__name__, e)
+                return default(self) if callable(default) else default
+
+        return wrapper
+
+    return deco
+
+
+def plan_loads(plan: bytes) -> dict[str, list[int]]:
+    """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
+    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    return {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()}
+
+
+def plan_summary(plan: bytes) -> dict:
+    """Counts and block lists of an encoded plan, for logs and tests:
+    {"seq", "loads": {req: [g1...]}, "saves": [(src_g1, dst_tier, dst_block)],
+    "moves": n, "drops": n}."""
+    if not plan:
+        return {"seq": 0, "loads": {}, "saves": [], "moves": 0, "drops": 0}
+    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    return {
+        "seq": step.get("q", 0),
+        "loads": {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()},
+        "saves": [(c.get("sb", 0), c.get("d", 0), c.get("db", 0)) for c in step.get("v") or ()],
+        "moves": len(step.get("m") or ()),
+        "drops": len(step.get("x") or ()),
+    }
+
+
+class FailureState:
+    """Mixin: the ``_failed``/``_fail`` pair :func:`guarded` relies on."""
+
+    _failed: str | None = None
+    _log: logging.Logger = logging.getLogger("kvbm")
+    _engine_name = "the engine"
+
+    def _fail(self, where: str, err: Exception) -> None:
+        self._failed = f"{where}: {err}"
+        self._log.error(
+            "kvbm failed in %s and is disabled for this process; %s keeps serving without kvbm's cache "
+            "tiers. Cause: %s", where, self._engine_name, err)

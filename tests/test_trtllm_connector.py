@@ -1,0 +1,343 @@
+"""kvbm's TensorRT-LLM connector, driven in TensorRT-LLM's per-iteration order
+by tests/trtllm_contract.py: the leader here, two worker processes (TP=2),
+CPU tensors standing in for each rank's GPU cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from trtllm_contract import (
+    Engine,
+    FakeLlmRequest,
+    InProcessPool,
+    RequestData,
+    SchedulerOutput,
+    WorkerPool,
+    make_llm_args,
+    saves_of,
+    write_model_config,
+)
+
+BS = 8
+BASE_SPEC = dict(tp=2, bs=BS, layers=4, kv_heads=4, head_dim=16, num_blocks=64)
+BASE_ENV = {
+    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "128",
+    "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false",
+}
+
+
+def toks(n, start=100):
+    return [start + i for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def make_engine(pool, tmp_path, monkeypatch):
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader
+    from kvbm.trtllm_integration.connector._common import LOCAL
+
+    made = []
+
+    def make(env_extra=None, spec_extra=None, workers=None, **engine_kw):
+        spec = dict(BASE_SPEC, model_dir=str(tmp_path / "model"))
+        spec.update(spec_extra or {})
+        write_model_config(spec["model_dir"], spec)
+        env = {k: v for k, v in dict(BASE_ENV, **(env_extra or {})).items() if v is not None}
+        for k in [k for k in os.environ if k.startswith("DYN_KVBM_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        LOCAL.reset()
+        wp = workers or pool
+        infos = wp.all("init", lambda r: (spec, None if workers else env, r))
+        leader = DynamoKVBMConnectorLeader(make_llm_args(spec, 0))
+        eng = Engine(leader, wp, spec, **engine_kw)
+        eng.infos = infos
+        made.append(leader)
+        return eng
+
+    yield make
+    for leader in made:
+        leader.shutdown()
+
+
+def run_and_onboard(eng, first_prompt, max_new, second_prompt, expect_blocks, device_hit_blocks=0):
+    """Run request 1 to completion, then request 2 sharing its prefix; check
+    that 2 loads exactly expect_blocks blocks and that every rank's G1 then
+    holds the bytes request 1's forward pass wrote."""
+    a = eng.submit(FakeLlmRequest(1, first_prompt, max_new))
+    eng.run()
+    assert a.phase == "done"
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, (r.device_hit + r.matched) // BS), loaded.append(r))
+    b = eng.submit(FakeLlmRequest(2, second_prompt, 2), device_hit_blocks=device_hit_blocks)
+    eng.run()
+    assert b.matched == expect_blocks * BS - b.device_hit
+    assert loaded == [b], "the load was never released on every rank"
+    assert b.phase == "done"
+    return a, b
+
+
+def test_module_imports_without_tensorrt_llm():
+    import kvbm.trtllm_integration.connector as c
+
+    assert c.HAVE_TRTLLM is False
+    assert issubclass(c.DynamoKVBMConnectorLeader, c._common.KvCacheConnectorScheduler)
+    assert issubclass(c.DynamoKVBMConnectorWorker, c._common.KvCacheConnectorWorker)
+
+
+@pytest.mark.parametrize("change, setting", [
+    (dict(pp=2), "pipeline_parallel_size=2"),
+    (dict(max_beam_width=4), "max_beam_width=4"),
+    (dict(host_cache_size=1 << 30), "kv_cache_config.host_cache_size"),
+    (dict(policy="MAX_UTILIZATION"), "capacity_scheduler_policy=MAX_UTILIZATION"),
+])
+def test_unsupported_settings_are_rejected_by_name(change, setting):
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
+
+    args = make_llm_args(dict(BASE_SPEC, **change))
+    for cls in (DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker):
+        with pytest.raises(ValueError, match=setting.replace("[", r"\[")):
+            cls(args)
+
+
+def test_attention_dp_is_rejected():
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorWorker
+
+    args = make_llm_args(dict(BASE_SPEC))
+    args.enable_attention_dp = True
+    with pytest.raises(ValueError, match="enable_attention_dp"):
+        DynamoKVBMConnectorWorker(args)
+
+
+def test_policy_enum_is_accepted_by_name():
+    import enum
+
+    from kvbm.trtllm_integration.connector._common import check_supported
+
+    class CapacitySchedulerPolicy(enum.Enum):
+        GUARANTEED_NO_EVICT = 1
+
+    args = make_llm_args(dict(BASE_SPEC))
+    args.scheduler_config.capacity_scheduler_policy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    check_supported(args)
+
+
+def test_offloaded_prefix_onboards_byte_exact_on_each_rank(make_engine):
+    eng = make_engine()
+    assert [i["host_blocks"] for i in eng.infos] == [128, 128]
+    assert eng.leader.info()["host_blocks"] == 128
+    first = toks(5 * BS + 3)
+    a = FakeLlmRequest(1, first, 4)
+    eng.submit(a)
+    eng.run()
+    # 46 tokens have KV (the last sampled token is never computed): 5 full blocks.
+    saves = saves_of(eng.plans)
+    assert len(saves) == 5
+    assert len({s[2] for s in saves}) == 5
+    eng.plans.clear()
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, 5), loaded.append(r.request_id))
+    b = eng.submit(FakeLlmRequest(2, a.tokens[:46] + toks(7, 900), 3))
+    eng.run()
+    assert b.matched == 5 * BS and loaded == [2]
+    # The loaded blocks are not offloaded again; the new ones are.
+    assert len(saves_of(eng.plans)) == (len(b.tokens) - 1) // BS - 5
+
+
+def test_chunked_prefill_overlap_scheduler_and_resent_block_lists(make_engine):
+    eng = make_engine(chunk=2 * BS, overlap=True, resend_blocks=True)
+    a = FakeLlmRequest(1, toks(6 * BS + 5), 12)
+    eng.submit(a)
+    eng.run()
+    saves = saves_of(eng.plans)
+    # 64 tokens have KV; with the overlap scheduler the connector never learns
+    # the 64th token before the request ends, so 7 full blocks are offloaded,
+    # each exactly once although every step resent the whole block list.
+    assert len(saves) == 7
+    assert len({s[0] for s in saves}) == 7 and len({s[2] for s in saves}) == 7
+    run_b = FakeLlmRequest(2, a.tokens[:64] + toks(5, 700), 2)
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, 7), loaded.append(r.request_id))
+    eng.submit(run_b)
+    eng.run()
+    assert run_b.matched == 7 * BS and loaded == [2]
+
+
+def test_request_finished_while_its_last_block_is_saved(make_engine):
+    eng = make_engine()
+    # Prefill computes 15 tokens (block 0 full); the one decode step computes
+    # token 15, filling block 1, and the request ends in that step. Its blocks
+    # are scribbled over as soon as request_finished returns.
+    a = FakeLlmRequest(1, toks(2 * BS - 1), 2)
+    assert eng.submit(a)
+    eng.run()
+    assert not eng.new_saving and all(not p["saving"] for p in eng.pending)
+    assert len(saves_of(eng.plans)) == 2
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, 2), loaded.append(r.request_id))
+    b = eng.submit(FakeLlmRequest(2, a.tokens[:2 * BS] + [5, 6, 7], 1))
+    eng.run()
+    assert b.matched == 2 * BS and loaded == [2]
+
+
+def test_preempted_request_is_replayed_with_its_prefix_loaded(make_engine):
+    eng = make_engine()
+    a = FakeLlmRequest(1, toks(3 * BS + 2), 20)
+    eng.submit(a)
+    while a.generated < 7:
+        eng.step()
+    assert len(saves_of(eng.plans)) == 4  # 32 of 33 tokens computed
+    eng.preempt(a)
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, 4), loaded.append(r.request_id))
+    eng.run()
+    assert loaded == [1] and a.matched == 4 * BS and a.phase == "done"
+    # After the replay the request saved block 4 from its new G1 blocks.
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, 5), loaded.append(r.request_id))
+    c = eng.submit(FakeLlmRequest(3, a.tokens[:45] + [1, 2], 1))
+    eng.run()
+    assert c.matched == 5 * BS and loaded == [1, 3]
+
+
+def test_device_prefix_hit_then_kvbm_loads_the_rest(make_engine):
+    eng = make_engine()
+    first = toks(4 * BS + 1)
+    run_and_onboard(eng, first, 1, first[:4 * BS] + [9, 9, 9], expect_blocks=4, device_hit_blocks=1)
+
+
+def test_disk_tier_onboarding(make_engine, tmp_path):
+    eng = make_engine(env_extra={
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4",
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "64",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_DISABLE_O_DIRECT": "true",
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+    }, chunk=2 * BS)
+    first = toks(8 * BS + 1)
+    run_and_onboard(eng, first, 1, first[:8 * BS] + [3, 3], expect_blocks=8)
+
+
+def test_rank0_worker_in_the_leader_process_reports_bytes_per_block(make_engine, tmp_path):
+    # TensorRT-LLM's rank 0 holds both objects: the leader learns the exact
+    # bytes per block from the worker (here the tiers are sized in GB and the
+    # model has no config.json, so nothing else could tell it).
+    spec_one = {"tp": 1, "model_dir": str(tmp_path / "nomodel")}
+    pool = InProcessPool()
+    try:
+        eng = make_engine(env_extra={"DYN_KVBM_CPU_CACHE_GB": "0.0008",
+                                     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": None},
+                          spec_extra=spec_one, workers=pool)
+        os.remove(os.path.join(spec_one["model_dir"], "config.json"))
+        bpb = eng.infos[0]["bytes_per_block"]
+        assert bpb == 4 * 2 * BS * 4 * 16 * 2
+        first = toks(3 * BS + 1)
+        run_and_onboard(eng, first, 1, first[:3 * BS] + [1], expect_blocks=3)
+        assert eng.leader.info()["host_blocks"] == int(0.0008e9 // bpb)
+    finally:
+        pool.close()
+
+
+def test_leader_without_bytes_per_block_disables_itself(make_engine, tmp_path, caplog):
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader
+
+    make_engine()  # sets the environment
+    os.environ.pop("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS")
+    os.environ["DYN_KVBM_CPU_CACHE_GB"] = "1"
+    leader = DynamoKVBMConnectorLeader(make_llm_args(dict(BASE_SPEC, model_dir=str(tmp_path / "none"))))
+    try:
+        r = FakeLlmRequest(7, toks(20), 1)
+        assert leader.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert leader.build_connector_meta(SchedulerOutput()) == b""
+        assert leader.request_finished(r, []) is False
+        assert "block size in bytes is unknown" in caplog.text
+    finally:
+        leader.shutdown()
+
+
+def test_invalid_environment_fails_start_up_naming_the_variable(monkeypatch):
+    import kvbm
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader
+
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "lots")
+    with pytest.raises(kvbm.KvbmError, match="DYN_KVBM_CPU_CACHE_GB"):
+        DynamoKVBMConnectorLeader(make_llm_args(dict(BASE_SPEC)))
+
+
+# ------------------------------------------------------- worker, in-process
+
+
+@pytest.fixture
+def rank0(make_engine, tmp_path):
+    pool = InProcessPool()
+    eng = make_engine(spec_extra={"tp": 1}, workers=pool)
+    yield eng, pool.side
+    pool.close()
+
+
+def test_get_finished_returns_saving_ids_at_once_and_loads_once_announced(rank0):
+    eng, side = rank0
+    w = side.w
+    assert w.get_finished([11, 12], []) == ([11, 12], [])
+    # A load finished by the worker is held until TensorRT-LLM announces it,
+    # then returned exactly once.
+    w._done.add(5)
+    assert w.get_finished([], []) == ([], [])
+    assert w.get_finished([], [5]) == ([], [5])
+    assert w.get_finished([], []) == ([], [])
+
+
+def test_announced_load_without_a_plan_is_released_after_grace(rank0, caplog):
+    _, side = rank0
+    w = side.w
+    assert w.get_finished([], [42]) == ([], [])
+    assert w.get_finished([], []) == ([], [42])
+    assert "no plan carried its load" in caplog.text
+
+
+def test_worker_failure_releases_inflight_loads_without_raising(rank0):
+    _, side = rank0
+    w = side.w
+    w._inflight[9] = [3, 4]
+
+    class Broken:
+        def finished(self):
+            raise RuntimeError("boom")
+
+        def close(self):
+            pass
+
+    real, w._worker = w._worker, Broken()
+    try:
+        assert w.get_finished([], [9]) == ([], [9])
+        assert w._failed and "boom" in w._failed
+        # Everything after a failure is a no-op, never an exception.
+        w.bind_connector_meta(b"\x81\xa1q\x01")
+        w.start_load_kv(None)
+        w.wait_for_save(None)
+        assert w.get_finished([1], []) == ([1], [])
+    finally:
+        w._worker = real
+
+
+def test_leader_resent_whole_block_list_is_deduplicated(rank0):
+    eng, _ = rank0
+    leader = eng.leader
+    r = FakeLlmRequest(1, toks(2 * BS), 1)
+    new = RequestData(1, r.tokens, [10, 11], 0, BS)
+    plan1 = leader.build_connector_meta(SchedulerOutput(new_requests=[new]))
+    again = RequestData(1, [], [10, 11], BS, BS)  # whole list resent, second chunk
+    plan2 = leader.build_connector_meta(SchedulerOutput(cached_requests=[again]))
+    from kvbm._adapter_common import plan_summary
+
+    assert [s[0] for s in plan_summary(plan1)["saves"]] == [10]
+    assert [s[0] for s in plan_summary(plan2)["saves"]] == [11]
+    assert leader.request_finished(r, [10, 11]) is False

@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--g1-blocks", type=int, default=48, help="vLLM's own KV cache, in 32-token blocks")
-    ap.add_argument("--host-blocks", type=int, default=96, help="kvbm G2 (host memory) blocks")
+    ap.add_argument("--host-blocks", type=int, default=40, help="kvbm G2 (host memory) blocks")
     ap.add_argument("--disk-blocks", type=int, default=1024, help="kvbm G3 (disk) blocks")
     a = ap.parse_args(argv)
 

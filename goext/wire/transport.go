@@ -151,10 +151,10 @@ type tcpLeader struct {
 // bindError explains a failed bind in terms of the variable to change.
 func bindError(sock, envVar string, ep Endpoint, url string, port int, err error) error {
 	if errors.Is(err, syscall.EADDRINUSE) {
-		return fmt.Errorf("kvbm leader: cannot bind the side-channel %s socket on %s: %w (%s=%d). "+
+		return fmt.Errorf("kvbm leader: cannot bind the side-channel %s socket on %s: %w: %w (%s=%d). "+
 			"Another process holds it, typically a second engine on this host using the default ports: "+
 			"give each engine its own %s and %s",
-			sock, url, ErrPortInUse, envVar, port, config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort)
+			sock, url, ErrPortInUse, syscall.EADDRINUSE, envVar, port, config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort)
 	}
 	return fmt.Errorf("kvbm leader: cannot bind the side-channel %s socket on %s (%s=%q, %s=%d): %w",
 		sock, url, config.EnvLeaderZMQHost, ep.host(), envVar, port, err)

@@ -298,7 +298,7 @@ func procLeader(t *testing.T, n int, ep Endpoint, mod func(*LeaderOptions)) (*Le
 		// the same time; only the kill test wants a short one.
 		InitTimeout: 30 * time.Second, PingInterval: 200 * time.Millisecond, DeadAfter: 5 * time.Second,
 		RetryInterval: 20 * time.Millisecond,
-		Logger: testLogger(logs)}
+		Logger:        testLogger(logs)}
 	if mod != nil {
 		mod(&opts)
 	}

@@ -38,7 +38,12 @@ type tensorOption struct {
 	Strides []int64 `json:"strides"`
 }
 
+// newDeviceCopier returns the G1 copier for engine tensors in GPU memory, or
+// nil when they are host memory. Only the CUDA build (worker_cuda.go) sets it.
+var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error)
+
 type workerHandle struct {
+	g1      worker.G1Copier // nil: G1 is host memory
 	w       *worker.Worker
 	m       *metrics.Metrics
 	layout  *layout.Engine
@@ -86,12 +91,21 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	}
 	log := kvbmLogger()
 	m := metrics.New()
+	var g1c worker.G1Copier
+	if newDeviceCopier != nil {
+		if g1c, err = newDeviceCopier(eng, o.Env); err != nil {
+			return finish(withCode(statusIO, err), errOut)
+		}
+	}
 	w, err := worker.New(worker.Options{
 		Rank: o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
-		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m,
+		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
 	if err != nil {
+		if g1c != nil {
+			_ = g1c.Close()
+		}
 		return finish(withCode(statusConfig, err), errOut)
 	}
 	if err := w.RegisterG1(eng); err != nil {
@@ -100,7 +114,12 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath())
-	h := &workerHandle{w: w, m: m, layout: eng, summary: map[string]any{
+	g1desc := "host"
+	if g1c != nil {
+		g1desc = fmt.Sprint(g1c)
+	}
+	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, summary: map[string]any{
+		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
 	}}

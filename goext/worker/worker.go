@@ -80,6 +80,33 @@ type Options struct {
 	BatchSize int
 	Logger    *slog.Logger     // nil: slog.Default()
 	Metrics   *metrics.Metrics // nil: a private set
+	// G1 moves blocks between the engine's tensors and host memory when
+	// those tensors are not plain host memory (the CUDA build's copier for
+	// GPU-resident KV caches). nil: the CPU copies of package transfer.
+	// The worker owns it from New on and closes it in Close.
+	G1 G1Copier
+}
+
+// G1Copier moves whole blocks between the engine's G1 tensors and kvbm host
+// memory in the host layout. Hosts buffers handed to it always come from a
+// region passed to RegisterHost first.
+type G1Copier interface {
+	// RegisterHost is called once per host region (G2, disk bounce buffers)
+	// before any copy touches it, e.g. to page-lock it.
+	RegisterHost(r *storage.HostRegion) error
+	// Fence orders the copier's later work after the engine's work submitted
+	// so far (a save must see the step's KV; a load must not race the
+	// engine's earlier use of a reused block).
+	Fence() error
+	// GatherBlocks copies G1 blocks[i] into dsts[i]; ScatterBlocks copies
+	// srcs[i] into G1 blocks[i]. Both return once the bytes have landed.
+	GatherBlocks(blocks []int, dsts [][]byte) error
+	ScatterBlocks(blocks []int, srcs [][]byte) error
+	// MaxBatch is how many G1↔G2 blocks one call should carry (≤ 0:
+	// Options.BatchSize); a device copier prefers whole steps.
+	MaxBatch() int
+	// Close releases what the copier holds; host regions are unmapped after it.
+	Close() error
 }
 
 // blockDisk is what the worker needs from the disk tier; tests substitute a
@@ -200,6 +227,17 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 		w.diskValid = make([]atomic.Bool, w.opts.DiskBlocks)
 		w.diskSum = make([]atomic.Uint64, w.opts.DiskBlocks)
 	}
+	if c := w.opts.G1; c != nil {
+		for _, r := range []*storage.HostRegion{w.host, w.bounce} {
+			if r == nil {
+				continue
+			}
+			if err = c.RegisterHost(r); err != nil {
+				cleanup()
+				return fmt.Errorf("worker rank %d: register host memory with the G1 copier: %w", w.opts.Rank, err)
+			}
+		}
+	}
 	w.g1, w.bpb = e, bpb
 	w.log.Info("kvbm worker registered KV caches", "layout", e.String(), "host_blocks", w.opts.HostBlocks, "disk_blocks", w.opts.DiskBlocks)
 	return nil
@@ -309,6 +347,7 @@ func (w *Worker) StartLoad() {
 		w.loads.Done()
 		return
 	}
+	w.fence("load")
 	go func() {
 		defer w.loads.Done()
 		w.runLoads(s.Loads)
@@ -362,6 +401,9 @@ func (w *Worker) WaitForSave() {
 	w.saves.Add(1)
 	w.mu.Unlock()
 	defer w.saves.Done()
+	if len(s.Saves) > 0 {
+		w.fence("save")
+	}
 	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
 		w.logFailures("move", s.Moves, errs)
 	}
@@ -400,12 +442,27 @@ func (w *Worker) Close() error {
 	w.loads.Wait()
 	w.saves.Wait()
 	var errs []error
+	if w.opts.G1 != nil {
+		// Before the regions go: a copier may hold them registered (pinned).
+		errs = append(errs, w.opts.G1.Close())
+	}
 	for _, c := range []interface{ Close() error }{w.host, w.diskFile, w.bounce} {
 		if c != nil && !isNilRegion(c) {
 			errs = append(errs, c.Close())
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// fence orders the G1 copier after the engine's submitted work. A failure
+// is logged; the copies still run (their own errors are reported per block).
+func (w *Worker) fence(what string) {
+	if w.opts.G1 == nil {
+		return
+	}
+	if err := w.opts.G1.Fence(); err != nil {
+		w.log.Warn("kvbm worker: could not order "+what+" copies after the engine's work", "err", err)
+	}
 }
 
 func countErrs(errs []error) int {
@@ -472,7 +529,8 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 	var batches []batch
 	for lo := 0; lo < len(order); {
 		hi := lo + 1
-		for hi < len(order) && hi-lo < w.opts.BatchSize && key(ops[order[hi]]) == key(ops[order[lo]]) {
+		limit := w.batchLimit(ops[order[lo]])
+		for hi < len(order) && hi-lo < limit && key(ops[order[hi]]) == key(ops[order[lo]]) {
 			hi++
 		}
 		batches = append(batches, batch{lo, hi})
@@ -502,6 +560,33 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 		}
 	})
 	return errs
+}
+
+// batchLimit is the most blocks one batch of c's direction carries.
+func (w *Worker) batchLimit(c plan.Copy) int {
+	if c.Src == plan.G1 || c.Dst == plan.G1 {
+		if g := w.opts.G1; g != nil && g.MaxBatch() > 0 {
+			return g.MaxBatch()
+		}
+	}
+	return w.opts.BatchSize
+}
+
+// gather and scatter move one set of G1 blocks through the configured copier.
+func (w *Worker) gather(blocks []int, dsts [][]byte) error {
+	if w.opts.G1 != nil {
+		return w.opts.G1.GatherBlocks(blocks, dsts)
+	}
+	transfer.GatherBlocks(w.g1, blocks, dsts)
+	return nil
+}
+
+func (w *Worker) scatter(blocks []int, srcs [][]byte) error {
+	if w.opts.G1 != nil {
+		return w.opts.G1.ScatterBlocks(blocks, srcs)
+	}
+	transfer.ScatterBlocks(w.g1, blocks, srcs)
+	return nil
 }
 
 func (w *Worker) checkBlock(t plan.Tier, b int64) error {
@@ -567,12 +652,19 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 		}
 	}()
 	if toHost {
-		transfer.GatherBlocks(w.g1, g1s, bufs)
+		if err := w.gather(g1s, bufs); err != nil {
+			for _, i := range live {
+				errs[i] = err
+			}
+			return
+		}
 		for _, i := range live {
 			w.hostValid[ops[i].DstBlock].Store(true)
 		}
-	} else {
-		transfer.ScatterBlocks(w.g1, g1s, bufs)
+	} else if err := w.scatter(g1s, bufs); err != nil {
+		for _, i := range live {
+			errs[i] = err
+		}
 	}
 }
 
@@ -595,7 +687,9 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 	switch {
 	case c.Src == plan.G1 && c.Dst == plan.G2:
 		w.hostValid[dst].Store(false)
-		transfer.Gather(w.g1, src, w.host.Block(dst))
+		if err := w.gather([]int{src}, [][]byte{w.host.Block(dst)}); err != nil {
+			return err
+		}
 		w.hostValid[dst].Store(true)
 		return nil
 
@@ -603,12 +697,13 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 		if !w.hostValid[src].Load() {
 			return fmt.Errorf("G2 block %d: %w", src, ErrNotValid)
 		}
-		transfer.Scatter(w.g1, dst, w.host.Block(src))
-		return nil
+		return w.scatter([]int{dst}, [][]byte{w.host.Block(src)})
 
 	case c.Src == plan.G1 && c.Dst == plan.G3:
 		buf := w.bounce.IOBlock(slot)
-		transfer.Gather(w.g1, src, buf)
+		if err := w.gather([]int{src}, [][]byte{buf[:w.bpb]}); err != nil {
+			return err
+		}
 		return w.writeDisk(dst, buf)
 
 	case c.Src == plan.G2 && c.Dst == plan.G3:
@@ -623,8 +718,7 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 		if err := w.readDisk(src, buf); err != nil {
 			return err
 		}
-		transfer.Scatter(w.g1, dst, buf)
-		return nil
+		return w.scatter([]int{dst}, [][]byte{buf[:w.bpb]})
 
 	case c.Src == plan.G3 && c.Dst == plan.G2:
 		w.hostValid[dst].Store(false)

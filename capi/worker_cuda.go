@@ -1,0 +1,62 @@
+//go:build cuda
+
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"os"
+
+	"github.com/kvbm/kvbm/goext/cuda"
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/worker"
+)
+
+func init() {
+	newDeviceCopier = func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error) {
+		ord, err := cuda.DeviceOf(eng.Base(0))
+		if err != nil {
+			return nil, err
+		}
+		if ord < 0 {
+			return nil, nil // CPU tensors: the plain host copies
+		}
+		get := func(k string) string {
+			if v, ok := env[k]; ok {
+				return v
+			}
+			return os.Getenv(k)
+		}
+		mode, err := cuda.ParseMode(get("DYN_KVBM_CUDA_COPY"))
+		if err != nil {
+			return nil, err
+		}
+		c, err := cuda.New(eng, cuda.Options{Mode: mode})
+		if err != nil {
+			return nil, err
+		}
+		return c, nil
+	}
+}
+
+// kvbm_worker_set_cuda_stream names the engine's CUDA stream (a
+// cudaStream_t, e.g. torch.cuda.current_stream().cuda_stream; 0 is the
+// legacy default stream). The worker's saves start after the work queued on
+// it when WaitForSave is called, and its loads after the work queued when
+// StartLoad is called. A worker whose KV caches are host memory ignores it.
+//
+//export kvbm_worker_set_cuda_stream
+func kvbm_worker_set_cuda_stream(hd C.uint64_t, stream C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if c, ok := h.g1.(*cuda.Copier); ok {
+		c.SetEngineStream(uintptr(stream))
+	}
+	return statusOK
+}

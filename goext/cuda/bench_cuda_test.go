@@ -1,0 +1,135 @@
+//go:build cuda
+
+package cuda
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/cu"
+
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/storage"
+)
+
+// BenchmarkCopier: the bench/gpu_transfer.py shape (32 layers × K/V × 16
+// tokens × 8 heads × 128 × bf16 = 2 MiB blocks, 8192 G1 blocks, 2048 random
+// blocks moved) through the copier alone, next to one contiguous DMA copy of
+// the same bytes to page-locked memory (registered mmap and cuMemHostAlloc).
+func BenchmarkCopier(b *testing.B) {
+	const layers, nblocks, moved = 32, 8192, 2048
+	shape := []int64{2, nblocks, 16, 8, 128}
+	per := int64(2 * nblocks * 16 * 8 * 128 * 2)
+	spec := layout.Spec{Kind: layout.FlashAttn, NumBlocks: nblocks, BlockSize: 16, DtypeBytes: 2}
+	var ptrs []cu.DevicePtr
+	onCtx(b, func() error {
+		for l := 0; l < layers; l++ {
+			p, err := cu.MemAlloc(per)
+			if err != nil {
+				return err
+			}
+			if err := cu.MemsetD8(p, byte(l+1), per); err != nil {
+				return err
+			}
+			ptrs = append(ptrs, p)
+			spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(p), Shape: shape})
+		}
+		return nil
+	})
+	defer onCtx(b, func() error {
+		for _, p := range ptrs {
+			_ = cu.MemFree(p)
+		}
+		return nil
+	})
+	eng, err := layout.NewEngine(spec)
+	require.NoError(b, err)
+	bpb := eng.BytesPerBlock()
+	host, err := storage.NewHostRegion(moved, bpb, true)
+	require.NoError(b, err)
+	defer host.Close()
+	perm := rand.New(rand.NewPCG(1, 2)).Perm(nblocks)
+	src := perm[:moved]
+	bufs := make([][]byte, moved)
+	for i := range bufs {
+		bufs[i] = host.Block(i)
+	}
+	total := int64(moved) * bpb
+	type variant struct {
+		m    Mode
+		ctas int
+	}
+	for _, v := range []variant{{Kernel, 2}, {Kernel, 4}, {Kernel, 8}, {Kernel, 16}, {Staged, 4}} {
+		m := v.m
+		c, err := New(eng, Options{Mode: m, CTAsPerSM: v.ctas})
+		require.NoError(b, err)
+		require.NoError(b, c.RegisterHost(host))
+		m2 := fmt.Sprintf("%s_ctas%d", m, v.ctas)
+		b.Run(fmt.Sprintf("%s/offload", m2), func(b *testing.B) {
+			b.SetBytes(total)
+			for i := 0; i < b.N; i++ {
+				require.NoError(b, c.GatherBlocks(src, bufs))
+			}
+		})
+		b.Run(fmt.Sprintf("%s/onboard", m2), func(b *testing.B) {
+			b.SetBytes(total)
+			for i := 0; i < b.N; i++ {
+				require.NoError(b, c.ScatterBlocks(perm[moved:2*moved], bufs))
+			}
+		})
+		require.NoError(b, c.Close())
+	}
+
+	// Contiguous baselines: one DMA copy of `total` bytes each way.
+	var dev cu.DevicePtr
+	onCtx(b, func() error { dev, err = cu.MemAlloc(total); return err })
+	defer onCtx(b, func() error { return cu.MemFree(dev) })
+	var alloc uintptr
+	onCtx(b, func() error { alloc, err = hostAlloc(total); return err })
+	defer onCtx(b, func() error { return hostFree(alloc) })
+	var regBase uintptr
+	onCtx(b, func() error {
+		regBase = uintptr(unsafe.Pointer(&host.IOBlock(0)[0]))
+		_, err := hostRegister(regBase, host.Stride()*int64(host.NumBlocks()))
+		return err
+	})
+	defer onCtx(b, func() error { return hostUnregister(regBase) })
+	for _, hc := range []struct {
+		name string
+		p    uintptr
+	}{{"registered_mmap", regBase}, {"cuMemHostAlloc", alloc}} {
+		for _, toDev := range []bool{false, true} {
+			name := "contiguous/" + hc.name + "/dtoh"
+			if toDev {
+				name = "contiguous/" + hc.name + "/htod"
+			}
+			b.Run(name, func(b *testing.B) {
+				b.SetBytes(total)
+				onCtx(b, func() error {
+					s, err := cu.MakeStream(cu.NonBlocking)
+					if err != nil {
+						return err
+					}
+					defer s.Destroy()
+					for i := 0; i < b.N; i++ {
+						if toDev {
+							err = cu.MemcpyHtoDAsync(dev, unsafePtr(hc.p), total, s)
+						} else {
+							err = cu.MemcpyDtoHAsync(unsafePtr(hc.p), dev, total, s)
+						}
+						if err != nil {
+							return err
+						}
+						if err := s.Synchronize(); err != nil {
+							return err
+						}
+					}
+					return nil
+				})
+			})
+		}
+	}
+}

@@ -1,0 +1,303 @@
+//go:build cuda
+
+package cuda
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/cu"
+
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/worker"
+)
+
+// These tests need a GPU: they build only with -tags cuda and skip when the
+// driver reports no device.
+
+var testCtx cu.CUContext
+
+func TestMain(m *testing.M) {
+	if n, err := cu.NumDevices(); err != nil || n == 0 {
+		fmt.Println("no CUDA device: skipping goext/cuda tests")
+		os.Exit(0)
+	}
+	dev, err := cu.GetDevice(0)
+	if err == nil {
+		testCtx, err = dev.RetainPrimaryCtx()
+	}
+	if err != nil {
+		fmt.Println("cuda:", err)
+		os.Exit(1)
+	}
+	os.Exit(m.Run())
+}
+
+// onCtx runs fn with device 0's primary context current.
+func onCtx(t testing.TB, fn func() error) {
+	t.Helper()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	require.NoError(t, cu.PushCurrentCtx(testCtx))
+	defer func() { _, _ = cu.PopCurrentCtx() }()
+	require.NoError(t, fn())
+}
+
+// gpuCache is an engine KV cache in device memory: tensors of one shape.
+type gpuCache struct {
+	ptrs  []cu.DevicePtr
+	bytes int64
+	eng   *layout.Engine
+}
+
+func newCache(t *testing.T, kind layout.Kind, tensors int, shape []int64, numBlocks, blockSize, dtype int) *gpuCache {
+	n := int64(dtype)
+	for _, d := range shape {
+		n *= d
+	}
+	g := &gpuCache{bytes: n}
+	spec := layout.Spec{Kind: kind, NumBlocks: numBlocks, BlockSize: blockSize, DtypeBytes: dtype}
+	rng := rand.New(rand.NewPCG(uint64(n), uint64(tensors)))
+	onCtx(t, func() error {
+		for i := 0; i < tensors; i++ {
+			p, err := cu.MemAlloc(n)
+			if err != nil {
+				return err
+			}
+			buf := make([]byte, n)
+			for j := range buf {
+				buf[j] = byte(rng.Uint32())
+			}
+			if err := cu.MemcpyHtoD(p, unsafe.Pointer(&buf[0]), n); err != nil {
+				return err
+			}
+			g.ptrs = append(g.ptrs, p)
+			spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(p), Shape: shape})
+		}
+		return nil
+	})
+	t.Cleanup(func() {
+		onCtx(t, func() error {
+			for _, p := range g.ptrs {
+				_ = cu.MemFree(p)
+			}
+			return nil
+		})
+	})
+	var err error
+	g.eng, err = layout.NewEngine(spec)
+	require.NoError(t, err)
+	return g
+}
+
+// block reads G1 block b (host layout) back from the device.
+func (g *gpuCache) block(t *testing.T, b int) []byte {
+	e := g.eng
+	h := e.Host()
+	out := make([]byte, e.BytesPerBlock())
+	onCtx(t, func() error {
+		for l := 0; l < e.NumLayers; l++ {
+			for o := 0; o < e.OuterDim; o++ {
+				off := h.ChunkOffset(l, o)
+				if err := cu.MemcpyDtoH(unsafe.Pointer(&out[off]), cu.DevicePtr(e.ChunkAddr(b, l, o)), e.ChunkBytes); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	return out
+}
+
+type layoutCase struct {
+	name   string
+	kind   layout.Kind
+	n      int // tensors
+	shape  []int64
+	blocks int
+	bs     int
+	dtype  int
+}
+
+// Small stand-ins for the real layouts (32 KiB chunks in production): 4
+// layers, 16-token blocks, 2 KV heads × 64, bf16 → 4 KiB chunks.
+var layouts = []layoutCase{
+	{"flash_attn", layout.FlashAttn, 4, []int64{2, 96, 16, 2, 64}, 96, 16, 2},
+	{"flashinfer", layout.FlashInfer, 4, []int64{96, 2, 16, 2, 64}, 96, 16, 2},
+	{"trtllm", layout.TRTLLM, 1, []int64{96, 4, 2, 2 * 16 * 64}, 96, 16, 2},
+	// 30-byte chunks: the unaligned (byte) kernel.
+	{"flash_attn_unaligned", layout.FlashAttn, 3, []int64{2, 96, 3, 1, 5}, 96, 3, 2},
+}
+
+func modesFor(c *Copier) []Mode {
+	if c.contiguousBlocks() {
+		return []Mode{Kernel, Staged, Direct}
+	}
+	return []Mode{Kernel, Staged}
+}
+
+func TestDeviceOf(t *testing.T) {
+	g := newCache(t, layout.FlashAttn, 1, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
+	ord, err := DeviceOf(uintptr(g.ptrs[0]) + 100)
+	require.NoError(t, err)
+	require.Equal(t, 0, ord)
+	host := make([]byte, 64)
+	ord, err = DeviceOf(uintptr(unsafe.Pointer(&host[0])))
+	require.NoError(t, err)
+	require.Equal(t, -1, ord)
+}
+
+func TestParseMode(t *testing.T) {
+	for s, want := range map[string]Mode{"": Auto, "auto": Auto, "kernel": Kernel, "STAGED": Staged, "direct": Direct} {
+		got, err := ParseMode(s)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	}
+	_, err := ParseMode("memcpy")
+	require.ErrorContains(t, err, "DYN_KVBM_CUDA_COPY")
+}
+
+func TestDirectNeedsContiguousBlocks(t *testing.T) {
+	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
+	_, err := New(g.eng, Options{Mode: Direct})
+	require.ErrorContains(t, err, "contiguous")
+	c, err := New(g.eng, Options{})
+	require.NoError(t, err)
+	require.Equal(t, DefaultMode, c.Mode())
+	require.NoError(t, c.Close())
+}
+
+// roundTrip offloads src G1 blocks and onboards them into dst G1 blocks
+// through the worker, via G2 only or via G2 → G3, and checks every byte.
+// While the copies run, another stream keeps rewriting the `busy` blocks.
+func roundTrip(t *testing.T, g *gpuCache, c *Copier, viaDisk bool) {
+	rng := rand.New(rand.NewPCG(7, uint64(c.mode)))
+	perm := rng.Perm(g.eng.NumBlocks)
+	const n = 40
+	src, dst, busy := perm[:n], perm[n:2*n], perm[2*n:]
+	want := make([][]byte, n)
+	for i, b := range src {
+		want[i] = g.block(t, b)
+	}
+	w, err := worker.New(worker.Options{HostBlocks: n + 8, DiskBlocks: n + 8, DiskDir: t.TempDir(), G1: c, BatchSize: 7})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, w.Close()) }()
+	require.NoError(t, w.RegisterG1(g.eng))
+
+	// The concurrent writer: memsets of the busy blocks' chunks on its own stream.
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	var writes atomic.Int64
+	wg.Go(func() {
+		onCtx(t, func() error {
+			s, err := cu.MakeStream(cu.NonBlocking)
+			if err != nil {
+				return err
+			}
+			defer s.Destroy()
+			for v := byte(0); !stop.Load(); v++ {
+				for _, b := range busy {
+					for l := 0; l < g.eng.NumLayers; l++ {
+						for o := 0; o < g.eng.OuterDim; o++ {
+							if err := cu.MemsetD8Async(cu.DevicePtr(g.eng.ChunkAddr(b, l, o)), v, g.eng.ChunkBytes, s); err != nil {
+								return err
+							}
+						}
+					}
+				}
+				if err := s.Synchronize(); err != nil {
+					return err
+				}
+				writes.Add(1)
+			}
+			return nil
+		})
+	})
+	defer func() { stop.Store(true); wg.Wait() }()
+
+	save := &plan.Step{Seq: 1}
+	for i, b := range src {
+		save.Saves = append(save.Saves, plan.Copy{Src: plan.G1, SrcBlock: int64(b), Dst: plan.G2, DstBlock: int64(i + 3)})
+	}
+	require.NoError(t, w.Bind(save))
+	w.WaitForSave()
+	loadTier, off := plan.G2, 3
+	if viaDisk {
+		move := &plan.Step{Seq: 2}
+		for i := range src {
+			move.Moves = append(move.Moves, plan.Copy{Src: plan.G2, SrcBlock: int64(i + 3), Dst: plan.G3, DstBlock: int64(i + 5)})
+			// Drop the G2 copy: the load below can only be served from disk.
+			move.Drops = append(move.Drops, plan.Copy{Src: plan.G2, SrcBlock: int64(i + 3)})
+		}
+		// Drops apply at Bind, before the moves: move first, drop next step.
+		drops := move.Drops
+		move.Drops = nil
+		require.NoError(t, w.Bind(move))
+		w.WaitForSave()
+		require.NoError(t, w.Bind(&plan.Step{Seq: 3, Drops: drops}))
+		loadTier, off = plan.G3, 5
+	}
+	load := &plan.Step{Seq: 4}
+	for i, b := range dst {
+		load.Loads = append(load.Loads, plan.Load{ReqID: fmt.Sprint("r", i),
+			Copies: []plan.Copy{{Src: loadTier, SrcBlock: int64(i + off), Dst: plan.G1, DstBlock: int64(b)}}})
+	}
+	require.NoError(t, w.Bind(load))
+	w.StartLoad()
+	w.WaitLoads()
+	loaded, failed := w.Finished()
+	require.Len(t, loaded, n)
+	require.Empty(t, failed)
+	for i, b := range dst {
+		if got := g.block(t, b); !bytes.Equal(want[i], got) {
+			t.Fatalf("G1 block %d (from block %d): bytes differ", b, src[i])
+		}
+	}
+	// The source blocks were never written by anyone.
+	for i, b := range src {
+		require.True(t, bytes.Equal(want[i], g.block(t, b)), "source block %d changed", b)
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, lc := range layouts {
+		for _, viaDisk := range []bool{false, true} {
+			g := newCache(t, lc.kind, lc.n, lc.shape, lc.blocks, lc.bs, lc.dtype)
+			probe, err := New(g.eng, Options{})
+			require.NoError(t, err)
+			modes := modesFor(probe)
+			require.NoError(t, probe.Close())
+			for _, m := range modes {
+				name := fmt.Sprintf("%s/%s/g2", lc.name, m)
+				if viaDisk {
+					name = fmt.Sprintf("%s/%s/g3", lc.name, m)
+				}
+				t.Run(name, func(t *testing.T) {
+					// A small staging buffer forces several sub-batches.
+					c, err := New(g.eng, Options{Mode: m, StagingBytes: 3 * g.eng.BytesPerBlock(), MaxBatch: 16})
+					require.NoError(t, err)
+					roundTrip(t, g, c, viaDisk)
+				})
+			}
+		}
+	}
+}
+
+func TestUnregisteredHostBuffer(t *testing.T) {
+	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
+	c, err := New(g.eng, Options{Mode: Kernel})
+	require.NoError(t, err)
+	defer c.Close()
+	buf := make([]byte, g.eng.BytesPerBlock())
+	require.ErrorContains(t, c.GatherBlocks([]int{1}, [][]byte{buf}), "not in a registered host region")
+	require.ErrorContains(t, c.GatherBlocks([]int{8}, [][]byte{buf}), "out of range")
+}

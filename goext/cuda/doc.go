@@ -1,0 +1,19 @@
+// Package cuda is kvbm's GPU data path, compiled only with the `cuda` build
+// tag (every other file of the package carries it): a default build has no
+// CUDA dependency and this package is empty there.
+//
+// A Copier moves whole blocks between an engine's GPU-resident KV tensors
+// (G1, any goext/layout layout) and kvbm's block-contiguous host memory (G2
+// and the disk tier's bounce buffers), which it page-locks. It works in the
+// engine's primary CUDA context (the one PyTorch uses), on two streams of its
+// own (one per direction, so offloads and onboards share PCIe both ways), and
+// orders itself after the engine's stream with an event (Fence).
+//
+// Copies never go one cudaMemcpy per layer per block. Per-layer layouts are
+// gathered/scattered by one kernel per batch (kernels/kvbm_copy.cu), which
+// either reads/writes the mapped host memory directly ("kernel", zero-copy)
+// or goes through a device staging buffer and one DMA copy per block
+// ("staged"). Layouts whose blocks are contiguous in G1 (TensorRT-LLM) move
+// as one DMA copy per block ("direct"). docs/cuda.md has the measurements
+// behind the default.
+package cuda

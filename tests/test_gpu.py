@@ -1,0 +1,172 @@
+"""GPU data path: byte-exact round trips between torch-allocated CUDA KV caches
+and kvbm's host (G2) and disk (G3) tiers, through the CUDA build of the
+library (libkvbm_cuda.so, `make cuda`).
+
+Skipped without torch, without a CUDA device, or when the CUDA variant of the
+library is not the one loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from ctypes import POINTER, c_char_p, c_int, c_uint64
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import msgpack  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+from kvbm import _native  # noqa: E402
+from kvbm._core import Worker  # noqa: E402
+
+LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 16, 96
+N = 24  # blocks per round trip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_library():
+    _, variant = _native.library_path()
+    if variant != "cuda":
+        pytest.skip("the CUDA library is not selected (build it with `make cuda`)")
+    _native.lib()
+    if _native.loaded_variant() != "cuda":
+        pytest.skip(f"another kvbm library variant ({_native.loaded_variant()}) is already loaded in this process")
+    _native.register_signatures(
+        {"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
+
+
+def rand_bf16(shape):
+    # Every 16-bit pattern (NaNs included): compared as int16, bit for bit.
+    return torch.randint(-32768, 32768, shape, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
+
+
+class Cache:
+    """An engine KV cache of one layout, with per-block views."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        if kind == "flash_attn":
+            self.tensors = [rand_bf16((2, NBLOCKS, BS, HEADS, DIM)) for _ in range(LAYERS)]
+        elif kind == "flashinfer":
+            self.tensors = [rand_bf16((NBLOCKS, 2, BS, HEADS, DIM)) for _ in range(LAYERS)]
+        else:  # trtllm: one pool [N, L, kv_factor, heads × block_size × head_dim]
+            self.tensors = [rand_bf16((NBLOCKS, LAYERS, 2, HEADS * BS * DIM))]
+
+    def block(self, b):
+        """A copy of block b across all layers, as int16."""
+        if self.kind == "flash_attn":
+            parts = [t[:, b] for t in self.tensors]
+        else:
+            parts = [t[b] for t in self.tensors]
+        return torch.stack([p.reshape(-1) for p in parts]).view(torch.int16).clone()
+
+    def write(self, blocks, values):
+        """Overwrite `blocks` with `values` (a list of tensors shaped like block views)."""
+        idx = torch.tensor(blocks, device="cuda")
+        for t, v in zip(self.tensors, values):
+            if self.kind == "flash_attn":
+                t[:, idx] = v
+            else:
+                t[idx] = v
+
+    def random_values(self, n):
+        if self.kind == "flash_attn":
+            return [rand_bf16((2, n) + tuple(t.shape[2:])) for t in self.tensors]
+        return [rand_bf16((n,) + tuple(t.shape[1:])) for t in self.tensors]
+
+    def worker(self, tmp_path, mode):
+        os.environ.update({
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+            "DYN_KVBM_CUDA_COPY": mode,
+        })
+        tensors = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in self.tensors]
+        return Worker(tensors=tensors, kind=self.kind, num_blocks=NBLOCKS, block_size=BS, dtype_bytes=2)
+
+
+def copy(s, sb, d, db):
+    return {"s": s, "sb": sb, "d": d, "db": db}
+
+
+def set_stream(w, stream):
+    _native.call("kvbm_worker_set_cuda_stream", w._h, stream.cuda_stream)
+
+
+MODES = {"flash_attn": ["kernel", "staged"], "flashinfer": ["kernel", "staged"], "trtllm": ["direct", "kernel", "staged"]}
+CASES = [(k, m, via) for k, ms in MODES.items() for m in ms for via in ("g2", "g3")]
+
+
+@pytest.mark.parametrize("kind,mode,via", CASES, ids=[f"{k}-{m}-{v}" for k, m, v in CASES])
+def test_round_trip(tmp_path, kind, mode, via):
+    """G1 → G2 (→ G3) → other G1 blocks, byte for byte, ordered after the
+    engine's stream, while a third stream keeps rewriting other blocks."""
+    torch.manual_seed(hash((kind, mode, via)) & 0xFFFF)
+    cache = Cache(kind)
+    perm = random.Random(1).sample(range(NBLOCKS), NBLOCKS)
+    src, dst, busy = perm[:N], perm[N:2 * N], perm[2 * N:]
+    w = cache.worker(tmp_path, mode)
+    try:
+        info = w.info()
+        assert info["g1"].startswith("cuda:0 " + mode), info
+
+        # The engine writes the source blocks late: after a ~20 ms sleep on
+        # its stream. The save is issued at once and must still see them.
+        engine = torch.cuda.Stream()
+        new_values = cache.random_values(N)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(40_000_000)
+            cache.write(src, new_values)
+        set_stream(w, engine)
+
+        # Another stream keeps rewriting unrelated blocks throughout.
+        side = torch.cuda.Stream()
+        busy_values = cache.random_values(len(busy))
+        with torch.cuda.stream(side):
+            for _ in range(200):
+                cache.write(busy, busy_values)
+
+        w.bind(msgpack.packb({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(src)]}))
+        w.wait_for_save()
+        engine.synchronize()
+        want = [cache.block(b) for b in src]
+        tier, off = 2, 0
+        if via == "g3":
+            w.bind(msgpack.packb({"q": 2, "m": [copy(2, i, 3, N + i) for i in range(N)]}))
+            w.wait_for_save()
+            w.bind(msgpack.packb({"q": 3, "x": [copy(2, i, 0, 0) for i in range(N)]}))
+            tier, off = 3, N
+        w.bind(msgpack.packb({"q": 4, "l": [{"r": f"r{i}", "c": [copy(tier, off + i, 1, b)]} for i, b in enumerate(dst)]}))
+        w.start_load()
+        w.wait_loads()
+        loaded, failed = w.finished()
+        assert sorted(loaded) == sorted(f"r{i}" for i in range(N))
+        assert failed == []
+        side.synchronize()
+        for i, b in enumerate(dst):
+            assert torch.equal(cache.block(b), want[i]), f"block {b} (from {src[i]}) differs"
+    finally:
+        w.close()
+
+
+def test_dropped_g2_block_fails_load(tmp_path):
+    """A load from a G2 block that was dropped reports the G1 block as failed."""
+    cache = Cache("flash_attn")
+    w = cache.worker(tmp_path, "kernel")
+    try:
+        w.bind(msgpack.packb({"q": 1, "v": [copy(1, 5, 2, 0)]}))
+        w.wait_for_save()
+        w.bind(msgpack.packb({"q": 2, "x": [copy(2, 0, 0, 0)]}))
+        w.bind(msgpack.packb({"q": 3, "l": [{"r": "r", "c": [copy(2, 0, 1, 9)]}]}))
+        w.start_load()
+        w.wait_loads()
+        assert w.finished() == (["r"], [9])
+    finally:
+        w.close()

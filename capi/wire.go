@@ -1,0 +1,336 @@
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/kvbm/kvbm/goext/wire"
+)
+
+// The leader⇄worker side channel (goext/wire) for engines with several
+// tensor-parallel ranks. The scheduler side: kvbm_wire_leader_new binds,
+// kvbm_wire_leader_handshake waits for every rank and returns the sizes the
+// leader is then created with, kvbm_wire_leader_broadcast runs an encoded
+// plan on every rank. The worker side: kvbm_wire_worker_connect attaches a
+// worker handle (kvbm_worker_new) and answers in the background.
+
+// wireLeaderOptions is the JSON kvbm_wire_leader_new takes.
+type wireLeaderOptions struct {
+	NumWorkers int `json:"num_workers"`
+	// Transport: "auto" (in-process for one worker), "tcp" or "inproc".
+	Transport string `json:"transport"`
+	// Heartbeat tuning; 0: defaults (500 ms, dead after 3 silent intervals).
+	PingIntervalMs int64             `json:"ping_interval_ms"`
+	DeadAfterMs    int64             `json:"dead_after_ms"`
+	Env            map[string]string `json:"env"`
+}
+
+type wireLeaderHandle struct {
+	l *wire.Leader
+}
+
+func ms(v int64) time.Duration { return time.Duration(v) * time.Millisecond }
+
+// timeoutCtx is ctx bounded by timeoutMs (≤ 0: no bound beyond the callee's own).
+func timeoutCtx(timeoutMs C.int64_t) (context.Context, context.CancelFunc) {
+	if timeoutMs <= 0 {
+		return context.WithCancel(context.Background())
+	}
+	return context.WithTimeout(context.Background(), ms(int64(timeoutMs)))
+}
+
+//export kvbm_wire_leader_new
+func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	var o wireLeaderOptions
+	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_wire_leader_new: options: %v", err), errOut)
+	}
+	applyLogEnv(o.Env)
+	cfg, err := loadConfig(o.Env)
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	tr, err := wire.ParseTransport(o.Transport)
+	if err != nil {
+		return finish(errorf(statusInvalid, "kvbm_wire_leader_new: %v", err), errOut)
+	}
+	opts := wire.LeaderOptionsFrom(cfg, max(o.NumWorkers, 1))
+	opts.Transport = tr
+	opts.PingInterval, opts.DeadAfter = ms(o.PingIntervalMs), ms(o.DeadAfterMs)
+	opts.Logger = kvbmLogger()
+	l, err := wire.Listen(opts)
+	if err != nil {
+		return finish(withCode(statusIO, err), errOut)
+	}
+	*out = newHandle(&wireLeaderHandle{l: l})
+	return statusOK
+}
+
+func wireLeaderOf(hd C.uint64_t) (*wireLeaderHandle, error) {
+	if err := healthy(); err != nil {
+		return nil, err
+	}
+	return handle[*wireLeaderHandle](hd)
+}
+
+// kvbm_wire_leader_handshake blocks until every rank reported and allocated
+// (bounded by DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS and timeoutMs > 0) and
+// returns JSON {num_workers, bytes_per_block, num_device_blocks,
+// num_host_blocks, num_disk_blocks}.
+//
+//export kvbm_wire_leader_handshake
+func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := wireLeaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	ctx, cancel := timeoutCtx(timeoutMs)
+	defer cancel()
+	hs, err := h.l.Handshake(ctx)
+	if err != nil {
+		code := statusConfig // workers disagree, allocation failed, no tier
+		if errors.Is(err, wire.ErrHandshakeTimeout) || errors.Is(err, wire.ErrClosed) {
+			code = statusIO
+		}
+		return finish(withCode(code, err), errOut)
+	}
+	b, _ := json.Marshal(map[string]any{
+		"num_workers": hs.NumWorkers, "bytes_per_block": hs.BytesPerBlock, "num_device_blocks": hs.NumDeviceBlocks,
+		"num_host_blocks": hs.NumHostBlocks, "num_disk_blocks": hs.NumDiskBlocks,
+	})
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+// kvbm_wire_leader_broadcast runs an encoded plan.Step on every rank and
+// returns when all acked. A dead rank is KVBM_ERR_STATE naming it (nothing
+// is sent); a rank's execution error is KVBM_ERR_IO naming the rank.
+//
+//export kvbm_wire_leader_broadcast
+func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, timeoutMs C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := wireLeaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	ctx, cancel := timeoutCtx(timeoutMs)
+	defer cancel()
+	// Broadcast copies nothing it keeps past its return on TCP and clones
+	// in-process; the C buffer is only read during the call.
+	if err := h.l.Broadcast(ctx, goBytes(buf, n)); err != nil {
+		code := statusIO
+		if errors.Is(err, wire.ErrRankDead) || errors.Is(err, wire.ErrNotReady) || errors.Is(err, wire.ErrClosed) {
+			code = statusState
+		}
+		return finish(withCode(code, err), errOut)
+	}
+	return statusOK
+}
+
+// kvbm_wire_leader_info returns JSON {transport, pub_port, ack_port,
+// healthy, dead_ranks}.
+//
+//export kvbm_wire_leader_info
+func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := wireLeaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	dead := h.l.DeadRanks()
+	if dead == nil {
+		dead = []int{}
+	}
+	ep := h.l.Endpoint()
+	b, _ := json.Marshal(map[string]any{
+		"transport": h.l.Transport().String(), "pub_port": ep.PubPort, "ack_port": ep.AckPort,
+		"healthy": h.l.Healthy(), "dead_ranks": dead,
+	})
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+//export kvbm_wire_leader_free
+func kvbm_wire_leader_free(hd C.uint64_t) {
+	defer func() { _ = recover() }()
+	if h, err := handle[*wireLeaderHandle](hd); err == nil {
+		_ = h.l.Close()
+		deleteHandle(hd)
+	}
+}
+
+// wireWorkerOptions is the JSON kvbm_wire_worker_connect takes.
+type wireWorkerOptions struct {
+	Rank       int               `json:"rank"`
+	NumWorkers int               `json:"num_workers"`
+	Transport  string            `json:"transport"`
+	Env        map[string]string `json:"env"`
+}
+
+type wireWorkerHandle struct {
+	w *wire.Worker
+	// exec serialises broadcast operations on this rank.
+	exec sync.Mutex
+}
+
+func summaryInt(m map[string]any, k string) int {
+	switch v := m[k].(type) {
+	case int:
+		return v
+	case int64:
+		return int(v)
+	}
+	return -1
+}
+
+// kvbm_wire_worker_connect attaches the worker handle workerHd (created by
+// kvbm_worker_new, which already allocated this rank's tiers from its own
+// view of the configuration) to the leader's side channel. It returns at
+// once; the handshake completes in the background when the leader runs it.
+// In the handshake the rank checks that the leader's sizes equal its own
+// (the leader reports a mismatch naming the rank).
+//
+// Broadcast operations run on the worker as bind + start_load +
+// wait_for_save + wait_loads. They must not interleave with an engine step
+// on the same worker: the leader sends them only between steps. Free this
+// handle before the worker handle.
+//
+//export kvbm_wire_worker_connect
+func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	wh, err := workerOf(workerHd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	var o wireWorkerOptions
+	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: options: %v", err), errOut)
+	}
+	applyLogEnv(o.Env)
+	cfg, err := loadConfig(o.Env)
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	tr, err := wire.ParseTransport(o.Transport)
+	if err != nil {
+		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: %v", err), errOut)
+	}
+	hostBlocks, diskBlocks := summaryInt(wh.summary, "host_blocks"), summaryInt(wh.summary, "disk_blocks")
+	h := &wireWorkerHandle{}
+	w, err := wire.Connect(wire.WorkerOptions{
+		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
+		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
+		Logger: kvbmLogger(),
+		Allocate: func(md wire.LeaderMetadata) error {
+			if md.NumHostBlocks != hostBlocks || md.NumDiskBlocks != diskBlocks {
+				return fmt.Errorf("this rank sized %d host and %d disk blocks from its own environment, the leader sized %d and %d: "+
+					"DYN_KVBM_CPU_CACHE_* / DYN_KVBM_DISK_CACHE_* differ between the scheduler and worker processes",
+					hostBlocks, diskBlocks, md.NumHostBlocks, md.NumDiskBlocks)
+			}
+			return nil
+		},
+		Execute: func(step []byte) error {
+			h.exec.Lock()
+			defer h.exec.Unlock()
+			if wh.w == nil {
+				return errors.New("worker is closed")
+			}
+			if err := wh.w.BindStep(step); err != nil {
+				return err
+			}
+			wh.w.StartLoad()
+			wh.w.WaitForSave()
+			wh.w.WaitLoads()
+			if _, failed := wh.w.Finished(); len(failed) > 0 {
+				return fmt.Errorf("loads into G1 blocks %v failed", failed)
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		return finish(err, errOut)
+	}
+	h.w = w
+	*out = newHandle(h)
+	return statusOK
+}
+
+func wireWorkerOf(hd C.uint64_t) (*wireWorkerHandle, error) {
+	if err := healthy(); err != nil {
+		return nil, err
+	}
+	return handle[*wireWorkerHandle](hd)
+}
+
+// kvbm_wire_worker_wait_ready blocks until the handshake completed for this
+// rank (timeoutMs > 0 bounds it) and returns JSON {num_host_blocks,
+// num_disk_blocks, world_size}.
+//
+//export kvbm_wire_worker_wait_ready
+func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := wireWorkerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	ctx, cancel := timeoutCtx(timeoutMs)
+	defer cancel()
+	md, err := h.w.WaitReady(ctx)
+	if err != nil {
+		return finish(withCode(statusIO, err), errOut)
+	}
+	b, _ := json.Marshal(map[string]any{"num_host_blocks": md.NumHostBlocks, "num_disk_blocks": md.NumDiskBlocks, "world_size": md.WorldSize})
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+// kvbm_wire_worker_info returns JSON {ready, stopped, error}.
+//
+//export kvbm_wire_worker_info
+func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := wireWorkerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": ""}
+	if e := h.w.Err(); e != nil {
+		info["error"] = e.Error()
+	}
+	b, _ := json.Marshal(info)
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+//export kvbm_wire_worker_free
+func kvbm_wire_worker_free(hd C.uint64_t) {
+	defer func() { _ = recover() }()
+	if h, err := handle[*wireWorkerHandle](hd); err == nil {
+		_ = h.w.Close()
+		deleteHandle(hd)
+	}
+}

@@ -1,0 +1,198 @@
+"""Typed Python handles over the leader⇄worker side channel (goext/wire).
+
+With tensor parallelism the scheduler-side leader and one worker per rank
+live in different processes. The engine still ships each step's plan to every
+rank itself (vLLM pickles the connector metadata); this channel carries what
+the engine does not: the start-up handshake (every rank reports its shard
+geometry, the leader sizes G2/G3 and waits until every rank allocated),
+operations not tied to a step, and heartbeats that mark a rank dead.
+
+Call order (vLLM): every worker creates :class:`kvbm._core.Worker` in
+``register_kv_caches`` and attaches a :class:`WireWorker` (returns at once);
+the scheduler then creates :class:`WireLeader`, calls :meth:`WireLeader.handshake`
+and builds :class:`kvbm._core.Leader` from its result.
+
+Endpoints, timeout and sizing come from the ``DYN_KVBM_*`` environment
+(``DYN_KVBM_LEADER_ZMQ_HOST`` / ``_PUB_PORT`` / ``_ACK_PORT``,
+``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from ctypes import POINTER, byref, c_char_p, c_int64, c_uint8, c_uint64
+from dataclasses import dataclass
+
+from kvbm import _native
+from kvbm._core import Worker
+
+_P = POINTER
+_ERR = _P(c_char_p)
+_native.register_signatures(
+    {
+        "kvbm_wire_leader_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
+        "kvbm_wire_leader_handshake": (ctypes.c_int, [c_uint64, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_wire_leader_broadcast": (ctypes.c_int, [c_uint64, c_char_p, c_int64, c_int64, _ERR]),
+        "kvbm_wire_leader_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_wire_leader_free": (None, [c_uint64]),
+        "kvbm_wire_worker_connect": (ctypes.c_int, [c_uint64, c_char_p, _P(c_uint64), _ERR]),
+        "kvbm_wire_worker_wait_ready": (ctypes.c_int, [c_uint64, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_wire_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_wire_worker_free": (None, [c_uint64]),
+    }
+)
+
+_TRANSPORTS = ("auto", "tcp", "inproc")
+
+
+def _buffer_call(name, *args) -> bytes:
+    buf = _P(c_uint8)()
+    n = c_int64()
+    _native.call(name, *args, byref(buf), byref(n))
+    return _native.take_buffer(buf, n)
+
+
+def _ms(timeout_s: float | None) -> int:
+    return 0 if timeout_s is None else max(1, int(timeout_s * 1000))
+
+
+def _check_transport(transport: str) -> str:
+    if transport not in _TRANSPORTS:
+        raise ValueError(f"transport {transport!r}: want one of {_TRANSPORTS}")
+    return transport
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What every rank agreed on, and the tier sizes the leader chose."""
+
+    num_workers: int
+    bytes_per_block: int  # one rank's share of a block: Leader(bytes_per_block=...)
+    num_device_blocks: int
+    num_host_blocks: int
+    num_disk_blocks: int
+
+
+@dataclass(frozen=True)
+class LeaderMetadata:
+    """The leader's tier sizes as one worker received them."""
+
+    num_host_blocks: int
+    num_disk_blocks: int
+    world_size: int
+
+
+class WireLeader:
+    """The scheduler side of the side channel: binds at construction.
+
+    A taken port raises :class:`kvbm.KvbmIOError` naming
+    ``DYN_KVBM_LEADER_ZMQ_PUB_PORT`` / ``_ACK_PORT``. ``transport="auto"`` runs
+    in-process (no ports) when ``num_workers == 1``.
+    """
+
+    def __init__(self, *, num_workers: int, transport: str = "auto", ping_interval_ms: int = 0,
+                 dead_after_ms: int = 0):
+        opts = {
+            "num_workers": int(num_workers),
+            "transport": _check_transport(transport),
+            "ping_interval_ms": int(ping_interval_ms),
+            "dead_after_ms": int(dead_after_ms),
+            "env": _native.env_snapshot(),
+        }
+        h = c_uint64()
+        _native.call("kvbm_wire_leader_new", json.dumps(opts).encode(), byref(h))
+        self._h = h.value
+        self.num_workers = int(num_workers)
+
+    def handshake(self, timeout_s: float | None = None) -> Handshake:
+        """Block until every rank reported and allocated (releases the GIL).
+
+        Bounded by ``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS`` and
+        ``timeout_s``; the timeout error names the ranks that never answered.
+        """
+        d = json.loads(_buffer_call("kvbm_wire_leader_handshake", self._h, _ms(timeout_s)))
+        return Handshake(**d)
+
+    def broadcast(self, plan: bytes, timeout_s: float | None = None) -> None:
+        """Run an encoded plan on every rank; return once all acked.
+
+        Raises :class:`kvbm.KvbmStateError` naming a dead rank (nothing is
+        sent), :class:`kvbm.KvbmIOError` naming a rank whose execution failed.
+        """
+        _native.call("kvbm_wire_leader_broadcast", self._h, plan, len(plan), _ms(timeout_s))
+
+    def info(self) -> dict:
+        """{transport, pub_port, ack_port, healthy, dead_ranks}."""
+        return json.loads(_buffer_call("kvbm_wire_leader_info", self._h))
+
+    @property
+    def dead_ranks(self) -> list[int]:
+        return list(self.info()["dead_ranks"])
+
+    def close(self) -> None:
+        if getattr(self, "_h", 0):
+            try:
+                _native.lib().kvbm_wire_leader_free(self._h)
+            finally:
+                self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class WireWorker:
+    """One rank's side of the side channel, attached to its :class:`kvbm._core.Worker`.
+
+    Returns at once; the handshake completes in the background when the leader
+    runs it. Close it before the worker.
+    """
+
+    def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto"):
+        opts = {
+            "rank": int(rank),
+            "num_workers": int(num_workers),
+            "transport": _check_transport(transport),
+            "env": _native.env_snapshot(),
+        }
+        h = c_uint64()
+        _native.call("kvbm_wire_worker_connect", worker._h, json.dumps(opts).encode(), byref(h))
+        self._h = h.value
+        self.rank = int(rank)
+
+    def wait_ready(self, timeout_s: float | None = None) -> LeaderMetadata:
+        """Block until the leader's handshake completed for this rank."""
+        d = json.loads(_buffer_call("kvbm_wire_worker_wait_ready", self._h, _ms(timeout_s)))
+        return LeaderMetadata(**d)
+
+    def info(self) -> dict:
+        """{ready, stopped, error}."""
+        return json.loads(_buffer_call("kvbm_wire_worker_info", self._h))
+
+    def close(self) -> None:
+        if getattr(self, "_h", 0):
+            try:
+                _native.lib().kvbm_wire_worker_free(self._h)
+            finally:
+                self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

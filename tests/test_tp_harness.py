@@ -1,0 +1,344 @@
+"""Tensor parallel 2 without an engine: replays vLLM's multi-worker call order.
+
+One leader process (vLLM's EngineCore: scheduler + executor) and two worker
+processes (vLLM's MultiprocExecutor workers), started with multiprocessing
+'spawn' as vLLM does. The handshake runs over kvbm's side channel
+(kvbm._wire, ZeroMQ over TCP); each step's plan from kvbm._core.Leader.step
+travels to every worker pickled inside connector metadata, as vLLM ships
+SchedulerOutput. Workers hold numpy CPU tensors (vLLM CPU backend layout
+[2, N, H, bs, D] per layer) filled with rank-specific random bytes and check
+byte for byte that what they onboard is what they offloaded on their own rank.
+
+vLLM's order (reference/vllm.md §1.5): workers register their KV caches
+first; the scheduler's connector (our leader) is created afterwards, so the
+leader's handshake finds workers already waiting. Per step: scheduler
+get_num_new_matched_tokens / update_state_after_alloc / build_connector_meta;
+workers bind_connector_metadata → start_load_kv → forward → wait_for_save
+(skipped on a step without scheduled tokens) → get_finished; the executor
+reports a request finished loading once every rank reported it
+(KVOutputAggregator).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIB = os.path.join(ROOT, "python", "kvbm", "lib", "libkvbm.so")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(LIB), reason="native library not built (make build)")
+
+WORLD = 2
+NUM_BLOCKS = 32
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_DIM = 16
+LAYERS = 3
+PROMPT_BLOCKS = 6
+TIMEOUT = 60
+
+
+@dataclass
+class ConnectorMetadata:
+    """Stands in for DynamoConnectorMetadata (importing vLLM costs seconds per process)."""
+
+    plan: bytes = b""
+    seq: int = 0
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _decode_plan(plan: bytes) -> dict:
+    import msgpack
+
+    return msgpack.unpackb(plan, raw=False) if plan else {}
+
+
+def _block_bytes(layers, b: int) -> bytes:
+    # One G1 block on this rank: K and V of every layer (CPU layout [2, N, H, bs, D]).
+    return b"".join(t[:, b].tobytes() for t in layers)
+
+
+def _worker_main(rank: int, env: dict, cmds, out):
+    os.environ.update(env)
+    import numpy as np
+
+    from kvbm._core import Worker
+    from kvbm._wire import WireWorker
+
+    # initialize_kv_cache: the engine allocates and owns the tensors.
+    rng = np.random.default_rng(1000 + rank)
+    layers = []
+    for _ in range(LAYERS):
+        raw = rng.integers(0, 256, size=2 * NUM_BLOCKS * HEADS * BLOCK_SIZE * HEAD_DIM * 2, dtype=np.uint8)
+        layers.append(raw.view(np.float16).reshape(2, NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM))
+    # register_kv_caches: kvbm worker + side channel (returns at once; the
+    # scheduler, and so the leader, does not exist yet).
+    tensors = [(t.ctypes.data, t.shape, [s // t.itemsize for s in t.strides]) for t in layers]
+    worker = Worker(tensors=tensors, kind="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype_bytes=2,
+                    rank=rank, num_workers=WORLD)
+    wire = WireWorker(worker, rank=rank, num_workers=WORLD, transport="tcp")
+    out.put(("registered", rank, worker.info()["bytes_per_block"]))
+
+    saved = {}  # G2 block -> bytes this rank saved into it
+    pending = []  # (G2 src, G1 dst) of loads not verified yet
+    verified = 0
+    mismatches = []
+    while True:
+        cmd = cmds.get(timeout=TIMEOUT)
+        if cmd[0] == "close":
+            break
+        _, pickled, scheduled = cmd
+        meta = pickle.loads(pickled)  # what vLLM's worker receives
+        plan = _decode_plan(meta.plan)
+        for c in plan.get("v") or []:  # saves: G1 -> G2 after the forward pass
+            saved[c["db"]] = _block_bytes(layers, c["sb"])
+        for ld in plan.get("l") or []:
+            for c in ld["c"]:
+                pending.append((c["sb"], c["db"]))
+        worker.bind(meta.plan)  # bind_connector_metadata
+        worker.start_load()  # start_load_kv
+        if scheduled:  # the forward pass ran; kv_connector_no_forward skips wait_for_save
+            worker.wait_for_save()
+        loaded, errors = worker.finished()  # get_finished
+        if not loaded and pending:
+            worker.wait_loads()  # the executor polls get_finished again next step; be deterministic here
+            more, more_err = worker.finished()
+            loaded, errors = loaded + more, errors + more_err
+        if loaded:
+            for src, dst in pending:
+                if _block_bytes(layers, dst) == saved.get(src):
+                    verified += 1
+                else:
+                    mismatches.append((src, dst))
+            pending = []
+        out.put(("step", rank, sorted(loaded), sorted(errors), verified, mismatches))
+    wire.close()
+    worker.close()
+    out.put(("closed", rank))
+
+
+def _leader_main(env: dict, to_workers, from_workers, results, cmds):
+    os.environ.update(env)
+    from kvbm._core import Leader
+    from kvbm._errors import KvbmError
+    from kvbm._wire import WireLeader
+
+    def collect(kind):
+        got = {}
+        while len(got) < WORLD:
+            msg = from_workers.get(timeout=TIMEOUT)
+            assert msg[0] == kind, msg
+            got[msg[1]] = msg
+        return got
+
+    reg = collect("registered")  # the executor initialised every worker first
+    wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, dead_after_ms=1000)
+    hs = wl.handshake(timeout_s=TIMEOUT)
+    leader = Leader(block_size=BLOCK_SIZE, bytes_per_block=hs.bytes_per_block, num_workers=WORLD)
+    seq = 0
+
+    def engine_step(updates, loaded=(), scheduled=True):
+        # build_connector_meta → pickled to every worker with SchedulerOutput.
+        nonlocal seq
+        seq += 1
+        plan = leader.step(updates, loaded=loaded)
+        pickled = pickle.dumps(ConnectorMetadata(plan=plan, seq=seq))
+        for q in to_workers:
+            q.put(("step", pickled, scheduled))
+        return plan, collect("step")
+
+    tokens = list(range(5000, 5000 + PROMPT_BLOCKS * BLOCK_SIZE))
+    # Request "a": nothing cached; prefill writes G1 blocks 0..5, write-through saves them.
+    assert leader.match("a", tokens, 0, 0) == (0, False)
+    ids_a = list(range(PROMPT_BLOCKS))
+    plan_a, outs = engine_step([["a", tokens, ids_a, 0, len(tokens), 0, 0, False]])
+    leader.request_finished("a")
+
+    # Request "b" shares the prompt: it matches in G2 and loads into G1 blocks 20..26.
+    tokens_b = tokens + [1, 2, 3]
+    n_ext, is_async = leader.match("b", tokens_b, 0, 0)
+    ids_b = list(range(20, 20 + PROMPT_BLOCKS + 1))
+    leader.update_after_alloc("b", ids_b, n_ext)
+    plan_b, outs = engine_step([], scheduled=False)  # b waits for its KV: no forward for it
+    # KVOutputAggregator: finished loading once every rank reported it.
+    counts = {}
+    for o in outs.values():
+        for rid in o[2]:
+            counts[rid] = counts.get(rid, 0) + 1
+    finished_recving = sorted(r for r, c in counts.items() if c == WORLD)
+    engine_step([], loaded=finished_recving, scheduled=False)
+
+    # An operation not tied to a step travels over the side channel itself:
+    # an empty plan is a round trip to every rank; a load from a G2 block
+    # nobody wrote fails on every rank, and the error names them.
+    import msgpack
+
+    wl.broadcast(msgpack.packb({"q": 0}), timeout_s=TIMEOUT)
+    bad = msgpack.packb({"q": 0, "l": [{"r": "bogus", "c": [{"s": 2, "sb": hs.num_host_blocks - 1, "d": 1, "db": 31}]}]})
+    try:
+        wl.broadcast(bad, timeout_s=TIMEOUT)
+        bad_err = None
+    except KvbmError as e:
+        bad_err = str(e)
+
+    results.put({
+        "registered_bpb": {r: m[2] for r, m in reg.items()},
+        "handshake": hs,
+        "n_ext": n_ext,
+        "is_async": is_async,
+        "saves": len(_decode_plan(plan_a).get("v") or []),
+        "loads": sum(len(ld["c"]) for ld in _decode_plan(plan_b).get("l") or []),
+        "finished_recving": finished_recving,
+        "verified": {r: o[4] for r, o in outs.items()},
+        "mismatches": {r: o[5] for r, o in outs.items()},
+        "load_errors": {r: o[3] for r, o in outs.items()},
+        "bad_err": bad_err,
+        "info": wl.info(),
+    })
+
+    # pytest kills rank 1 now; the next broadcast must fail naming it, not hang.
+    assert cmds.get(timeout=TIMEOUT) == "after_kill"
+    start = time.monotonic()
+    try:
+        wl.broadcast(msgpack.packb({"q": 0}), timeout_s=TIMEOUT)
+        dead_err = None
+    except KvbmError as e:
+        dead_err = f"{type(e).__name__}: {e}"
+    results.put({"dead_err": dead_err, "dead_after_s": time.monotonic() - start, "dead_ranks": wl.dead_ranks})
+    to_workers[0].put(("close",))
+    wl.close()
+    leader.close()
+
+
+def test_tp2_vllm_call_order_byte_exact():
+    ctx = mp.get_context("spawn")
+    pub, ack = _free_ports(2)
+    env = {
+        "PYTHONPATH": os.path.join(ROOT, "python"),
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "24",
+        "DYN_KVBM_LEADER_ZMQ_HOST": "127.0.0.1",
+        "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(pub),
+        "DYN_KVBM_LEADER_ZMQ_ACK_PORT": str(ack),
+        "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS": "60",
+    }
+    to_workers = [ctx.Queue() for _ in range(WORLD)]
+    from_workers, results, leader_cmds = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    workers = [ctx.Process(target=_worker_main, args=(r, env, to_workers[r], from_workers)) for r in range(WORLD)]
+    lp = ctx.Process(target=_leader_main, args=(env, to_workers, from_workers, results, leader_cmds))
+    procs = workers + [lp]
+    try:
+        for p in procs:
+            p.start()
+        try:
+            res = results.get(timeout=120)
+        except queue.Empty:
+            pytest.fail(f"no result from the leader process (exit codes {[p.exitcode for p in procs]})")
+
+        hs = res["handshake"]
+        bpb = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2
+        assert res["registered_bpb"] == {0: bpb, 1: bpb}
+        assert (hs.num_workers, hs.bytes_per_block, hs.num_device_blocks, hs.num_host_blocks) == (WORLD, bpb, NUM_BLOCKS, 24)
+        assert res["saves"] == PROMPT_BLOCKS
+        assert (res["n_ext"], res["is_async"]) == (PROMPT_BLOCKS * BLOCK_SIZE, True)
+        assert res["loads"] == PROMPT_BLOCKS
+        assert res["finished_recving"] == ["b"]
+        assert res["load_errors"] == {0: [], 1: []}
+        assert res["mismatches"] == {0: [], 1: []}
+        assert res["verified"] == {0: PROMPT_BLOCKS, 1: PROMPT_BLOCKS}, "every rank onboarded its own bytes exactly"
+        assert res["info"]["healthy"] and res["info"]["dead_ranks"] == [] and res["info"]["transport"] == "tcp"
+        assert res["bad_err"] and "rank 0" in res["bad_err"] and "rank 1" in res["bad_err"], res["bad_err"]
+
+        # A worker dies: the leader notices within the heartbeat bound and names it.
+        workers[1].kill()
+        workers[1].join(10)
+        leader_cmds.put("after_kill")
+        dead = results.get(timeout=60)
+        assert dead["dead_err"] and dead["dead_err"].startswith("KvbmStateError"), dead
+        assert "rank(s) [1]" in dead["dead_err"], dead
+        assert dead["dead_ranks"] == [1]
+        assert dead["dead_after_s"] < 30, "a dead rank must not hang the broadcast"
+        lp.join(30)
+        workers[0].join(30)
+        assert lp.exitcode == 0 and workers[0].exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def test_handshake_timeout_names_missing_ranks(monkeypatch):
+    from kvbm._errors import KvbmIOError
+    from kvbm._wire import WireLeader
+
+    pub, ack = _free_ports(2)
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_PUB_PORT", str(pub))
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_ACK_PORT", str(ack))
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "8")
+    monkeypatch.setenv("DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS", "1")
+    with WireLeader(num_workers=2, transport="tcp") as wl:
+        with pytest.raises(KvbmIOError) as ei:
+            wl.handshake()
+    msg = str(ei.value)
+    assert "rank(s) [0 1] of 2 never answered" in msg
+    assert "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS" in msg
+
+
+def test_port_conflict_names_variable(monkeypatch):
+    from kvbm._errors import KvbmIOError
+    from kvbm._wire import WireLeader
+
+    pub, ack = _free_ports(2)
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_PUB_PORT", str(pub))
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_ACK_PORT", str(ack))
+    with WireLeader(num_workers=2, transport="tcp"):
+        with pytest.raises(KvbmIOError) as ei:
+            WireLeader(num_workers=2, transport="tcp")
+    assert f"DYN_KVBM_LEADER_ZMQ_PUB_PORT={pub}" in str(ei.value)
+    assert "give each engine its own" in str(ei.value)
+
+
+def test_tp1_in_process(monkeypatch):
+    """TP=1: scheduler and worker in one process; the same protocol runs without ports."""
+    import msgpack
+    import numpy as np
+
+    from kvbm._core import Worker
+    from kvbm._wire import WireLeader, WireWorker
+
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "8")
+    # Ports another test may hold: in-process needs none of them.
+    pub, ack = _free_ports(2)
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_PUB_PORT", str(pub))
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_ACK_PORT", str(ack))
+    kv = [np.zeros((2, 8, HEADS, BLOCK_SIZE, HEAD_DIM), dtype=np.float16) for _ in range(2)]
+    worker = Worker(tensors=[(t.ctypes.data, t.shape, [s // 2 for s in t.strides]) for t in kv], kind="cpu",
+                    num_blocks=8, block_size=BLOCK_SIZE, dtype_bytes=2)
+    ww = WireWorker(worker, rank=0, num_workers=1)
+    with WireLeader(num_workers=1) as wl:
+        assert wl.info()["transport"] == "inproc"
+        hs = wl.handshake(timeout_s=10)
+        assert (hs.num_workers, hs.num_host_blocks, hs.num_device_blocks) == (1, 8, 8)
+        assert ww.wait_ready(timeout_s=10).num_host_blocks == 8
+        wl.broadcast(msgpack.packb({"q": 0}), timeout_s=10)
+        assert ww.info()["ready"]
+    ww.close()
+    worker.close()

@@ -13,7 +13,7 @@
 // gathered/scattered by one kernel per batch (kernels/kvbm_copy.cu), which
 // either reads/writes the mapped host memory directly ("kernel", zero-copy)
 // or goes through a device staging buffer and one DMA copy per block
-// ("staged"). Layouts whose blocks are contiguous in G1 (TensorRT-LLM) move
-// as one DMA copy per block ("direct"). docs/cuda.md has the measurements
-// behind the default.
+// ("staged"). Layouts whose blocks are contiguous in G1 (TensorRT-LLM) can
+// also move as one DMA copy per block ("direct"). The default is "kernel",
+// the fastest on an H200 for every layout; docs/cuda.md has the numbers.
 package cuda

@@ -115,3 +115,17 @@ def test_garbage_plan_is_rejected_not_executed(env):
     with pytest.raises(KvbmError, match="decode step plan"):
         worker.bind(b"\xc1garbage")
     assert not _native.is_poisoned()
+
+
+def test_plan_format_shared_by_go_and_python(env):
+    from kvbm import _plan
+
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    prompt = list(range(2 * BS + 1))
+    plan = leader.step([["p", prompt, [4, 6, 8], 0, len(prompt), 0, 0, False]])
+    p = _plan.decode(plan)
+    assert [(c[0], c[1], c[2]) for c in p["saves"]] == [(1, 4, 2), (1, 6, 2)]
+    # A plan written by Python is executed by the Go worker.
+    worker.bind(_plan.encode(seq=p["seq"] + 1, saves=[(1, 8, 2, 30)]))
+    worker.wait_for_save()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
-import msgpack
+from kvbm import _plan
 
 
 def guarded(default=None):
@@ -42,23 +42,20 @@ def guarded(default=None):
 
 def plan_loads(plan: bytes) -> dict[str, list[int]]:
     """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
-    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
-    return {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()}
+    return _plan.load_targets(plan)
 
 
 def plan_summary(plan: bytes) -> dict:
     """Counts and block lists of an encoded plan, for logs and tests:
     {"seq", "loads": {req: [g1...]}, "saves": [(src_g1, dst_tier, dst_block)],
     "moves": n, "drops": n}."""
-    if not plan:
-        return {"seq": 0, "loads": {}, "saves": [], "moves": 0, "drops": 0}
-    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    p = _plan.decode(plan)
     return {
-        "seq": step.get("q", 0),
-        "loads": {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()},
-        "saves": [(c.get("sb", 0), c.get("d", 0), c.get("db", 0)) for c in step.get("v") or ()],
-        "moves": len(step.get("m") or ()),
-        "drops": len(step.get("x") or ()),
+        "seq": p["seq"],
+        "loads": {r: [c[3] for c in cs] for r, cs in p["loads"].items()},
+        "saves": [(c[1], c[2], c[3]) for c in p["saves"]],
+        "moves": len(p["moves"]),
+        "drops": len(p["drops"]),
     }
 
 

@@ -31,9 +31,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 
-from kvbm import _native
+from kvbm import _native, _plan
 
 # A child of vLLM's logger, so lines appear in the engine's own log format.
 log = logging.getLogger("vllm.kvbm")
@@ -123,12 +122,6 @@ def _guarded(default=None):
         return wrapper
 
     return deco
-
-
-def _plan_loads(plan: bytes) -> dict[str, list[int]]:
-    """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
-    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
-    return {ld["r"]: [c.get("db", 0) for c in ld.get("c") or ()] for ld in step.get("l") or ()}
 
 
 class DynamoConnector(KVConnectorBase_V1):
@@ -406,7 +399,7 @@ class DynamoConnector(KVConnectorBase_V1):
         if not plan:
             return
         try:
-            self._inflight_loads.update(_plan_loads(plan))
+            self._inflight_loads.update(_plan.load_targets(plan))
         except Exception as e:  # noqa: BLE001
             self._fail("bind_connector_metadata", e)
             return

@@ -1,0 +1,53 @@
+"""Reading (and, for tests, writing) the per-step plan the Go leader emits.
+
+Format (goext/plan): a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
+"m": copies, "v": copies, "x": copies}; ``copies`` is a bin of little-endian
+18-byte records (src tier u8, src block i64, dst tier u8, dst block i64).
+Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+_REC = struct.Struct("<BqBq")
+
+
+def _copies(b) -> list[tuple[int, int, int, int]]:
+    return list(_REC.iter_unpack(b)) if b else []
+
+
+def decode(plan: bytes) -> dict:
+    """{"seq", "loads": {req: [(src, src_block, dst, dst_block)]}, "moves", "saves", "drops"}."""
+    if not plan:
+        return {"seq": 0, "loads": {}, "moves": [], "saves": [], "drops": []}
+    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    return {
+        "seq": step.get("q", 0),
+        "loads": {ld["r"]: _copies(ld.get("c")) for ld in step.get("l") or ()},
+        "moves": _copies(step.get("m")),
+        "saves": _copies(step.get("v")),
+        "drops": _copies(step.get("x")),
+    }
+
+
+def encode(seq=0, loads=None, moves=(), saves=(), drops=()) -> bytes:
+    """The inverse of :func:`decode` (tests build plans by hand with it)."""
+
+    def pack(cs):
+        return b"".join(_REC.pack(*c) for c in cs)
+
+    m: dict = {"q": seq}
+    if loads:
+        m["l"] = [{"r": r, "c": pack(cs)} for r, cs in loads.items()]
+    for key, cs in (("m", moves), ("v", saves), ("x", drops)):
+        if cs:
+            m[key] = pack(cs)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def load_targets(plan: bytes) -> dict[str, list[int]]:
+    """request id → the G1 blocks its loads write."""
+    return {r: [c[3] for c in cs] for r, cs in decode(plan)["loads"].items()}

@@ -73,5 +73,9 @@
 // Broadcasts fail at once with an error naming it, so callers stop planning
 // transfers that need it and the engine keeps serving (misses recompute).
 // Workers answer pings from their receive loop, so a long transfer does not
-// look like silence.
+// look like silence. Heartbeats stop after the first death (nothing more is
+// sent once a rank is dead).
+//
+// A worker notices its leader going away (connection closed, or the
+// shutdown message from Close): Worker.Done is closed and Worker.Err says why.
 package wire

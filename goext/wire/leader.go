@@ -492,7 +492,10 @@ func (l *Leader) timeoutError(ctx context.Context, waited time.Duration) error {
 		l.opts.InitTimeout, strings.Join(parts, "; "), l.transport, l.ep.PubURL(), l.ep.AckURL())
 }
 
-// heartbeat pings every PingInterval and marks silent ranks dead.
+// heartbeat pings every PingInterval and marks silent ranks dead. It stops
+// after the first death: every later Broadcast fails anyway, and pings to a
+// rank that is stopped rather than gone would pile up in its socket buffer
+// until the PUB socket blocks for every rank.
 func (l *Leader) heartbeat() {
 	defer l.wg.Done()
 	tick := time.NewTicker(l.opts.PingInterval)
@@ -515,7 +518,11 @@ func (l *Leader) heartbeat() {
 					now.Sub(rs.lastSeen).Round(time.Millisecond), l.opts.PingInterval))
 			}
 		}
+		anyDead := len(l.deadLocked()) > 0
 		l.mu.Unlock()
+		if anyDead {
+			return
+		}
 	}
 }
 

@@ -469,6 +469,41 @@ func TestProcessKilledMidTransfer(t *testing.T) {
 	p.wait()
 }
 
+// TestProcessStopsAnswering: a worker process that hangs (SIGSTOP) rather
+// than dies is noticed the same way.
+func TestProcessStopsAnswering(t *testing.T) {
+	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) {
+		o.PingInterval = 100 * time.Millisecond
+		o.DeadAfter = time.Second
+	})
+	p := newProcs(t, 2, layout.CPUPaged, l.Endpoint().PubPort, l.Endpoint().AckPort)
+	p.start(0)
+	p.start(1)
+	hs, err := l.Handshake(ctxTimeout(t, 30*time.Second))
+	require.NoError(t, err)
+	_, plans := offloadThenOnboard(t, l, hs)
+	p.mu.Lock()
+	pid := p.cmds[0].Process.Pid
+	p.mu.Unlock()
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	defer func() { _ = syscall.Kill(pid, syscall.SIGCONT) }()
+	// Signal delivery is asynchronous: wait until the process is stopped.
+	checkFor(t, 5*time.Second, func() bool {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return false
+		}
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		return len(f) > 0 && f[0] == "T"
+	}, "rank 0 stopped")
+	err = l.Broadcast(ctxTimeout(t, 20*time.Second), plans[1])
+	var dead *DeadRanksError
+	require.ErrorAs(t, err, &dead, "got %v", err)
+	require.Equal(t, []int{0}, dead.Ranks)
+	require.Contains(t, logs.String(), "rank=0")
+	p.expect(1, "rank 1 verified 6")
+}
+
 // TestProcessesHandshakeTimeout: rank 1 of 3 never starts; the error names it.
 func TestProcessesHandshakeTimeout(t *testing.T) {
 	l, _ := procLeader(t, 3, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) { o.InitTimeout = 2 * time.Second })

@@ -174,7 +174,8 @@ type Leader struct {
 	changed chan struct{} // wakes Handshake; capacity 1
 	closed  chan struct{}
 	wg      sync.WaitGroup
-	once    sync.Once
+	once    sync.Once // Close
+	hbOnce  sync.Once // heartbeat start
 }
 
 // Listen binds the leader's sockets (or the in-process channel) and starts
@@ -343,7 +344,14 @@ func (l *Leader) handle(m workerMsg) {
 
 // Handshake runs the start-up protocol (package comment) and returns the
 // sizes once every rank allocated. It is bounded by InitTimeout and ctx.
+// Calling it again returns the same result (or the same failure).
 func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
+	l.mu.Lock()
+	closed := l.closedErr != nil
+	l.mu.Unlock()
+	if closed {
+		return Handshake{}, ErrClosed
+	}
 	ctx, cancel := context.WithTimeout(ctx, l.opts.InitTimeout)
 	defer cancel()
 	start := time.Now()
@@ -355,11 +363,13 @@ func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
 			return Handshake{}, err
 		}
 		if hs != nil {
-			l.log.Info("ZMQ handshake complete; workers allocation ready", "workers", hs.NumWorkers,
-				"bytes_per_block", hs.BytesPerBlock, "num_device_blocks", hs.NumDeviceBlocks,
-				"host_blocks", hs.NumHostBlocks, "disk_blocks", hs.NumDiskBlocks, "took", time.Since(start).Round(time.Millisecond))
-			l.wg.Add(1)
-			go l.heartbeat()
+			l.hbOnce.Do(func() {
+				l.log.Info("ZMQ handshake complete; workers allocation ready", "workers", hs.NumWorkers,
+					"bytes_per_block", hs.BytesPerBlock, "num_device_blocks", hs.NumDeviceBlocks,
+					"host_blocks", hs.NumHostBlocks, "disk_blocks", hs.NumDiskBlocks, "took", time.Since(start).Round(time.Millisecond))
+				l.wg.Add(1)
+				go l.heartbeat()
+			})
 			return *hs, nil
 		}
 		if err := l.t.broadcast(frames); err != nil && !errors.Is(err, errTransportClosed) {

@@ -152,6 +152,9 @@ func TestHandshakeAndBroadcast(t *testing.T) {
 				f.mu.Unlock()
 			}
 			require.True(t, l.Healthy())
+			again, err := l.Handshake(context.Background())
+			require.NoError(t, err)
+			require.Equal(t, hs, again, "a second Handshake returns the first result")
 
 			for i := range 5 {
 				require.NoError(t, l.Broadcast(ctxTimeout(t, 5*time.Second), []byte("op"+strconv.Itoa(i))))

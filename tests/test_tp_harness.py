@@ -65,12 +65,6 @@ def _free_ports(n):
             s.close()
 
 
-def _decode_plan(plan: bytes) -> dict:
-    import msgpack
-
-    return msgpack.unpackb(plan, raw=False) if plan else {}
-
-
 def _block_bytes(layers, b: int) -> bytes:
     # One G1 block on this rank: K and V of every layer (CPU layout [2, N, H, bs, D]).
     return b"".join(t[:, b].tobytes() for t in layers)
@@ -80,6 +74,7 @@ def _worker_main(rank: int, env: dict, cmds, out):
     os.environ.update(env)
     import numpy as np
 
+    from kvbm import _plan
     from kvbm._core import Worker
     from kvbm._wire import WireWorker
 
@@ -107,12 +102,11 @@ def _worker_main(rank: int, env: dict, cmds, out):
             break
         _, pickled, scheduled = cmd
         meta = pickle.loads(pickled)  # what vLLM's worker receives
-        plan = _decode_plan(meta.plan)
-        for c in plan.get("v") or []:  # saves: G1 -> G2 after the forward pass
-            saved[c["db"]] = _block_bytes(layers, c["sb"])
-        for ld in plan.get("l") or []:
-            for c in ld["c"]:
-                pending.append((c["sb"], c["db"]))
+        plan = _plan.decode(meta.plan)
+        for _, g1, _, g2 in plan["saves"]:  # G1 -> G2 after the forward pass
+            saved[g2] = _block_bytes(layers, g1)
+        for copies in plan["loads"].values():
+            pending.extend((src, dst) for _, src, _, dst in copies)
         worker.bind(meta.plan)  # bind_connector_metadata
         worker.start_load()  # start_load_kv
         if scheduled:  # the forward pass ran; kv_connector_no_forward skips wait_for_save
@@ -137,14 +131,27 @@ def _worker_main(rank: int, env: dict, cmds, out):
 
 def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     os.environ.update(env)
+    from kvbm import _plan
     from kvbm._core import Leader
     from kvbm._errors import KvbmError
     from kvbm._wire import WireLeader
 
+    wl = None
+
     def collect(kind):
+        # The executor waits for every worker's output; a worker that died
+        # shows up as a dead rank on the side channel instead of a hang.
         got = {}
+        deadline = time.monotonic() + TIMEOUT
         while len(got) < WORLD:
-            msg = from_workers.get(timeout=TIMEOUT)
+            try:
+                msg = from_workers.get(timeout=0.2)
+            except queue.Empty:
+                if wl is not None and wl.dead_ranks:
+                    raise RuntimeError(f"worker rank(s) {wl.dead_ranks} died waiting for {kind!r}")
+                if time.monotonic() > deadline:
+                    raise
+                continue
             assert msg[0] == kind, msg
             got[msg[1]] = msg
         return got
@@ -189,10 +196,8 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     # An operation not tied to a step travels over the side channel itself:
     # an empty plan is a round trip to every rank; a load from a G2 block
     # nobody wrote fails on every rank, and the error names them.
-    import msgpack
-
-    wl.broadcast(msgpack.packb({"q": 0}), timeout_s=TIMEOUT)
-    bad = msgpack.packb({"q": 0, "l": [{"r": "bogus", "c": [{"s": 2, "sb": hs.num_host_blocks - 1, "d": 1, "db": 31}]}]})
+    wl.broadcast(_plan.encode(), timeout_s=TIMEOUT)
+    bad = _plan.encode(loads={"bogus": [(2, hs.num_host_blocks - 1, 1, 31)]})
     try:
         wl.broadcast(bad, timeout_s=TIMEOUT)
         bad_err = None
@@ -204,8 +209,8 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
         "handshake": hs,
         "n_ext": n_ext,
         "is_async": is_async,
-        "saves": len(_decode_plan(plan_a).get("v") or []),
-        "loads": sum(len(ld["c"]) for ld in _decode_plan(plan_b).get("l") or []),
+        "saves": len(_plan.decode(plan_a)["saves"]),
+        "loads": sum(len(cs) for cs in _plan.decode(plan_b)["loads"].values()),
         "finished_recving": finished_recving,
         "verified": {r: o[4] for r, o in outs.items()},
         "mismatches": {r: o[5] for r, o in outs.items()},
@@ -218,7 +223,7 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     assert cmds.get(timeout=TIMEOUT) == "after_kill"
     start = time.monotonic()
     try:
-        wl.broadcast(msgpack.packb({"q": 0}), timeout_s=TIMEOUT)
+        wl.broadcast(_plan.encode(), timeout_s=TIMEOUT)
         dead_err = None
     except KvbmError as e:
         dead_err = f"{type(e).__name__}: {e}"
@@ -226,6 +231,21 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     to_workers[0].put(("close",))
     wl.close()
     leader.close()
+
+
+def _result(results, procs, timeout):
+    """Next result from the leader; fails at once if a process exited with an error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            bad = [(p.name, p.exitcode) for p in procs if p.exitcode not in (None, 0, -9)]
+            if bad:
+                pytest.fail(f"harness process failed: {bad} (see captured stderr)")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no result from the leader process within {timeout}s "
+                            f"(exit codes {[p.exitcode for p in procs]})")
 
 
 def test_tp2_vllm_call_order_byte_exact():
@@ -247,10 +267,7 @@ def test_tp2_vllm_call_order_byte_exact():
     try:
         for p in procs:
             p.start()
-        try:
-            res = results.get(timeout=120)
-        except queue.Empty:
-            pytest.fail(f"no result from the leader process (exit codes {[p.exitcode for p in procs]})")
+        res = _result(results, procs, 120)
 
         hs = res["handshake"]
         bpb = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2
@@ -270,7 +287,7 @@ def test_tp2_vllm_call_order_byte_exact():
         workers[1].kill()
         workers[1].join(10)
         leader_cmds.put("after_kill")
-        dead = results.get(timeout=60)
+        dead = _result(results, [lp, workers[0]], 60)
         assert dead["dead_err"] and dead["dead_err"].startswith("KvbmStateError"), dead
         assert "rank(s) [1]" in dead["dead_err"], dead
         assert dead["dead_ranks"] == [1]
@@ -318,9 +335,9 @@ def test_port_conflict_names_variable(monkeypatch):
 
 def test_tp1_in_process(monkeypatch):
     """TP=1: scheduler and worker in one process; the same protocol runs without ports."""
-    import msgpack
     import numpy as np
 
+    from kvbm import _plan
     from kvbm._core import Worker
     from kvbm._wire import WireLeader, WireWorker
 
@@ -338,7 +355,7 @@ def test_tp1_in_process(monkeypatch):
         hs = wl.handshake(timeout_s=10)
         assert (hs.num_workers, hs.num_host_blocks, hs.num_device_blocks) == (1, 8, 8)
         assert ww.wait_ready(timeout_s=10).num_host_blocks == 8
-        wl.broadcast(msgpack.packb({"q": 0}), timeout_s=10)
+        wl.broadcast(_plan.encode(), timeout_s=10)
         assert ww.info()["ready"]
     ww.close()
     worker.close()

@@ -168,6 +168,9 @@ class WireWorker:
         _native.call("kvbm_wire_worker_connect", worker._h, json.dumps(opts).encode(), byref(h))
         self._h = h.value
         self.rank = int(rank)
+        # Operations broadcast by the leader run on this worker: keep it
+        # alive at least as long as the side channel.
+        self._worker = worker
 
     def wait_ready(self, timeout_s: float | None = None) -> LeaderMetadata:
         """Block until the leader's handshake completed for this rank."""

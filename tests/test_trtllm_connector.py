@@ -5,9 +5,11 @@ CPU tensors standing in for each rank's GPU cache."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
+from router_index import RouterIndex
 from trtllm_contract import (
     Engine,
     FakeLlmRequest,
@@ -341,3 +343,103 @@ def test_leader_resent_whole_block_list_is_deduplicated(rank0):
     assert [s[0] for s in plan_summary(plan1)["saves"]] == [10]
     assert [s[0] for s in plan_summary(plan2)["saves"]] == [11]
     assert leader.request_finished(r, [10, 11]) is False
+
+
+# ------------------------------------- leader's consolidator: G1 + G2 on NATS
+
+from test_trtllm_publisher import NatsSub, free_port, nats_server  # noqa: E402,F401 - fixture reuse
+
+
+def _engine_stored(eid, parent, blocks):
+    return {"event_id": eid, "window_size": 1 << 20, "data": {"type": "stored", "parent_hash": parent, "blocks": [
+        {"type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35, "mm_keys": [],
+         "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in toks_]}
+        for h, toks_ in blocks]}}
+
+
+def _engine_removed(eid, hashes):
+    return {"event_id": eid, "window_size": 1 << 20, "data": {"type": "removed", "block_hashes": hashes}}
+
+
+def test_leader_consolidator_merges_engine_and_kvbm_events_on_nats(make_engine, nats_server):
+    import kvbm
+    from kvbm.trtllm_integration.publisher import ZmqKvEventPublisher
+
+    zport = free_port()
+    pub_port = free_port()
+    while pub_port + 1000 > 65535:
+        pub_port = free_port()
+    sub = NatsSub(nats_server, "namespace.ns.component.tensorrt_llm.kv-events")
+    engine_pub = ZmqKvEventPublisher(BS, endpoint=f"tcp://127.0.0.1:{zport}")
+    pool = InProcessPool()
+    try:
+        eng = make_engine(env_extra={
+            "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true", "DYN_KVBM_TRTLLM_ZMQ_PORT": str(zport),
+            "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(pub_port), "DYN_KVBM_WORKER_ID": "3", "DYN_NAMESPACE": "ns",
+        }, spec_extra={"tp": 1}, workers=pool)
+        os.environ["NATS_SERVER"] = f"nats://127.0.0.1:{nats_server}"
+        try:
+            assert eng.leader.info()["host_blocks"] == 128  # starts the leader and its consolidator
+        finally:
+            os.environ.pop("NATS_SERVER")
+        got = []
+
+        def read_until(pred):
+            while True:
+                m = sub.next_message()
+                got.append(m)
+                if pred(m):
+                    return
+
+        def is_store_of(h):
+            return lambda m: "stored" in m["event"]["data"] and any(
+                b["block_hash"] == h for b in m["event"]["data"]["stored"]["blocks"])
+
+        # Wait until the consolidator reads the engine stream: a probe block.
+        probe_tokens = list(range(5000, 5000 + BS))
+        deadline = time.monotonic() + 20
+        while True:
+            engine_pub.publish(_engine_stored(None, None, [(777, probe_tokens)]))
+            try:
+                sub.sock.settimeout(0.2)
+                read_until(is_store_of(777))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the leader's consolidator never read the engine events"
+        sub.sock.settimeout(10)
+        engine_pub.publish(_engine_removed(None, [777]))
+
+        # kvbm offloads request 1's three full blocks to G2 (STOREs from kvbm)...
+        a = eng.submit(FakeLlmRequest(1, toks(3 * BS + 1), 1))
+        eng.run()
+        # ... and the engine reports the same blocks (plus the partial tail)
+        # under its own hashes: deduplicated, no second STORE.
+        ext = [(1 << 64) - 11, (1 << 63) + 3, 99, 100]
+        blocks = [(ext[i], a.tokens[i * BS:(i + 1) * BS]) for i in range(3)] + [(ext[3], a.tokens[3 * BS:])]
+        engine_pub.publish(_engine_stored(1, None, blocks))
+        # The engine evicts them: kvbm's G2 still holds them, so no REMOVE.
+        engine_pub.publish(_engine_removed(2, ext))
+        # Sentinel: a block stored and removed by the engine only.
+        engine_pub.publish(_engine_stored(3, None, [(888, list(range(6000, 6000 + BS)))]))
+        engine_pub.publish(_engine_removed(4, [888]))
+        read_until(lambda m: m["event"]["data"] == {"removed": {"block_hashes": [888]}})
+    finally:
+        engine_pub.close()
+        sub.close()
+        pool.close()
+
+    local = {kvbm.router_hashes(a.tokens[i * BS:(i + 1) * BS], BS)[0] for i in range(3)}
+    stores = [(m["storage_tier"], b) for m in got if "stored" in m["event"]["data"]
+              for b in m["event"]["data"]["stored"]["blocks"]]
+    ours = [s for s in stores if s[1]["tokens_hash"] in local]
+    assert len(ours) == 3, f"one STORE per logical block, got {ours}"
+    # kvbm registered them first (its sequence hashes); the engine's later
+    # STOREs of the same tokens only added a holder.
+    assert {b["block_hash"] for _, b in ours} == set(kvbm.sequence_hashes(a.tokens[:3 * BS], BS))
+    removed = [h for m in got if "removed" in m["event"]["data"] for h in m["event"]["data"]["removed"]["block_hashes"]]
+    assert removed == [777, 888]
+    assert all(m["worker_id"] == 3 for m in got)
+    idx = RouterIndex()
+    idx.apply_all([m for m in got if m["event"]["event_id"] >= got[0]["event"]["event_id"]])
+    idx.assert_consistent()
+    assert len(idx.blocks(3)) == 3

@@ -472,13 +472,24 @@ class Engine:
                     self.finished.append(r)
 
     # -- scenario helpers
-    def run(self, max_iters: int = 200) -> None:
-        for _ in range(max_iters):
-            if not self.waiting and not self.active:
-                return
+    def run(self, max_iters: int = 500, timeout_s: float = 60.0) -> None:
+        """Iterate until every request is done. Loads run in the background, so
+        iterations that only wait for them (as TensorRT-LLM's loop does) do not
+        count against max_iters; timeout_s bounds the whole run."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        busy = 0
+        while self.waiting or self.active:
+            if busy >= max_iters or time.monotonic() > deadline:
+                raise AssertionError(f"engine did not drain: {busy} iterations, waiting={len(self.waiting)} "
+                                     f"active={[(r.request_id, r.phase) for r in self.active]}")
+            idle = all(r.phase in ("loading", "saving") for r in self.active) and not self.waiting
             self.step()
-        raise AssertionError(f"engine did not drain in {max_iters} iterations: waiting={len(self.waiting)} "
-                             f"active={[(r.request_id, r.phase) for r in self.active]}")
+            if idle:
+                time.sleep(0.001)
+            else:
+                busy += 1
 
     def preempt(self, r: FakeLlmRequest) -> None:
         """Reset a running request (its allocation dies) and replay it: newer

@@ -62,6 +62,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._kv = None
         self._cuda = False
         self._fwd_event = None  # CUDA event recorded at the end of the forward pass
+        self._fwd_recorded = False  # ... during the current step
         self._failed = None
         self._disabled_reason = None
         # Loads: request id (int) → G1 blocks, from bound plans, until this
@@ -166,6 +167,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             if self._fwd_event is None:
                 self._fwd_event = torch.cuda.Event()
             self._fwd_event.record()
+            self._fwd_recorded = True
         except Exception as e:  # noqa: BLE001
             self._fail("forward_pass_callable", e)
 
@@ -176,10 +178,11 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         if self._cuda:
             # The forward pass is only enqueued when this is called; the copies
             # must read what it wrote.
-            if self._fwd_event is not None:
+            if self._fwd_recorded:
                 self._fwd_event.synchronize()
             elif stream is not None:
                 stream.synchronize()
+            self._fwd_recorded = False
         self._worker.wait_for_save()
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):

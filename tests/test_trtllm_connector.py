@@ -443,3 +443,19 @@ def test_leader_consolidator_merges_engine_and_kvbm_events_on_nats(make_engine, 
     idx.apply_all([m for m in got if m["event"]["event_id"] >= got[0]["event"]["event_id"]])
     idx.assert_consistent()
     assert len(idx.blocks(3)) == 3
+
+
+@pytest.mark.parametrize("priorities, saved", [(None, 2), ([60, 60], 2), ([60, 30], 0), ([20], 0)])
+def test_retention_priorities_drive_the_offload_filter(make_engine, priorities, saved):
+    from kvbm._adapter_common import plan_summary
+
+    pool = InProcessPool()
+    try:
+        eng = make_engine(env_extra={"DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY": "35"}, spec_extra={"tp": 1},
+                          workers=pool)
+        rd = RequestData(1, toks(2 * BS), [4, 5], 0, 2 * BS, priorities=priorities)
+        plan = eng.leader.build_connector_meta(SchedulerOutput(new_requests=[rd]))
+        # TensorRT-LLM's default priority (35) when the request has no retention config.
+        assert len(plan_summary(plan)["saves"]) == saved
+    finally:
+        pool.close()

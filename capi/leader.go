@@ -25,6 +25,9 @@ type leaderOptions struct {
 	BytesPerBlock int64  `json:"bytes_per_block"`
 	NumWorkers    int    `json:"num_workers"`
 	WorkerID      uint64 `json:"worker_id"`
+	// Background: G2→G3 moves go out through kvbm_leader_plan_background
+	// (over the side channel) instead of the step plans (TP > 1).
+	Background bool `json:"background"`
 	// Consolidator, when set, starts the KV event consolidator and feeds it
 	// the leader's G2/G3 events.
 	Consolidator *consolidatorOptions `json:"consolidator,omitempty"`
@@ -95,6 +98,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		Metrics:       h.m,
 		Logger:        log,
 		WorkerID:      o.WorkerID,
+		Background:    o.Background,
 	})
 	if err != nil {
 		h.close()
@@ -138,6 +142,11 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 		"host_blocks": h.l.NumHostBlocks(), "disk_blocks": h.l.NumDiskBlocks(), "disk_only": h.l.DiskOnly(),
 		"host_hit_rate": host, "disk_hit_rate": disk, "host_hit_blocks": hb, "disk_hit_blocks": db, "queried_blocks": q,
 	}
+	degraded, dead := h.l.Degraded()
+	if dead == nil {
+		dead = []int{}
+	}
+	info["degraded"], info["dead_ranks"], info["background_inflight"] = degraded, dead, h.l.BackgroundInFlight()
 	if h.metrics != nil {
 		info["metrics_addr"] = h.metrics.Addr
 	}
@@ -288,5 +297,62 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 		return finish(err, errOut)
 	}
 	h.l.ResetCache()
+	return statusOK
+}
+
+// kvbm_leader_plan_background returns the next background operation (an
+// encoded plan.Step of G2→G3 moves for every rank) and its ticket; an empty
+// buffer and ticket 0 when there is nothing to do. Every ticket must be
+// closed with kvbm_leader_commit_background.
+//
+//export kvbm_leader_plan_background
+func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	*outTicket = 0
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	b, ticket, err := h.l.PlanBackground()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	cBuffer(b, out, outLen)
+	*outTicket = C.uint64_t(ticket)
+	return statusOK
+}
+
+// kvbm_leader_commit_background closes a ticket: ok != 0 when every rank
+// executed the operation (its G3 blocks are registered), else its blocks are
+// freed. An unknown ticket is KVBM_ERR_INVALID.
+//
+//export kvbm_leader_commit_background
+func kvbm_leader_commit_background(hd C.uint64_t, ticket C.uint64_t, ok C.int32_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := h.l.CommitBackground(uint64(ticket), ok != 0); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	return statusOK
+}
+
+// kvbm_leader_set_degraded tells the leader which tensor-parallel ranks died:
+// it stops matching, saving and moving (the engine keeps serving).
+//
+//export kvbm_leader_set_degraded
+func kvbm_leader_set_degraded(hd C.uint64_t, ranks *C.int64_t, n C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	rs := make([]int, 0, max(int(n), 0))
+	for _, r := range int64View(ranks, n) {
+		rs = append(rs, int(r))
+	}
+	h.l.SetDegraded(rs)
 	return statusOK
 }

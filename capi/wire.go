@@ -14,6 +14,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/wire"
 )
 
@@ -186,6 +187,11 @@ type wireWorkerHandle struct {
 	w *wire.Worker
 	// exec serialises broadcast operations on this rank.
 	exec sync.Mutex
+	// closing is closed by kvbm_wire_worker_free before the side channel
+	// closes: an operation still waiting for its engine step (worker.Run)
+	// is abandoned instead of holding the close up.
+	closing   chan struct{}
+	closeOnce sync.Once
 }
 
 func summaryInt(m map[string]any, k string) int {
@@ -205,10 +211,11 @@ func summaryInt(m map[string]any, k string) int {
 // In the handshake the rank checks that the leader's sizes equal its own
 // (the leader reports a mismatch naming the rank).
 //
-// Broadcast operations run on the worker as bind + start_load +
-// wait_for_save + wait_loads. They must not interleave with an engine step
-// on the same worker: the leader sends them only between steps. Free this
-// handle before the worker handle.
+// Broadcast operations run on the worker through worker.Run: outside the
+// engine's bound step (the engine's get_finished never sees them) and
+// serialised with its bind/start_load/wait_for_save, so they may arrive at
+// any time, also in the middle of an engine step. Free this handle before
+// the worker handle.
 //
 //export kvbm_wire_worker_connect
 func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
@@ -231,7 +238,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: %v", err), errOut)
 	}
 	hostBlocks, diskBlocks := summaryInt(wh.summary, "host_blocks"), summaryInt(wh.summary, "disk_blocks")
-	h := &wireWorkerHandle{}
+	h := &wireWorkerHandle{closing: make(chan struct{})}
 	w, err := wire.Connect(wire.WorkerOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
@@ -245,21 +252,45 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 			return nil
 		},
 		Execute: func(step []byte) error {
+			// exec keeps the worker handle alive (kvbm_worker_free is
+			// documented to come after this handle's free) and orders
+			// operations on this rank; the worker itself serialises Run
+			// with the engine's bind/start_load/wait_for_save.
 			h.exec.Lock()
 			defer h.exec.Unlock()
-			if wh.w == nil {
+			ww := wh.w
+			if ww == nil {
 				return errors.New("worker is closed")
 			}
-			if err := wh.w.BindStep(step); err != nil {
+			st, err := plan.Decode(step)
+			if err != nil {
 				return err
 			}
-			wh.w.StartLoad()
-			wh.w.WaitForSave()
-			wh.w.WaitLoads()
-			if _, failed := wh.w.Finished(); len(failed) > 0 {
-				return fmt.Errorf("loads into G1 blocks %v failed", failed)
+			// Run may wait for the engine step the operation follows; that
+			// wait must not block closing this handle. An abandoned Run ends
+			// when the worker closes (or runs later, harmlessly: operations
+			// run in the order sent, see goext/leader/background.go).
+			type result struct {
+				failed []int64
+				err    error
 			}
-			return nil
+			done := make(chan result, 1)
+			go func() {
+				failed, err := ww.Run(st)
+				done <- result{failed, err}
+			}()
+			select {
+			case r := <-done:
+				if r.err != nil {
+					return r.err
+				}
+				if len(r.failed) > 0 {
+					return fmt.Errorf("loads into G1 blocks %v failed", r.failed)
+				}
+				return nil
+			case <-h.closing:
+				return errors.New("side channel closing")
+			}
 		},
 	})
 	if err != nil {
@@ -330,6 +361,7 @@ func isClosed(c <-chan struct{}) bool {
 func kvbm_wire_worker_free(hd C.uint64_t) {
 	defer func() { _ = recover() }()
 	if h, err := handle[*wireWorkerHandle](hd); err == nil {
+		h.closeOnce.Do(func() { close(h.closing) })
 		_ = h.w.Close()
 		deleteHandle(hd)
 	}

@@ -64,8 +64,14 @@ type Options struct {
 	Now func() time.Time
 	// MaxMovesPerStep caps the G2→G3 copies planned per step so one huge
 	// prefill does not stall a single step on disk writes; the rest wait in
-	// the queue. 0: no cap.
+	// the queue. 0: no cap. It also caps one background operation (0 there:
+	// 256 moves).
 	MaxMovesPerStep int
+	// Background: G2→G3 moves are not planned into Step but handed out by
+	// PlanBackground and registered by CommitBackground once every worker
+	// executed them (tensor parallelism over the side channel; see
+	// background.go). Default off: moves ride in the step plans.
+	Background bool
 }
 
 // Leader is one engine instance's block manager. See the package comment.
@@ -90,6 +96,15 @@ type Leader struct {
 	drops     map[tierBlock]struct{} // invalid blocks to announce in the next Step
 
 	seq uint64 // last emitted plan.Step.Seq
+
+	// Background operations and degraded mode (background.go).
+	bgMode    bool
+	bgNext    uint64              // last ticket handed out
+	bgOps     map[uint64]*bgOp    // open tickets
+	bgHashes  map[uint64]struct{} // hashes with an open ticket's G3 copy
+	gen       uint64              // bumped by ResetCache
+	degraded  bool
+	deadRanks []int
 
 	hits     *hitWindow
 	statsLog statsLogger
@@ -154,6 +169,9 @@ func New(opts Options) (*Leader, error) {
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),
 		drops:     make(map[tierBlock]struct{}),
+		bgMode:    opts.Background,
+		bgOps:     make(map[uint64]*bgOp),
+		bgHashes:  make(map[uint64]struct{}),
 		hits:      newHitWindow(cfg.CacheStatsMaxRequests),
 		statsLog:  statsLogger{interval: cfg.CacheStatsLogInterval},
 		workerID:  opts.WorkerID,
@@ -191,7 +209,7 @@ func New(opts Options) (*Leader, error) {
 	l.log.Info("kvbm leader sized",
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
 		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),
-		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio)
+		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio, "background_moves", l.bgMode)
 	return l, nil
 }
 
@@ -254,6 +272,7 @@ func (l *Leader) ResetCache() {
 		}
 	}
 	l.moves.clear()
+	l.gen++ // open background tickets free their blocks instead of registering
 	if l.filter != nil {
 		l.filter.reset()
 	}

@@ -51,6 +51,13 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	bs := l.bs
+	if l.degraded {
+		// A rank's shards may be missing: serve nothing (SetDegraded).
+		if s, ok := l.slots[reqID]; ok {
+			l.unstage(s)
+		}
+		return 0, false
+	}
 	if numComputed < 0 || numComputed%bs != 0 {
 		// A partial G1 hit (TensorRT-LLM partial reuse): kvbm only loads
 		// whole blocks after a block-aligned prefix. Forget any earlier

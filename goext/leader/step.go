@@ -43,7 +43,8 @@ type RequestUpdate struct {
 //   - Moves: queued G2→G3 copies (registered in earlier steps), highest
 //     priority first, FIFO within a priority; each G2 source is pinned while
 //     planning so this step's saves cannot take it (workers run Moves before
-//     Saves).
+//     Saves). With Options.Background none: PlanBackground hands them out.
+//     Degraded (SetDegraded): no moves and no saves.
 //   - Saves (write-through): for each update, every block that is full after
 //     this step (computed+scheduled tokens, tokens known, G1 block known) and
 //     not evaluated yet is copied G1→G2 (G1→G3 in disk-only mode) and
@@ -139,7 +140,7 @@ func (l *Leader) allocate(p *pool.Pool) (int, bool) {
 
 // planMoves turns queued G2 blocks into G2→G3 copies.
 func (l *Leader) planMoves(st *plan.Step) {
-	if l.host == nil || l.disk == nil {
+	if l.host == nil || l.disk == nil || l.bgMode || l.degraded {
 		return
 	}
 	for n := 0; l.moves.Len() > 0 && (l.maxMoves == 0 || n < l.maxMoves); {
@@ -194,7 +195,7 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
 
 // planSaves is write-through offload for one request (SPEC §4).
 func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
-	if l.saveTo == nil || s.stopped {
+	if l.saveTo == nil || s.stopped || l.degraded {
 		return
 	}
 	bs := l.bs
@@ -249,11 +250,14 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 // h or onboarded from: it feeds the frequency filter and queues the block for
 // disk when it passes.
 func (l *Leader) noteHostRegistration(idx int, h uint64) {
-	if l.disk == nil || l.host == nil {
+	if l.disk == nil || l.host == nil || l.degraded {
 		return
 	}
 	if _, ok := l.disk.Lookup(h); ok {
 		return
+	}
+	if _, ok := l.bgHashes[h]; ok {
+		return // on its way to disk
 	}
 	if l.filter != nil && !l.filter.observe(h) {
 		return
@@ -268,10 +272,11 @@ func (l *Leader) noteHostRegistration(idx int, h uint64) {
 // moveEntry is one queued G2→G3 copy. It holds no pin: if the G2 block is
 // evicted before its turn, the entry is skipped.
 type moveEntry struct {
-	prio int
-	seq  uint64
-	idx  int
-	hash uint64
+	prio     int
+	seq      uint64
+	idx      int
+	hash     uint64
+	attempts int // background operations that failed with it
 }
 
 // moveQueue is a heap: highest priority first, then FIFO.

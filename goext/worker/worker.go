@@ -137,7 +137,12 @@ type Worker struct {
 	degraded  atomic.Bool
 
 	loads sync.WaitGroup // background load goroutines (owned by StartLoad, joined by WaitLoads/Close)
-	saves sync.WaitGroup // WaitForSave calls in progress (Close waits for them before unmapping)
+	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
+
+	// exec serialises Run with the engine's per-step calls: Bind (its
+	// drops), StartLoad (the launch; the loads themselves run after it
+	// returns) and WaitForSave (all of it). See Run for the ordering.
+	exec sync.Mutex
 
 	mu       sync.Mutex // guards everything below
 	step     *plan.Step // the bound step
@@ -147,6 +152,8 @@ type Worker struct {
 	loaded   []string // requests whose loads completed since the last Finished
 	loadErrs []int64  // G1 blocks whose load failed since the last Finished
 	closed   bool
+	savedSeq uint64     // highest Seq of a bound step whose Moves/Saves finished
+	saved    *sync.Cond // on mu: signalled when savedSeq grows or the worker closes
 }
 
 // New validates opts. Regions are allocated by RegisterG1, once the block size is known.
@@ -164,6 +171,7 @@ func New(opts Options) (*Worker, error) {
 		opts.BatchSize = DefaultBatchSize
 	}
 	w := &Worker{opts: opts, log: opts.Logger, m: opts.Metrics, lim: transfer.NewLimiter(opts.MaxConcurrent)}
+	w.saved = sync.NewCond(&w.mu)
 	if w.log == nil {
 		w.log = slog.Default()
 	}
@@ -302,6 +310,8 @@ func (w *Worker) Bind(s *plan.Step) error {
 		w.WaitForSave()
 	}
 
+	w.exec.Lock()
+	defer w.exec.Unlock()
 	w.mu.Lock()
 	if s.Seq != 0 && s.Seq <= w.lastSeq {
 		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
@@ -334,6 +344,8 @@ func (w *Worker) applyDrops(drops []plan.Copy) {
 // reports them once done. Copies into G2 (G3→G2 staging) run before the
 // copies into G1 of the same step, so a load may stage through G2.
 func (w *Worker) StartLoad() {
+	w.exec.Lock()
+	defer w.exec.Unlock()
 	w.mu.Lock()
 	s := w.step
 	if s == nil || w.loadsRun || w.closed {
@@ -355,6 +367,18 @@ func (w *Worker) StartLoad() {
 }
 
 func (w *Worker) runLoads(loads []plan.Load) {
+	failed := w.execLoads(loads)
+	w.mu.Lock()
+	for _, ld := range loads {
+		w.loaded = append(w.loaded, ld.ReqID)
+	}
+	w.loadErrs = append(w.loadErrs, failed...)
+	w.mu.Unlock()
+}
+
+// execLoads copies loads' blocks, staging copies (into G2) before copies into
+// G1, and returns the G1 blocks whose copy failed.
+func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
 	var staging, direct []plan.Copy
 	for _, ld := range loads {
 		for _, c := range ld.Copies {
@@ -369,7 +393,6 @@ func (w *Worker) runLoads(loads []plan.Load) {
 		w.logFailures("staging load", staging, errs)
 	}
 	errs := w.runOps(direct)
-	var failed []int64
 	for i, err := range errs {
 		if err != nil {
 			failed = append(failed, direct[i].DstBlock)
@@ -378,12 +401,7 @@ func (w *Worker) runLoads(loads []plan.Load) {
 	if len(failed) > 0 {
 		w.logFailures("load", direct, errs)
 	}
-	w.mu.Lock()
-	for _, ld := range loads {
-		w.loaded = append(w.loaded, ld.ReqID)
-	}
-	w.loadErrs = append(w.loadErrs, failed...)
-	w.mu.Unlock()
+	return failed
 }
 
 // WaitForSave runs the bound step's Moves (G2→G3) and then its Saves (G1→G2,
@@ -391,6 +409,8 @@ func (w *Worker) runLoads(loads []plan.Load) {
 // leaves its destination invalid (a later load of it fails); it is logged,
 // not returned: the engine must keep running.
 func (w *Worker) WaitForSave() {
+	w.exec.Lock()
+	defer w.exec.Unlock()
 	w.mu.Lock()
 	s := w.step
 	if s == nil || w.savesRun || w.closed {
@@ -410,6 +430,100 @@ func (w *Worker) WaitForSave() {
 	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
 	}
+	w.mu.Lock()
+	if s.Seq > w.savedSeq {
+		w.savedSeq = s.Seq
+		w.saved.Broadcast()
+	}
+	w.mu.Unlock()
+}
+
+// Run executes a step outside the engine's per-step calls: an operation the
+// leader sent over the side channel (G2→G3 moves) rather than inside the
+// engine's connector metadata. It runs the step's Drops, Loads
+// (synchronously: copies into G2 first, then into G1), Moves and Saves, and
+// returns the G1 blocks whose loads failed. Its results never reach Finished,
+// and it neither binds the step nor touches the bound one, so the engine's
+// own sequence (Bind → StartLoad → WaitForSave → Finished) is unaffected.
+//
+// Ordering:
+//
+//   - s.Seq > 0 names the engine step this operation must follow: Run first
+//     waits until this worker finished the Moves/Saves of the bound step with
+//     that Seq (or a later one). The leader plans a background G2→G3 move as
+//     soon as the source's save is planned, which may be before this rank
+//     has run that save; copying earlier would copy the block's previous
+//     contents. The wait ends early (with an error) when the worker closes.
+//     s.Seq == 0: no wait.
+//   - Then Run holds the worker's execution lock for the rest of its
+//     duration, and Bind, StartLoad (until its loads are launched) and
+//     WaitForSave take the same lock, so a Run happens entirely before or
+//     entirely after each of them. It may overlap only the engine's
+//     asynchronous loads launched by an earlier StartLoad, which is safe
+//     because the leader never hands a block that a running load reads or
+//     writes to another operation (load sources stay pinned until the engine
+//     reports the load finished). A Run may delay the engine's WaitForSave
+//     by its own duration, so background operations should stay small.
+//
+// err is non-nil when the step could not run (worker closed, KV caches not
+// registered) or when any of its Moves or Saves failed: their destinations
+// hold no valid bytes on this rank, so the leader must not register them.
+// Failed loads are reported through loadErrors only.
+func (w *Worker) Run(s *plan.Step) (loadErrors []int64, err error) {
+	if s == nil {
+		return nil, errors.New("run step: nil step")
+	}
+	w.mu.Lock()
+	for s.Seq > w.savedSeq && !w.closed {
+		w.saved.Wait()
+	}
+	w.mu.Unlock()
+
+	w.exec.Lock()
+	defer w.exec.Unlock()
+	w.mu.Lock()
+	switch {
+	case w.closed:
+		w.mu.Unlock()
+		return nil, fmt.Errorf("worker rank %d: run step: worker is closed", w.opts.Rank)
+	case w.g1 == nil:
+		w.mu.Unlock()
+		return nil, fmt.Errorf("worker rank %d: run step: KV caches not registered yet", w.opts.Rank)
+	}
+	w.saves.Add(1) // Close waits for it before unmapping the regions
+	w.mu.Unlock()
+	defer w.saves.Done()
+
+	w.applyDrops(s.Drops)
+	if len(s.Loads) > 0 {
+		w.fence("load")
+		loadErrors = w.execLoads(s.Loads)
+	}
+	if len(s.Saves) > 0 {
+		w.fence("save")
+	}
+	var failed []error
+	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+		w.logFailures("move", s.Moves, errs)
+		failed = append(failed, fmt.Errorf("%d of %d moves failed: %w", countErrs(errs), len(s.Moves), firstErr(errs)))
+	}
+	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+		w.logFailures("save", s.Saves, errs)
+		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs)))
+	}
+	if len(failed) > 0 {
+		return loadErrors, fmt.Errorf("worker rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
+	}
+	return loadErrors, nil
+}
+
+func firstErr(errs []error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
 }
 
 // Finished returns the requests whose loads completed since the last call,
@@ -436,6 +550,7 @@ func (w *Worker) Close() error {
 		return nil
 	}
 	w.closed = true
+	w.saved.Broadcast() // a Run waiting for a step's saves gives up
 	w.mu.Unlock()
 	// Nothing new starts once closed is set; wait for what is running
 	// before the regions it copies into disappear.

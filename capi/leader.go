@@ -147,6 +147,7 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 		dead = []int{}
 	}
 	info["degraded"], info["dead_ranks"], info["background_inflight"] = degraded, dead, h.l.BackgroundInFlight()
+	info["host_blocks_used"], info["disk_blocks_used"] = h.l.BlocksUsed()
 	if h.metrics != nil {
 		info["metrics_addr"] = h.metrics.Addr
 	}

@@ -28,6 +28,13 @@ import (
 // A background step's Seq is the last engine step planned so far: workers
 // run it only after that step's saves (worker.Run waits for them), so a move
 // never copies a G2 block before the save that fills it.
+//
+// A ticket committed failed (a timeout) may still run later on some ranks.
+// That is harmless because every rank runs side-channel operations in the
+// order they were sent: its G3 destinations are unregistered until a later
+// operation takes them, and that later operation runs after it, so the bytes
+// registered are always the later operation's. Engine steps never write G3
+// in background mode (saves go to G2).
 
 // defaultBackgroundMoves caps one background operation when
 // Options.MaxMovesPerStep is 0: the worker serialises it with the engine's
@@ -185,4 +192,17 @@ func (l *Leader) Degraded() (bool, []int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.degraded, slices.Clone(l.deadRanks)
+}
+
+// BlocksUsed is the number of registered (findable) G2 and G3 blocks.
+func (l *Leader) BlocksUsed() (host, disk int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.host != nil {
+		host = l.host.NumRegistered()
+	}
+	if l.disk != nil {
+		disk = l.disk.NumRegistered()
+	}
+	return host, disk
 }

@@ -32,6 +32,9 @@ _native.register_signatures(
         "kvbm_leader_step": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_leader_request_finished": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int32), _ERR]),
         "kvbm_leader_reset": (ctypes.c_int, [c_uint64, _ERR]),
+        "kvbm_leader_plan_background": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _P(c_uint64), _ERR]),
+        "kvbm_leader_commit_background": (ctypes.c_int, [c_uint64, c_uint64, c_int32, _ERR]),
+        "kvbm_leader_set_degraded": (ctypes.c_int, [c_uint64, _P(c_int64), c_int64, _ERR]),
         "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_worker_free": (None, [c_uint64]),
         "kvbm_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
@@ -63,13 +66,16 @@ class Leader:
     """The logical block manager of one engine instance (scheduler process)."""
 
     def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
-                 consolidator: dict | None = None):
+                 consolidator: dict | None = None, background: bool = False):
         opts = {
             "block_size": int(block_size),
             "bytes_per_block": int(bytes_per_block),
             "num_workers": int(num_workers),
             "worker_id": int(worker_id),
         }
+        if background:
+            # G2->G3 moves leave the step plans: plan_background/commit_background.
+            opts["background"] = True
         if consolidator:
             opts["consolidator"] = consolidator
         opts["env"] = _native.env_snapshot()
@@ -105,6 +111,25 @@ class Leader:
 
     def reset(self) -> None:
         _native.call("kvbm_leader_reset", self._h)
+
+    def plan_background(self) -> tuple[bytes, int]:
+        """(plan, ticket) of the next background operation (G2->G3 moves for
+        every rank); (b"", 0) when there is nothing to do. Every ticket must be
+        closed with :meth:`commit_background`."""
+        buf = _P(c_uint8)()
+        n = c_int64()
+        ticket = c_uint64()
+        _native.call("kvbm_leader_plan_background", self._h, byref(buf), byref(n), byref(ticket))
+        return _native.take_buffer(buf, n), ticket.value
+
+    def commit_background(self, ticket: int, ok: bool) -> None:
+        """ok: every rank executed it (its G3 blocks become matchable); else they are freed."""
+        _native.call("kvbm_leader_commit_background", self._h, int(ticket), 1 if ok else 0)
+
+    def set_degraded(self, dead_ranks) -> None:
+        """Ranks died: stop matching, saving and moving; the engine keeps serving."""
+        arr, n = _int64_array([int(r) for r in dead_ranks])
+        _native.call("kvbm_leader_set_degraded", self._h, arr, n)
 
     def close(self) -> None:
         if getattr(self, "_h", 0):

@@ -10,7 +10,10 @@ operations not tied to a step, and heartbeats that mark a rank dead.
 Call order (vLLM): every worker creates :class:`kvbm._core.Worker` in
 ``register_kv_caches`` and attaches a :class:`WireWorker` (returns at once);
 the scheduler then creates :class:`WireLeader`, calls :meth:`WireLeader.handshake`
-and builds :class:`kvbm._core.Leader` from its result.
+and builds :class:`kvbm._core.Leader` (``background=True``) from its result.
+After each step's plan, :meth:`BackgroundPump.poll` sends the leader's
+background operations (G2->G3 moves) to every rank and commits them, so a
+disk block becomes matchable only once every rank wrote its shard.
 
 Endpoints, timeout and sizing come from the ``DYN_KVBM_*`` environment
 (``DYN_KVBM_LEADER_ZMQ_HOST`` / ``_PUB_PORT`` / ``_ACK_PORT``,
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import threading
 from ctypes import POINTER, byref, c_char_p, c_int64, c_uint8, c_uint64
 from dataclasses import dataclass
 
@@ -44,6 +49,8 @@ _native.register_signatures(
 )
 
 _TRANSPORTS = ("auto", "tcp", "inproc")
+
+log = logging.getLogger("kvbm")
 
 
 def _buffer_call(name, *args) -> bytes:
@@ -199,3 +206,108 @@ class WireWorker:
             self.close()
         except Exception:
             pass
+
+
+class BackgroundPump:
+    """Runs a leader's background operations over the side channel.
+
+    :meth:`poll` is called once per engine step, after ``Leader.step``, from the
+    engine's scheduler thread, and never blocks it: at most one operation is
+    in flight, broadcast and committed on a helper thread (the native calls
+    release the GIL). An operation every rank acked is committed ok (its G3
+    blocks become matchable and are announced); a failed or timed-out one is
+    committed failed (its blocks are freed, its moves retried). Once the side
+    channel reports dead ranks the leader is set degraded
+    (``Leader.set_degraded``) and nothing more is sent.
+
+    Workers run an operation only after the engine step it follows has saved
+    its blocks on their rank (``worker.Run``), so the broadcast must not run on
+    the scheduler thread: that step is shipped only after ``poll`` returns.
+    """
+
+    def __init__(self, wire: WireLeader, leader, *, timeout_s: float = 60.0):
+        self._wire = wire
+        self._leader = leader
+        self._timeout_s = float(timeout_s)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._inflight = 0  # ticket of the operation in flight, 0: none
+        self.degraded = False
+        self.dead_ranks: list[int] = []
+        self.committed = 0
+        self.failed = 0
+        self.last_error: str | None = None
+
+    def poll(self) -> bool:
+        """Start the next operation if none is in flight; True if one was started."""
+        with self._lock:
+            if self._stopped or self.degraded:
+                return False
+            # Checked even with an operation in flight: a rank that died makes
+            # it wait for its timeout (the live ranks may be waiting for a step
+            # that will not come), but the leader must stop matching now.
+            if self._check_dead():
+                return False
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            plan, ticket = self._leader.plan_background()
+            if not ticket:
+                return False
+            self._inflight = ticket
+            self._thread = threading.Thread(target=self._run, args=(plan, ticket), name="kvbm-background",
+                                            daemon=True)
+            self._thread.start()
+            return True
+
+    def _check_dead(self) -> bool:
+        # Called with self._lock held.
+        dead = self._wire.dead_ranks
+        if dead and not self.degraded:
+            self.degraded, self.dead_ranks = True, list(dead)
+            self._leader.set_degraded(dead)
+            if self._inflight:
+                # Its broadcast may wait for its whole timeout (the live ranks
+                # can be waiting for a step that will not come); fail it now
+                # so its pins go. Should it still run on some ranks, that is
+                # harmless (see goext/leader/background.go).
+                ticket, self._inflight = self._inflight, 0
+                self._leader.commit_background(ticket, False)
+                self.failed += 1
+        return bool(dead)
+
+    def _run(self, plan: bytes, ticket: int) -> None:
+        ok = False
+        try:
+            self._wire.broadcast(plan, timeout_s=self._timeout_s)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - a failed operation only frees its blocks
+            self.last_error = str(e)
+            log.warning("kvbm: background operation %d failed; its disk blocks are freed: %s", ticket, e)
+        try:
+            with self._lock:
+                if self._inflight != ticket:
+                    return  # already failed when the leader went degraded
+                self._inflight = 0
+                self._leader.commit_background(ticket, ok)
+                if ok:
+                    self.committed += 1
+                else:
+                    self.failed += 1
+                    self._check_dead()
+        except Exception:  # noqa: BLE001 - leader closed under us at shutdown
+            log.debug("kvbm: could not commit background operation %d", ticket, exc_info=True)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the operation in flight; True when none is left."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+            return not t.is_alive()
+        return True
+
+    def stop(self) -> None:
+        """Start nothing more. Shutdown order: ``stop()``, close the WireLeader
+        (an operation in flight then fails at once), ``wait()``, close the Leader."""
+        with self._lock:
+            self._stopped = True

@@ -138,6 +138,10 @@ class DynamoConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._leader = None
         self._worker = None
+        # Tensor parallel > 1 only: the leader⇄worker side channel.
+        self._wire = None  # scheduler: kvbm._wire.WireLeader
+        self._pump = None  # scheduler: kvbm._wire.BackgroundPump
+        self._wire_worker = None  # worker: kvbm._wire.WireWorker
         self._disabled_reason = None
         self._failed = None
         # Worker side: loads bound but not yet reported finished (request id →
@@ -176,6 +180,17 @@ class DynamoConnector(KVConnectorBase_V1):
         return None, set(loads)
 
     def shutdown(self):
+        if self._pump is not None:
+            self._pump.stop()  # TP > 1: nothing new goes out; the wire's close fails what is in flight
+        for obj in (self._wire, self._wire_worker):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # pragma: no cover
+                    log.exception("kvbm: error while closing the side channel")
+        if self._pump is not None:
+            self._pump.wait(5)
+        self._wire = self._wire_worker = self._pump = None
         for obj in (self._leader, self._worker):
             if obj is not None:
                 try:
@@ -220,12 +235,19 @@ class DynamoConnector(KVConnectorBase_V1):
         if should_enable_consolidator(self._vllm_config):
             engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
             consolidator = {"engine": "vllm", "engine_endpoint": engine_ep, "zmq_bind": out_bind}
+        if tp_size > 1:
+            bytes_per_block = self._start_wire(tp_size)
         self._leader = Leader(
             block_size=self._block_size,
             bytes_per_block=bytes_per_block,
             num_workers=tp_size,
             consolidator=consolidator,
+            background=tp_size > 1,
         )
+        if self._wire is not None:
+            from kvbm._wire import BackgroundPump
+
+            self._pump = BackgroundPump(self._wire, self._leader)
         info = self._leader.info()
         log.info(
             "kvbm leader ready (pid %d): block_size=%d layers=%d bytes_per_block=%d tp=%d host_blocks=%d "
@@ -239,6 +261,30 @@ class DynamoConnector(KVConnectorBase_V1):
         self._loaded: list[str] = []
         self._invalid_blocks: list[int] = []
         self._seq = 0
+
+    def _start_wire(self, tp_size: int) -> int:
+        """TP > 1: bind the side channel and wait until every rank's worker
+        reported and allocated (vLLM registers the workers' KV caches before
+        it creates the scheduler). Returns one rank's bytes per block.
+
+        Errors propagate: a taken port or a rank that never answers is a
+        configuration error, and the message names the variable to change
+        (DYN_KVBM_LEADER_ZMQ_PUB_PORT / _ACK_PORT,
+        DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)."""
+        from kvbm._wire import WireLeader
+
+        self._wire = WireLeader(num_workers=tp_size)
+        try:
+            hs = self._wire.handshake()
+        except BaseException:
+            self._wire.close()
+            self._wire = None
+            raise
+        info = self._wire.info()
+        log.info("kvbm side channel ready: %d ranks, transport %s, pub port %s, ack port %s, "
+                 "bytes_per_block=%d per rank", hs.num_workers, info["transport"], info["pub_port"],
+                 info["ack_port"], hs.bytes_per_block)
+        return int(hs.bytes_per_block)
 
     def _salt(self, request) -> int:
         rid = request.request_id
@@ -307,6 +353,13 @@ class DynamoConnector(KVConnectorBase_V1):
         loaded, self._loaded = self._loaded, []
         invalid, self._invalid_blocks = self._invalid_blocks, []
         plan = self._leader.step(updates, loaded, invalid)
+        if self._pump is not None:
+            # TP > 1: G2→G3 moves go to every rank over the side channel, off
+            # this thread; dead ranks put the leader in degraded mode.
+            try:
+                self._pump.poll()
+            except Exception as e:  # noqa: BLE001 - only disk offload is lost
+                log.warning("kvbm: background operation not started: %s", e)
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1
@@ -367,6 +420,12 @@ class DynamoConnector(KVConnectorBase_V1):
             tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
             dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
         )
+        if tp_size > 1:
+            # The scheduler's leader handshakes with every rank over the side
+            # channel; this returns at once (the scheduler does not exist yet).
+            from kvbm._wire import WireWorker
+
+            self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size)
         info = self._worker.info()
         log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],

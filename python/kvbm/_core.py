@@ -43,6 +43,7 @@ _native.register_signatures(
         "kvbm_worker_wait_loads": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_finished": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_worker_set_cuda_stream": (ctypes.c_int, [c_uint64, c_uint64, _ERR]),  # CUDA build only
         "kvbm_consolidator_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_consolidator_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_consolidator_free": (None, [c_uint64]),
@@ -185,6 +186,12 @@ class Worker:
 
     def wait_for_save(self) -> None:
         _native.call("kvbm_worker_wait_for_save", self._h)
+
+    def set_cuda_stream(self, stream: int) -> None:
+        """Order the next loads/saves after the work queued on the engine's CUDA
+        stream (a cudaStream_t). Only the CUDA build has it; a no-op otherwise."""
+        if _native.loaded_variant() == "cuda" or hasattr(_native.lib(), "kvbm_worker_set_cuda_stream"):
+            _native.call("kvbm_worker_set_cuda_stream", self._h, int(stream))
 
     def finished(self) -> tuple[list[str], list[int]]:
         data = _buffer_call("kvbm_worker_finished", self._h)

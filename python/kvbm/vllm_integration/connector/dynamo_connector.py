@@ -144,6 +144,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._wire_worker = None  # worker: kvbm._wire.WireWorker
         self._disabled_reason = None
         self._failed = None
+        self._on_device = False
         # Worker side: loads bound but not yet reported finished (request id →
         # G1 blocks), so that a failure can still answer vLLM for them.
         self._inflight_loads: dict[str, list[int]] = {}
@@ -415,6 +416,7 @@ class DynamoConnector(KVConnectorBase_V1):
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
         if num_blocks is None:
             num_blocks = next(iter(kv_caches.values())).shape[0]
+        self._on_device = next(iter(kv_caches.values())).device.type == "cuda"
         self._kv_caches = kv_caches  # keep the engine's tensors alive as long as we hold their addresses
         self._worker = Worker(
             tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
@@ -471,9 +473,18 @@ class DynamoConnector(KVConnectorBase_V1):
     def clear_connector_metadata(self):
         super().clear_connector_metadata()
 
+    def _sync_engine_stream(self) -> None:
+        # CUDA: our copies must follow the engine's writes (saves) and reads
+        # of the blocks being replaced (loads) on its current stream.
+        if self._on_device:
+            import torch
+
+            self._worker.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+
     @_guarded(None)
     def start_load_kv(self, forward_context, **kwargs):
         if self._worker is not None:
+            self._sync_engine_stream()
             self._worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -487,6 +498,7 @@ class DynamoConnector(KVConnectorBase_V1):
     @_guarded(None)
     def wait_for_save(self):
         if self._worker is not None:
+            self._sync_engine_stream()
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids):

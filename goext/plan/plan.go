@@ -62,6 +62,9 @@ type Load struct {
 
 // Step is everything a worker must do for one engine step.
 type Step struct {
+	// Seq numbers engine steps 1, 2, …. A step sent over the side channel
+	// (goext/wire, not tied to an engine step) carries the number of the
+	// engine step it must follow; worker.Run waits until that step's saves ran.
 	Seq   uint64 `msgpack:"q"`
 	Loads []Load `msgpack:"l,omitempty"`
 	Moves []Copy `msgpack:"m,omitempty"`

@@ -72,6 +72,9 @@ def engine_kwargs(model: str, spec: dict) -> dict:
     kw.update(spec.get("engine", {}))
     if spec.get("kvbm", True):
         kw["kv_transfer_config"] = dict(CONNECTOR)
+    elif spec.get("noop_connector"):
+        kw["kv_transfer_config"] = {"kv_connector": "NoopConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "kvbm.testing.noop_connector"}
     if spec.get("events"):
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                   "endpoint": spec["events"].get("endpoint", "tcp://*:5557"),

@@ -314,6 +314,8 @@ func (l *Leader) handle(m workerMsg) {
 				"num_device_blocks", md.NumDeviceBlocks, "bytes_per_block", md.BytesPerBlock)
 			l.signal()
 		}
+	case fnBye:
+		l.markGoneLocked(m.rank, "the worker closed (engine shutdown)")
 	case fnAllocating:
 		if m.id == l.metaID && !rs.allocating {
 			rs.allocating = true
@@ -537,6 +539,16 @@ func (l *Leader) heartbeat() {
 }
 
 func (l *Leader) markDeadLocked(rank int, why string) {
+	l.markRankLocked(rank, why, false)
+}
+
+// markGoneLocked is markDeadLocked for a worker that said goodbye: the same
+// consequences, logged as a departure rather than a failure.
+func (l *Leader) markGoneLocked(rank int, why string) {
+	l.markRankLocked(rank, why, true)
+}
+
+func (l *Leader) markRankLocked(rank int, why string, left bool) {
 	rs := &l.ranks[rank]
 	if rs.dead {
 		return
@@ -546,8 +558,12 @@ func (l *Leader) markDeadLocked(rank int, why string) {
 	if rs.md != nil {
 		pid = rs.md.Pid
 	}
-	l.log.Error("kvbm worker rank stopped answering; marked dead: transfers that need it are no longer planned, "+
-		"the engine keeps serving (misses recompute)", "rank", rank, "pid", pid, "why", why)
+	if left {
+		l.log.Info("kvbm worker rank closed; no more transfers are planned for it", "rank", rank, "pid", pid, "why", why)
+	} else {
+		l.log.Error("kvbm worker rank stopped answering; marked dead: transfers that need it are no longer planned, "+
+			"the engine keeps serving (misses recompute)", "rank", rank, "pid", pid, "why", why)
+	}
 	for _, o := range l.ops {
 		if o.waiting[rank] {
 			o.dead = append(o.dead, rank)

@@ -17,6 +17,9 @@ const (
 	fnStep           = "step"
 	fnAck            = "ack"
 	fnShutdown       = "shutdown"
+	// fnBye: a worker closing on purpose (engine shutdown), so the leader
+	// does not report it as a failure.
+	fnBye = "bye"
 )
 
 // WorkerMetadata is what every rank reports in the handshake.

@@ -432,3 +432,23 @@ func TestConnectValidates(t *testing.T) {
 		require.Error(t, err, name)
 	}
 }
+
+// TestWorkerCloseSaysGoodbye: an engine shutting down closes its workers
+// first; the leader records the departure without reporting a failure.
+func TestWorkerCloseSaysGoodbye(t *testing.T) {
+	c := newCluster(t, TransportTCP, 2)
+	for r := range 2 {
+		c.connect(t, r, nil)
+	}
+	l := c.listen(t, func(o *LeaderOptions) {
+		o.PingInterval = 50 * time.Millisecond
+		o.DeadAfter = 400 * time.Millisecond
+	})
+	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
+	require.NoError(t, err)
+	require.NoError(t, c.ranks[1].w.Close())
+	checkFor(t, 5*time.Second, func() bool { return len(l.DeadRanks()) == 1 }, "rank 1 recorded as gone")
+	require.Equal(t, []int{1}, l.DeadRanks())
+	require.Contains(t, c.logs.String(), "kvbm worker rank closed")
+	require.NotContains(t, c.logs.String(), "stopped answering")
+}

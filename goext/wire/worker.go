@@ -330,6 +330,7 @@ func (w *Worker) execute(step []byte) (err error) {
 // first) and closes its connection.
 func (w *Worker) Close() error {
 	w.once.Do(func() {
+		w.send(0, fnBye, nil) // best effort: the leader logs a departure, not a failure
 		close(w.stop)
 		w.mu.Lock()
 		t := w.t

@@ -129,3 +129,49 @@ def test_disk_tier_and_corrupted_disk_block(harness, tmp_path):
     assert t["b_corrupted"]["tokens"] == t["b"]["tokens"]
     assert t["b_corrupted"]["metrics"]["kvbm_load_errors"] > 0
     assert_clean(res["log"])
+
+
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
+def test_tensor_parallel_2(harness):
+    """vLLM's CPU backend with TP=2: each rank holds its shard of every kvbm block,
+    the leader reaches both workers over the side channel, outputs stay identical."""
+    pub, ack = _free_ports(2)
+    spec = {
+        "env": {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100,
+            "DYN_KVBM_LEADER_ZMQ_PUB_PORT": pub,
+            "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank (auto-bind wants a NUMA node per rank)
+        },
+        "engine": {"num_gpu_blocks_override": 16, "tensor_parallel_size": 2},
+        "actions": [
+            gen("first", A),
+            {"reset": True, "tag": "reset"},
+            gen("after_reset", A),
+            gen("evict_with_b", B),
+            gen("a_after_eviction", A),
+        ],
+    }
+    res = harness(spec)
+    t = by_tag(res)
+    assert "ZMQ handshake complete" in res["log"]
+    assert t["first"]["metrics"]["kvbm_offload_blocks_d2h"] >= 6
+    assert t["after_reset"]["metrics"]["kvbm_onboard_blocks_h2d"] > 0
+    assert t["after_reset"]["tokens"] == t["first"]["tokens"]
+    assert t["a_after_eviction"]["metrics"]["kvbm_onboard_blocks_h2d"] > t["evict_with_b"]["metrics"]["kvbm_onboard_blocks_h2d"]
+    assert t["a_after_eviction"]["tokens"] == t["first"]["tokens"]
+    for bad in ("panic", "fatal error", "Traceback"):
+        assert bad not in res["log"]

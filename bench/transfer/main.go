@@ -1,5 +1,5 @@
 // Command transfer measures kvbm's worker transfers against same-run
-// baselines and prints a table (issue 3's acceptance numbers):
+// baselines and prints a table:
 //
 //   - G2 offload (G1→G2) and onboard (G2→G1) of N scattered 16-token blocks in
 //     the vLLM FlashAttention layout (32 layers, 8 KV heads, head_dim 128,

@@ -25,7 +25,6 @@ line: the engine keeps serving, those requests just get no external hits.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 
 
 from kvbm import _native, _plan
+from kvbm._adapter_common import guarded
 
 # A child of vLLM's logger, so lines appear in the engine's own log format.
 log = logging.getLogger("vllm.kvbm")
@@ -101,27 +101,6 @@ def _single_group(kv_cache_config):
         return None, (f"{len(groups)} KV cache groups (hybrid or mixed-shape model); "
                       "kvbm supports models whose layers share one KV cache shape")
     return groups[0], None
-
-
-def _guarded(default=None):
-    """Engine-facing methods never raise into vLLM: a kvbm failure (including
-    a Go panic, which poisons the library) disables kvbm for this process with
-    one error log, and vLLM keeps serving by recomputing."""
-
-    def deco(fn):
-        @functools.wraps(fn)
-        def wrapper(self, *args, **kwargs):
-            if self._failed is not None:
-                return default(self) if callable(default) else default
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - the engine must survive
-                self._fail(fn.__name__, e)
-                return default(self) if callable(default) else default
-
-        return wrapper
-
-    return deco
 
 
 class DynamoConnector(KVConnectorBase_V1):
@@ -295,7 +274,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._salts[rid] = s
         return s
 
-    @_guarded((0, False))
+    @guarded((0, False))
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._leader is None:
             return 0, False
@@ -307,7 +286,7 @@ class DynamoConnector(KVConnectorBase_V1):
         got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
         return got, is_async
 
-    @_guarded(None)
+    @guarded(None)
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._leader is None:
             return
@@ -317,7 +296,7 @@ class DynamoConnector(KVConnectorBase_V1):
             block_ids = blocks.get_block_ids()[0]
             self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
 
-    @_guarded(lambda self: DynamoConnectorMetadata())
+    @guarded(lambda self: DynamoConnectorMetadata())
     def build_connector_meta(self, scheduler_output) -> DynamoConnectorMetadata:
         if self._leader is None:
             return DynamoConnectorMetadata()
@@ -366,7 +345,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._seq += 1
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
 
-    @_guarded(None)
+    @guarded(None)
     def update_connector_output(self, connector_output):
         if self._leader is None:
             return
@@ -377,7 +356,7 @@ class DynamoConnector(KVConnectorBase_V1):
         if invalid:
             self._invalid_blocks.extend(int(b) for b in invalid)
 
-    @_guarded((False, None))
+    @guarded((False, None))
     def request_finished(self, request, block_ids):
         if self._leader is None:
             return False, None
@@ -392,7 +371,7 @@ class DynamoConnector(KVConnectorBase_V1):
     def take_events(self):
         return ()
 
-    @_guarded(False)
+    @guarded(False)
     def reset_cache(self):
         if self._leader is not None:
             self._leader.reset()
@@ -403,7 +382,7 @@ class DynamoConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker
 
-    @_guarded(None)
+    @guarded(None)
     def register_kv_caches(self, kv_caches):
         from kvbm._core import Worker
 
@@ -481,7 +460,7 @@ class DynamoConnector(KVConnectorBase_V1):
 
             self._worker.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
 
-    @_guarded(None)
+    @guarded(None)
     def start_load_kv(self, forward_context, **kwargs):
         if self._worker is not None:
             self._sync_engine_stream()
@@ -495,7 +474,7 @@ class DynamoConnector(KVConnectorBase_V1):
         # hooks are skipped under full CUDA graphs and on steps without attention.
         return None
 
-    @_guarded(None)
+    @guarded(None)
     def wait_for_save(self):
         if self._worker is not None:
             self._sync_engine_stream()

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"slices"
+	"sync"
 	"testing"
 	"unsafe"
 
@@ -318,10 +319,13 @@ func TestInvalidSources(t *testing.T) {
 // failingDisk wraps the real disk and fails every write after `okWrites`.
 type failingDisk struct {
 	blockDisk
+	mu       sync.Mutex
 	okWrites int
 }
 
 func (f *failingDisk) WriteBlock(i int, buf []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.okWrites <= 0 {
 		return fmt.Errorf("write block %d: %w", i, unix.ENOSPC)
 	}

@@ -6,7 +6,7 @@ random G1 blocks to G2 (bind + wait_for_save) and onboards them into 2,048
 other G1 blocks (bind + start_load + wait_loads), through the real worker
 (C ABI → Go → CUDA), and checks the bytes. The clock covers the data path
 (wait_for_save; start_load until finished() reports the loads); binding the
-plan (msgpack decode, done in bind_connector_metadata) is printed apart. Next to it, in the same run:
+plan (decoding it, done in bind_connector_metadata) is printed apart. Next to it, in the same run:
   (a) torch's pinned contiguous copy of the same number of bytes, each way;
   (b) naive per-block, per-layer torch copies into/out of pinned memory.
 GB/s = 10^9 bytes per second of moved payload (2,048 × 2 MiB = 4.29 GB).
@@ -36,13 +36,29 @@ if not torch.cuda.is_available():
     print("gpu_transfer: no CUDA device; skipped")
     sys.exit(0)
 
-import msgpack  # noqa: E402
 
 from kvbm import _native  # noqa: E402
 from kvbm._core import Worker  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
 
+
+
+def _pack_plan(m):
+    """A plan written as {"q", "l": [{"r", "c": [copy]}], "m"/"v"/"x": [copy]}
+    with copy = {"s", "sb", "d", "db"}, in the wire format (kvbm._plan)."""
+    from kvbm import _plan
+
+    def tup(c):
+        return (c["s"], c["sb"], c["d"], c["db"])
+
+    return _plan.encode(
+        seq=m.get("q", 0),
+        loads={ld["r"]: [tup(c) for c in ld["c"]] for ld in m.get("l", [])},
+        moves=[tup(c) for c in m.get("m", [])],
+        saves=[tup(c) for c in m.get("v", [])],
+        drops=[tup(c) for c in m.get("x", [])],
+    )
 
 def make_cache(kind, nblocks):
     def t(shape):
@@ -142,7 +158,7 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
 
         def step(**kw):
             seq[0] += 1
-            return msgpack.packb({"q": seq[0], **kw})
+            return _pack_plan({"q": seq[0], **kw})
 
         save = {"v": [{"s": 1, "sb": b, "d": 2, "db": i} for i, b in enumerate(src)]}
         load = {"l": [{"r": f"r{i}", "c": [{"s": 2, "sb": i, "d": 1, "db": b}]} for i, b in enumerate(dst)]}

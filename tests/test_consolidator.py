@@ -206,6 +206,7 @@ def test_router_events_on_real_nats_server(zmq_ctx, tmp_path):
             assert ids == sorted(ids)
     finally:
         stop.set()
+        th.join(5)  # close our NATS client before its server goes away
         server.terminate()
         server.wait()
 

@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -70,6 +72,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
 	}
+	removeStaleFiles(dir, log)
 	stride := layout.AlignUp(o.BlockBytes, Alignment)
 	size := stride * int64(o.NumBlocks)
 	if size/int64(o.NumBlocks) != stride {
@@ -77,7 +80,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	}
 	var rnd [4]byte
 	_, _ = rand.Read(rnd[:])
-	path := filepath.Join(dir, fmt.Sprintf("kvbm-disk-cache-%d-rank%d-%s", os.Getpid(), o.Rank, hex.EncodeToString(rnd[:])))
+	path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), o.Rank, hex.EncodeToString(rnd[:])))
 
 	d := &DiskRegion{fd: -1, path: path, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride}
 	const baseFlags = unix.O_RDWR | unix.O_CREAT | unix.O_EXCL | unix.O_CLOEXEC
@@ -235,4 +238,44 @@ func (d *DiskRegion) Close() error {
 		d.path = ""
 	}
 	return errors.Join(errs...)
+}
+
+// diskFilePrefix starts every disk tier file name: kvbm-disk-cache-<pid>-rank<r>-<random>.
+const diskFilePrefix = "kvbm-disk-cache-"
+
+// removeStaleFiles deletes disk tier files left in dir by processes that no
+// longer exist (a crash skips Close, which removes the file). Their contents
+// are useless: the registry that indexed them died with the process. Files of
+// live processes (another engine on this host) are left alone.
+func removeStaleFiles(dir string, log *slog.Logger) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if !e.Type().IsRegular() || !strings.HasPrefix(name, diskFilePrefix) {
+			continue
+		}
+		rest := name[len(diskFilePrefix):]
+		i := strings.IndexByte(rest, '-')
+		if i <= 0 {
+			continue
+		}
+		pid, err := strconv.Atoi(rest[:i])
+		if err != nil || pid <= 0 || pid == os.Getpid() || processAlive(pid) {
+			continue
+		}
+		path := filepath.Join(dir, name)
+		if err := os.Remove(path); err == nil {
+			log.Info("kvbm disk tier: removed a file left by a process that no longer runs", "path", path, "pid", pid)
+		}
+	}
+}
+
+// processAlive reports whether pid names a running process (EPERM: it exists
+// but belongs to someone else).
+func processAlive(pid int) bool {
+	err := unix.Kill(pid, 0)
+	return err == nil || errors.Is(err, unix.EPERM)
 }

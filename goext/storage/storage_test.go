@@ -2,6 +2,7 @@ package storage
 
 import (
 	"bytes"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -140,4 +141,26 @@ func TestDiskErrors(t *testing.T) {
 	if d.Direct() {
 		require.ErrorContains(t, d.WriteBlock(0, buf[1:4097]), "aligned")
 	}
+}
+
+// TestStaleDiskFilesRemoved: a crashed process leaves its disk tier file
+// behind; the next disk tier in that directory removes it, but never the file
+// of a process that is still running.
+func TestStaleDiskFilesRemoved(t *testing.T) {
+	dir := t.TempDir()
+	// A pid above the kernel's maximum (4194304) cannot be running.
+	stale := filepath.Join(dir, "kvbm-disk-cache-4194399-rank0-deadbeef")
+	live := filepath.Join(dir, fmt.Sprintf("kvbm-disk-cache-%d-rank1-cafebabe", os.Getppid()))
+	other := filepath.Join(dir, "kvbm-disk-cache-notapid-rank0-x")
+	for _, p := range []string{stale, live, other} {
+		require.NoError(t, os.WriteFile(p, []byte("x"), 0o600))
+	}
+	d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: 2, BlockBytes: 4096, DisableODirect: true})
+	require.NoError(t, err)
+	defer d.Close()
+	_, err = os.Stat(stale)
+	require.True(t, os.IsNotExist(err), "stale file kept")
+	require.FileExists(t, live)
+	require.FileExists(t, other)
+	require.FileExists(t, d.Path())
 }

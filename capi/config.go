@@ -25,6 +25,30 @@ func loadConfig(env map[string]string) (*config.Config, error) {
 	})
 }
 
+// parseOptions decodes an export's JSON options into v.
+func parseOptions(export string, js *C.char, v any) error {
+	if err := json.Unmarshal([]byte(C.GoString(js)), v); err != nil {
+		return errorf(statusInvalid, "%s: options: %v", export, err)
+	}
+	return nil
+}
+
+// configFor applies the caller's DYN_LOG and parses its configuration;
+// requireTier also demands that G2 or G3 is configured.
+func configFor(env map[string]string, requireTier bool) (*config.Config, error) {
+	applyLogEnv(env)
+	cfg, err := loadConfig(env)
+	if err != nil {
+		return nil, withCode(statusConfig, err)
+	}
+	if requireTier {
+		if err := cfg.Validate(); err != nil {
+			return nil, withCode(statusConfig, err)
+		}
+	}
+	return cfg, nil
+}
+
 // kvbm_config_check parses and validates every kvbm environment variable and
 // returns the effective configuration summary (or the errors, each naming its
 // variable). requireTier != 0 also demands that G2 or G3 is configured.

@@ -95,13 +95,12 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 		return finish(err, errOut)
 	}
 	var o consolidatorOptions
-	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
-		return finish(errorf(statusInvalid, "kvbm_consolidator_new: options: %v", err), errOut)
+	if err := parseOptions("kvbm_consolidator_new", optsJSON, &o); err != nil {
+		return finish(err, errOut)
 	}
-	applyLogEnv(o.Env)
-	cfg, err := loadConfig(o.Env)
+	cfg, err := configFor(o.Env, false)
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
 	m := metrics.New()
 	c, _, err := startConsolidator(&o, cfg, m, kvbmLogger())

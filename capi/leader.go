@@ -65,16 +65,12 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	var o leaderOptions
-	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
-		return finish(errorf(statusInvalid, "kvbm_leader_new: options: %v", err), errOut)
+	if err := parseOptions("kvbm_leader_new", optsJSON, &o); err != nil {
+		return finish(err, errOut)
 	}
-	applyLogEnv(o.Env)
-	cfg, err := loadConfig(o.Env)
+	cfg, err := configFor(o.Env, true)
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	if err := cfg.Validate(); err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
 	log := kvbmLogger()
 	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })

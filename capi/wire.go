@@ -57,13 +57,12 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 		return finish(err, errOut)
 	}
 	var o wireLeaderOptions
-	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
-		return finish(errorf(statusInvalid, "kvbm_wire_leader_new: options: %v", err), errOut)
+	if err := parseOptions("kvbm_wire_leader_new", optsJSON, &o); err != nil {
+		return finish(err, errOut)
 	}
-	applyLogEnv(o.Env)
-	cfg, err := loadConfig(o.Env)
+	cfg, err := configFor(o.Env, false)
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
 	tr, err := wire.ParseTransport(o.Transport)
 	if err != nil {
@@ -225,13 +224,12 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 		return finish(err, errOut)
 	}
 	var o wireWorkerOptions
-	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
-		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: options: %v", err), errOut)
+	if err := parseOptions("kvbm_wire_worker_connect", optsJSON, &o); err != nil {
+		return finish(err, errOut)
 	}
-	applyLogEnv(o.Env)
-	cfg, err := loadConfig(o.Env)
+	cfg, err := configFor(o.Env, false)
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
 	tr, err := wire.ParseTransport(o.Transport)
 	if err != nil {

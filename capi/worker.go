@@ -57,16 +57,12 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	var o workerOptions
-	if err := json.Unmarshal([]byte(C.GoString(optsJSON)), &o); err != nil {
-		return finish(errorf(statusInvalid, "kvbm_worker_new: options: %v", err), errOut)
+	if err := parseOptions("kvbm_worker_new", optsJSON, &o); err != nil {
+		return finish(err, errOut)
 	}
-	applyLogEnv(o.Env)
-	cfg, err := loadConfig(o.Env)
+	cfg, err := configFor(o.Env, true)
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	if err := cfg.Validate(); err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
 	kind, err := layout.ParseKind(o.Kind)
 	if err != nil {

@@ -63,8 +63,10 @@ def _int64_array(values):
     return (c_int64 * max(n, 1))(*values), n
 
 
-class Leader:
+class Leader(_native.Handle):
     """The logical block manager of one engine instance (scheduler process)."""
+
+    _free = "kvbm_leader_free"
 
     def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
                  consolidator: dict | None = None, background: bool = False):
@@ -132,26 +134,15 @@ class Leader:
         arr, n = _int64_array([int(r) for r in dead_ranks])
         _native.call("kvbm_leader_set_degraded", self._h, arr, n)
 
-    def close(self) -> None:
-        if getattr(self, "_h", 0):
-            try:
-                _native.lib().kvbm_leader_free(self._h)
-            finally:
-                self._h = 0
 
-    def __del__(self):  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Worker:
+class Worker(_native.Handle):
     """One rank's bytes: the engine's G1 tensors plus kvbm's G2/G3 regions.
 
     tensors: list of (data_ptr, shape, strides) in layer order (one entry for
     TensorRT-LLM's single tensor). The memory stays owned by the engine.
     """
+
+    _free = "kvbm_worker_free"
 
     def __init__(self, *, tensors, kind: str, num_blocks: int, block_size: int, dtype_bytes: int,
                  rank: int = 0, num_workers: int = 1):
@@ -200,21 +191,8 @@ class Worker:
         loaded, errors = msgpack.unpackb(data, raw=False)
         return list(loaded or []), list(errors or [])
 
-    def close(self) -> None:
-        if getattr(self, "_h", 0):
-            try:
-                _native.lib().kvbm_worker_free(self._h)
-            finally:
-                self._h = 0
 
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Consolidator:
+class Consolidator(_native.Handle):
     """A standalone KV Event Consolidator (SPEC §7): engine KV events in (ZMQ),
     deduplicated events out (ZMQ PUB in vLLM's format and/or RouterEvent JSON
     on NATS). A Leader started with ``consolidator=`` runs one itself and
@@ -226,6 +204,8 @@ class Consolidator:
     buffer_limit, legacy_subject.
     """
 
+    _free = "kvbm_consolidator_free"
+
     def __init__(self, **opts):
         opts = dict(opts)
         opts["env"] = _native.env_snapshot()
@@ -235,22 +215,3 @@ class Consolidator:
 
     def stats(self) -> dict:
         return json.loads(_buffer_call("kvbm_consolidator_stats", self._h))
-
-    def close(self) -> None:
-        if getattr(self, "_h", 0):
-            try:
-                _native.lib().kvbm_consolidator_free(self._h)
-            finally:
-                self._h = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass

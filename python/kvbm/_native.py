@@ -152,6 +152,34 @@ def take_buffer(ptr, n) -> bytes:
     return data
 
 
+class Handle:
+    """Base of the Python objects that own a native handle: ``close()`` frees it
+    once through the export named by ``_free``; also a context manager, and
+    best-effort freed when garbage collected."""
+
+    _free = ""
+    _h = 0
+
+    def close(self) -> None:
+        if self._h:
+            try:
+                getattr(lib(), self._free)(self._h)
+            finally:
+                self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover - best effort, e.g. at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 def is_poisoned() -> bool:
     return bool(lib().kvbm_is_poisoned())
 

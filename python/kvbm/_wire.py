@@ -90,13 +90,15 @@ class LeaderMetadata:
     world_size: int
 
 
-class WireLeader:
+class WireLeader(_native.Handle):
     """The scheduler side of the side channel: binds at construction.
 
     A taken port raises :class:`kvbm.KvbmIOError` naming
     ``DYN_KVBM_LEADER_ZMQ_PUB_PORT`` / ``_ACK_PORT``. ``transport="auto"`` runs
     in-process (no ports) when ``num_workers == 1``.
     """
+
+    _free = "kvbm_wire_leader_free"
 
     def __init__(self, *, num_workers: int, transport: str = "auto", ping_interval_ms: int = 0,
                  dead_after_ms: int = 0):
@@ -137,32 +139,15 @@ class WireLeader:
     def dead_ranks(self) -> list[int]:
         return list(self.info()["dead_ranks"])
 
-    def close(self) -> None:
-        if getattr(self, "_h", 0):
-            try:
-                _native.lib().kvbm_wire_leader_free(self._h)
-            finally:
-                self._h = 0
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class WireWorker:
+class WireWorker(_native.Handle):
     """One rank's side of the side channel, attached to its :class:`kvbm._core.Worker`.
 
     Returns at once; the handshake completes in the background when the leader
     runs it. Close it before the worker.
     """
+
+    _free = "kvbm_wire_worker_free"
 
     def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto"):
         opts = {
@@ -187,25 +172,6 @@ class WireWorker:
     def info(self) -> dict:
         """{ready, stopped, error}."""
         return json.loads(_buffer_call("kvbm_wire_worker_info", self._h))
-
-    def close(self) -> None:
-        if getattr(self, "_h", 0):
-            try:
-                _native.lib().kvbm_wire_worker_free(self._h)
-            finally:
-                self._h = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class BackgroundPump:

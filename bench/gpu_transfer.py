@@ -39,26 +39,10 @@ if not torch.cuda.is_available():
 
 from kvbm import _native  # noqa: E402
 from kvbm._core import Worker  # noqa: E402
+from kvbm import _plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
 
-
-
-def _pack_plan(m):
-    """A plan written as {"q", "l": [{"r", "c": [copy]}], "m"/"v"/"x": [copy]}
-    with copy = {"s", "sb", "d", "db"}, in the wire format (kvbm._plan)."""
-    from kvbm import _plan
-
-    def tup(c):
-        return (c["s"], c["sb"], c["d"], c["db"])
-
-    return _plan.encode(
-        seq=m.get("q", 0),
-        loads={ld["r"]: [tup(c) for c in ld["c"]] for ld in m.get("l", [])},
-        moves=[tup(c) for c in m.get("m", [])],
-        saves=[tup(c) for c in m.get("v", [])],
-        drops=[tup(c) for c in m.get("x", [])],
-    )
 
 def make_cache(kind, nblocks):
     def t(shape):
@@ -158,7 +142,7 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
 
         def step(**kw):
             seq[0] += 1
-            return _pack_plan({"q": seq[0], **kw})
+            return _plan.encode_map({"q": seq[0], **kw})
 
         save = {"v": [{"s": 1, "sb": b, "d": 2, "db": i} for i, b in enumerate(src)]}
         load = {"l": [{"r": f"r{i}", "c": [{"s": 2, "sb": i, "d": 1, "db": b}]} for i, b in enumerate(dst)]}

@@ -130,6 +130,16 @@ func handle[T any](h C.uint64_t) (T, error) {
 	return v, nil
 }
 
+// live is the usual first step of an export taking a handle: the library is
+// healthy and the handle names a T.
+func live[T any](h C.uint64_t) (T, error) {
+	if err := healthy(); err != nil {
+		var zero T
+		return zero, err
+	}
+	return handle[T](h)
+}
+
 func newHandle(v any) C.uint64_t { return C.uint64_t(cgo.NewHandle(v)) }
 
 func deleteHandle(h C.uint64_t) {

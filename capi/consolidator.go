@@ -116,10 +116,7 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 //export kvbm_consolidator_stats
 func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	if err := healthy(); err != nil {
-		return finish(err, errOut)
-	}
-	h, err := handle[*consolidatorHandle](hd)
+	h, err := live[*consolidatorHandle](hd)
 	if err != nil {
 		return finish(err, errOut)
 	}

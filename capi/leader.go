@@ -161,10 +161,7 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 }
 
 func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	if err := healthy(); err != nil {
-		return nil, err
-	}
-	h, err := handle[*leaderHandle](hd)
+	h, err := live[*leaderHandle](hd)
 	if err != nil {
 		return nil, err
 	}

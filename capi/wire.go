@@ -80,12 +80,7 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 	return statusOK
 }
 
-func wireLeaderOf(hd C.uint64_t) (*wireLeaderHandle, error) {
-	if err := healthy(); err != nil {
-		return nil, err
-	}
-	return handle[*wireLeaderHandle](hd)
-}
+func wireLeaderOf(hd C.uint64_t) (*wireLeaderHandle, error) { return live[*wireLeaderHandle](hd) }
 
 // kvbm_wire_leader_handshake blocks until every rank reported and allocated
 // (bounded by DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS and timeoutMs > 0) and
@@ -299,12 +294,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	return statusOK
 }
 
-func wireWorkerOf(hd C.uint64_t) (*wireWorkerHandle, error) {
-	if err := healthy(); err != nil {
-		return nil, err
-	}
-	return handle[*wireWorkerHandle](hd)
-}
+func wireWorkerOf(hd C.uint64_t) (*wireWorkerHandle, error) { return live[*wireWorkerHandle](hd) }
 
 // kvbm_wire_worker_wait_ready blocks until the handshake completed for this
 // rank (timeoutMs > 0 bounds it) and returns JSON {num_host_blocks,

@@ -124,10 +124,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 }
 
 func workerOf(hd C.uint64_t) (*workerHandle, error) {
-	if err := healthy(); err != nil {
-		return nil, err
-	}
-	h, err := handle[*workerHandle](hd)
+	h, err := live[*workerHandle](hd)
 	if err != nil {
 		return nil, err
 	}

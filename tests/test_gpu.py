@@ -23,6 +23,7 @@ pytestmark = [
 
 from kvbm import _native  # noqa: E402
 from kvbm._core import Worker  # noqa: E402
+from kvbm import _plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 16, 96
 N = 24  # blocks per round trip
@@ -90,23 +91,6 @@ class Cache:
         return Worker(tensors=tensors, kind=self.kind, num_blocks=NBLOCKS, block_size=BS, dtype_bytes=2)
 
 
-def _pack_plan(m):
-    """A plan written as {"q", "l": [{"r", "c": [copy]}], "m"/"v"/"x": [copy]}
-    with copy = {"s", "sb", "d", "db"}, in the wire format (kvbm._plan)."""
-    from kvbm import _plan
-
-    def tup(c):
-        return (c["s"], c["sb"], c["d"], c["db"])
-
-    return _plan.encode(
-        seq=m.get("q", 0),
-        loads={ld["r"]: [tup(c) for c in ld["c"]] for ld in m.get("l", [])},
-        moves=[tup(c) for c in m.get("m", [])],
-        saves=[tup(c) for c in m.get("v", [])],
-        drops=[tup(c) for c in m.get("x", [])],
-    )
-
-
 def copy(s, sb, d, db):
     return {"s": s, "sb": sb, "d": d, "db": db}
 
@@ -149,17 +133,17 @@ def test_round_trip(tmp_path, kind, mode, via):
             for _ in range(200):
                 cache.write(busy, busy_values)
 
-        w.bind(_pack_plan({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(src)]}))
+        w.bind(_plan.encode_map({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(src)]}))
         w.wait_for_save()
         engine.synchronize()
         want = [cache.block(b) for b in src]
         tier, off = 2, 0
         if via == "g3":
-            w.bind(_pack_plan({"q": 2, "m": [copy(2, i, 3, N + i) for i in range(N)]}))
+            w.bind(_plan.encode_map({"q": 2, "m": [copy(2, i, 3, N + i) for i in range(N)]}))
             w.wait_for_save()
-            w.bind(_pack_plan({"q": 3, "x": [copy(2, i, 0, 0) for i in range(N)]}))
+            w.bind(_plan.encode_map({"q": 3, "x": [copy(2, i, 0, 0) for i in range(N)]}))
             tier, off = 3, N
-        w.bind(_pack_plan({"q": 4, "l": [{"r": f"r{i}", "c": [copy(tier, off + i, 1, b)]} for i, b in enumerate(dst)]}))
+        w.bind(_plan.encode_map({"q": 4, "l": [{"r": f"r{i}", "c": [copy(tier, off + i, 1, b)]} for i, b in enumerate(dst)]}))
         w.start_load()
         w.wait_loads()
         loaded, failed = w.finished()
@@ -177,10 +161,10 @@ def test_dropped_g2_block_fails_load(tmp_path):
     cache = Cache("flash_attn")
     w = cache.worker(tmp_path, "kernel")
     try:
-        w.bind(_pack_plan({"q": 1, "v": [copy(1, 5, 2, 0)]}))
+        w.bind(_plan.encode_map({"q": 1, "v": [copy(1, 5, 2, 0)]}))
         w.wait_for_save()
-        w.bind(_pack_plan({"q": 2, "x": [copy(2, 0, 0, 0)]}))
-        w.bind(_pack_plan({"q": 3, "l": [{"r": "r", "c": [copy(2, 0, 1, 9)]}]}))
+        w.bind(_plan.encode_map({"q": 2, "x": [copy(2, 0, 0, 0)]}))
+        w.bind(_plan.encode_map({"q": 3, "l": [{"r": "r", "c": [copy(2, 0, 1, 9)]}]}))
         w.start_load()
         w.wait_loads()
         assert w.finished() == (["r"], [9])

@@ -285,23 +285,19 @@ func (p *Pool) Allocate(n int, dst []int) []int {
 // gets a reference on the existing one instead, no event is published, and
 // dup is true.
 func (p *Pool) Register(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int) (registered int, dup bool) {
-	b := &p.blocks[idx]
-	if b.state != Allocated {
-		panic(fmt.Sprintf("pool %s: register of block %d in state %s", p.tier, idx, b.state))
-	}
-	if j, ok := p.registry[seqHash]; ok {
-		b.refs = 0
-		p.reset(int32(idx))
-		p.Pin(int(j))
-		return int(j), true
-	}
-	return idx, p.registerShared(idx, seqHash, parent, hasParent, append([]uint32(nil), tokens...), priority)
+	return p.register(idx, seqHash, parent, hasParent, tokens, priority, true)
 }
 
 // RegisterShared is Register for a tokens slice the caller guarantees is never
 // modified again (for example the tokens of a G2 block being copied to G3):
 // the pool keeps it without copying.
 func (p *Pool) RegisterShared(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int) (registered int, dup bool) {
+	return p.register(idx, seqHash, parent, hasParent, tokens, priority, false)
+}
+
+// register is Register (copyTokens) and RegisterShared. Tokens are copied only
+// when the block is really registered, not for a duplicate.
+func (p *Pool) register(idx int, seqHash, parent uint64, hasParent bool, tokens []uint32, priority int, copyTokens bool) (int, bool) {
 	b := &p.blocks[idx]
 	if b.state != Allocated {
 		panic(fmt.Sprintf("pool %s: register of block %d in state %s", p.tier, idx, b.state))
@@ -311,6 +307,9 @@ func (p *Pool) RegisterShared(idx int, seqHash, parent uint64, hasParent bool, t
 		p.reset(int32(idx))
 		p.Pin(int(j))
 		return int(j), true
+	}
+	if copyTokens {
+		tokens = append([]uint32(nil), tokens...)
 	}
 	return idx, p.registerShared(idx, seqHash, parent, hasParent, tokens, priority)
 }

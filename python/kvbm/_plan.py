@@ -48,6 +48,22 @@ def encode(seq=0, loads=None, moves=(), saves=(), drops=()) -> bytes:
     return msgpack.packb(m, use_bin_type=True)
 
 
+def encode_map(m: dict) -> bytes:
+    """:func:`encode` for a plan written with the wire's keys, copies as dicts:
+    {"q", "l": [{"r", "c": [copy]}], "m"/"v"/"x": [copy]}, copy = {"s", "sb", "d", "db"}."""
+
+    def tup(c):
+        return (c["s"], c["sb"], c["d"], c["db"])
+
+    return encode(
+        seq=m.get("q", 0),
+        loads={ld["r"]: [tup(c) for c in ld["c"]] for ld in m.get("l", [])},
+        moves=[tup(c) for c in m.get("m", [])],
+        saves=[tup(c) for c in m.get("v", [])],
+        drops=[tup(c) for c in m.get("x", [])],
+    )
+
+
 def load_targets(plan: bytes) -> dict[str, list[int]]:
     """request id → the G1 blocks its loads write."""
     return {r: [c[3] for c in cs] for r, cs in decode(plan)["loads"].items()}

@@ -30,9 +30,10 @@ type wireLeaderOptions struct {
 	NumWorkers int `json:"num_workers"`
 	// Transport: "auto" (in-process for one worker), "tcp" or "inproc".
 	Transport string `json:"transport"`
-	// Heartbeat tuning; 0: defaults (500 ms, dead after 3 silent intervals).
+	// Heartbeat tuning; 0: defaults (500 ms pings; suspected after
+	// DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS of silence).
 	PingIntervalMs int64             `json:"ping_interval_ms"`
-	DeadAfterMs    int64             `json:"dead_after_ms"`
+	SuspectAfterMs int64             `json:"suspect_after_ms"`
 	Env            map[string]string `json:"env"`
 }
 
@@ -70,7 +71,10 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 	}
 	opts := wire.LeaderOptionsFrom(cfg, max(o.NumWorkers, 1))
 	opts.Transport = tr
-	opts.PingInterval, opts.DeadAfter = ms(o.PingIntervalMs), ms(o.DeadAfterMs)
+	opts.PingInterval = ms(o.PingIntervalMs)
+	if o.SuspectAfterMs > 0 {
+		opts.SuspectAfter = ms(o.SuspectAfterMs)
+	}
 	opts.Logger = kvbmLogger()
 	l, err := wire.Listen(opts)
 	if err != nil {
@@ -113,8 +117,8 @@ func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint
 }
 
 // kvbm_wire_leader_broadcast runs an encoded plan.Step on every rank and
-// returns when all acked. A dead rank is KVBM_ERR_STATE naming it (nothing
-// is sent); a rank's execution error is KVBM_ERR_IO naming the rank.
+// returns when all acked. A dead or suspected rank is KVBM_ERR_STATE naming
+// it (nothing is sent); a rank's execution error is KVBM_ERR_IO naming the rank.
 //
 //export kvbm_wire_leader_broadcast
 func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, timeoutMs C.int64_t, errOut **C.char) (rc C.int) {
@@ -129,7 +133,8 @@ func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, 
 	// in-process; the C buffer is only read during the call.
 	if err := h.l.Broadcast(ctx, goBytes(buf, n)); err != nil {
 		code := statusIO
-		if errors.Is(err, wire.ErrRankDead) || errors.Is(err, wire.ErrNotReady) || errors.Is(err, wire.ErrClosed) {
+		if errors.Is(err, wire.ErrRankDead) || errors.Is(err, wire.ErrRankSuspect) ||
+			errors.Is(err, wire.ErrNotReady) || errors.Is(err, wire.ErrClosed) {
 			code = statusState
 		}
 		return finish(withCode(code, err), errOut)
@@ -138,7 +143,7 @@ func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, 
 }
 
 // kvbm_wire_leader_info returns JSON {transport, pub_port, ack_port,
-// healthy, dead_ranks}.
+// healthy, dead_ranks, suspect_ranks}.
 //
 //export kvbm_wire_leader_info
 func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -147,14 +152,10 @@ func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	if err != nil {
 		return finish(err, errOut)
 	}
-	dead := h.l.DeadRanks()
-	if dead == nil {
-		dead = []int{}
-	}
 	ep := h.l.Endpoint()
 	b, _ := json.Marshal(map[string]any{
 		"transport": h.l.Transport().String(), "pub_port": ep.PubPort, "ack_port": ep.AckPort,
-		"healthy": h.l.Healthy(), "dead_ranks": dead,
+		"healthy": h.l.Healthy(), "dead_ranks": nonNil(h.l.DeadRanks()), "suspect_ranks": nonNil(h.l.SuspectRanks()),
 	})
 	cBuffer(b, out, outLen)
 	return statusOK
@@ -353,4 +354,12 @@ func kvbm_wire_worker_free(hd C.uint64_t) {
 		_ = h.w.Close()
 		deleteHandle(hd)
 	}
+}
+
+// nonNil makes an empty list encode as [] rather than null.
+func nonNil(r []int) []int {
+	if r == nil {
+		return []int{}
+	}
+	return r
 }

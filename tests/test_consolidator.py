@@ -69,6 +69,23 @@ def zmq_ctx():
     ctx.destroy(0)
 
 
+PROBE_BASE = 1 << 40  # hashes of probe blocks, apart from the scenario's
+
+
+def events_of(msgs):
+    evs = []
+    for frames in msgs:
+        assert len(frames) == 3 and len(frames[1]) == 8, frames
+        ts, batch, dp = msgpack.unpackb(frames[2], raw=False)
+        assert dp == 0
+        evs.extend(batch)
+    return evs
+
+
+def is_probe(ev):
+    return ev[0] != "AllBlocksCleared" and PROBE_BASE < ev[1][0] < 2 * PROBE_BASE
+
+
 def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
     in_port, out_port = free_port(), free_port()
     pub = zmq_ctx.socket(zmq.PUB)
@@ -76,7 +93,6 @@ def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
     with Consolidator(engine="vllm", engine_endpoint=f"tcp://127.0.0.1:{in_port}",
                       zmq_bind=f"tcp://127.0.0.1:{out_port}") as cons:
         sub = Sub(zmq_ctx, f"tcp://127.0.0.1:{out_port}")
-        time.sleep(0.3)
         seq = [0]
 
         def send(events, three_frames=True):
@@ -87,13 +103,14 @@ def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
             else:
                 pub.send_multipart([b"kv-events", payload])
 
-        # The engine may not be subscribed yet (slow joiner): repeat the first
-        # batch until the consolidator counts it.
+        # Both ZMQ hops join late (slow joiners): send probe blocks, each
+        # stored and removed, until one reaches the subscriber.
+        probe = PROBE_BASE
+        while not sub.s.poll(100):
+            probe += 1
+            send([stored_map([probe], None, [probe % 1000] * BS), ["BlockRemoved", [probe], "GPU"]])
         toks = list(range(1, 3 * BS + 1))
-        first = [stored_array([101, 102], None, toks[: 2 * BS])]
-        while cons.stats()["batches_in"] == 0:
-            send(first)
-            time.sleep(0.1)
+        send([stored_array([101, 102], None, toks[: 2 * BS])])
         # Map encoding, 2 frames, signed 64-bit hash (≥ 2^63 as negative i64).
         big = (1 << 63) + 5
         send([stored_map([big - (1 << 64)], 102, toks[2 * BS:])], three_frames=False)
@@ -101,22 +118,19 @@ def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
         send([["BlockStored", [7], None, [1, 2, 3], 0], stored_map([201], None, [9, 9, 9, 9])])
         send([["BlockRemoved", [101, 102], "GPU"], {"type": "BlockRemoved", "block_hashes": [big]}])
         send([["AllBlocksCleared"]])
-        wait_for(lambda: cons.stats()["zmq_events"] >= 8, timeout=10)  # 4 stores, 3 removes, 1 clear
-        msgs = sub.drain()
+        # Every event the consolidator counted as sent reaches the subscriber.
+        wait_for(lambda: any(e[0] == "AllBlocksCleared" for e in events_of(sub.drain())), timeout=20)
         stats = cons.stats()
-    evs = []
-    for frames in msgs:
-        assert len(frames) == 3 and len(frames[1]) == 8, frames
-        ts, batch, dp = msgpack.unpackb(frames[2], raw=False)
-        assert dp == 0
-        evs.extend(batch)
+        assert len(events_of(sub.msgs)) == stats["zmq_events"]
+        msgs = sub.msgs
+    evs = [e for e in events_of(msgs) if not is_probe(e)]
     kinds = [e[0] for e in evs]
-    assert kinds.count("BlockStored") == 4  # 101, 102, big, 201 — the bad one skipped
-    assert stats["invalid"] >= 1
+    assert kinds == ["BlockStored"] * 4 + ["BlockRemoved"] * 3 + ["AllBlocksCleared"], kinds
+    assert [e[1] for e in evs if e[0] == "BlockStored"] == [[101], [102], [big], [201]]  # the bad one skipped
+    assert stats["invalid"] == 1
     s_big = next(e for e in evs if e[0] == "BlockStored" and e[1] == [big])
     assert s_big[2] == 102  # parent by its first hash
     assert s_big[3] == toks[2 * BS:] and s_big[4] == BS
-    assert kinds[-1] == "AllBlocksCleared"
     idx = RouterIndex()
     for frames in msgs:
         idx.apply_zmq_frames(frames)
@@ -151,6 +165,8 @@ def test_router_events_on_real_nats_server(zmq_ctx, tmp_path):
     async def collect(stop):
         nc = await nats.connect(f"nats://127.0.0.1:{nport}", max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         await nc.subscribe(subject, cb=_append)
+        await nc.flush()  # the server has the subscription
+        subscribed.set()
         while not stop.is_set():
             await asyncio.sleep(0.05)
         try:
@@ -163,10 +179,10 @@ def test_router_events_on_real_nats_server(zmq_ctx, tmp_path):
 
     import threading
 
-    stop = threading.Event()
+    stop, subscribed = threading.Event(), threading.Event()
     th = threading.Thread(target=lambda: asyncio.run(collect(stop)), daemon=True)
     th.start()
-    time.sleep(0.5)
+    assert subscribed.wait(20), "test subscriber did not connect to nats-server"
     pub = zmq_ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{in_port}")
     try:
@@ -186,21 +202,25 @@ def test_router_events_on_real_nats_server(zmq_ctx, tmp_path):
             blocks = [b for ev in received for b in ev["event"]["data"]["stored"]["blocks"]]
             assert [b["block_hash"] for b in blocks] == [(1 << 64) - 3, 55]
             assert [b["tokens_hash"] for b in blocks] == [_router_local(toks[:BS]), _router_local(toks[BS:])]
+            # One block per event: the second names the first as its parent.
+            assert len(received) == 2
             assert received[0]["event"]["data"]["stored"]["parent_hash"] is None
-            if len(received) == 2:  # one block per event: the second names the first as its parent
-                assert received[1]["event"]["data"]["stored"]["parent_hash"] == (1 << 64) - 3
+            assert received[1]["event"]["data"]["stored"]["parent_hash"] == (1 << 64) - 3
 
             # NATS goes away mid-stream: events are buffered, then delivered.
             server.terminate()
             server.wait()
             rm = msgpack.packb([time.time(), [{"type": "BlockRemoved", "block_hashes": [55]}], None])
             pub.send_multipart([b"", (2).to_bytes(8, "big"), rm])
-            wait_for(lambda: cons.stats()["nats_buffered"] >= 1 or cons.stats()["nats_events"] >= 2)
+            # The REMOVE waits in the buffer while the server is down (the
+            # server cannot come back before this wait ends).
+            wait_for(lambda: cons.stats()["nats_buffered"] == 1)
+            assert cons.stats()["nats_events"] == 2
             server = start_server()
             # Delivered to the restarted server (confirmed by a flush round trip),
             # nothing dropped. (Our own subscriber may reconnect after the
             # consolidator did, and core NATS keeps nothing for late subscribers.)
-            wait_for(lambda: cons.stats()["nats_events"] >= 3 and cons.stats()["nats_buffered"] == 0, timeout=20)
+            wait_for(lambda: cons.stats()["nats_events"] == 3 and cons.stats()["nats_buffered"] == 0, timeout=30)
             assert cons.stats()["nats_dropped"] == 0
             ids = [r["event"]["event_id"] for r in received]
             assert ids == sorted(ids)

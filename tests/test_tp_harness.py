@@ -157,7 +157,7 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
         return got
 
     reg = collect("registered")  # the executor initialised every worker first
-    wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, dead_after_ms=1000)
+    wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, suspect_after_ms=30000)
     hs = wl.handshake(timeout_s=TIMEOUT)
     leader = Leader(block_size=BLOCK_SIZE, bytes_per_block=hs.bytes_per_block, num_workers=WORLD)
     seq = 0

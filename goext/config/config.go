@@ -33,6 +33,7 @@ const (
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
 	EnvLeaderWorkerInitTimeoutSecs  = "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"
+	EnvLeaderWorkerLivenessSecs     = "DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS"
 	EnvLeaderZMQHost                = "DYN_KVBM_LEADER_ZMQ_HOST"
 	EnvLeaderZMQPubPort             = "DYN_KVBM_LEADER_ZMQ_PUB_PORT"
 	EnvLeaderZMQAckPort             = "DYN_KVBM_LEADER_ZMQ_ACK_PORT"
@@ -51,15 +52,22 @@ const (
 const (
 	DefaultDiskCacheDir            = "/tmp/"
 	DefaultLeaderWorkerInitTimeout = 1800 * time.Second
-	DefaultLeaderZMQHost           = "127.0.0.1"
-	DefaultLeaderZMQPubPort        = 56001
-	DefaultLeaderZMQAckPort        = 56002
-	DefaultMaxConcurrentTransfers  = 4
-	DefaultMaxTransferBatchSize    = 16
-	DefaultMetricsPort             = 6880
-	DefaultCacheStatsMaxRequests   = 1000
-	DefaultCacheStatsLogInterval   = 5 * time.Second
-	DefaultNatsServer              = "nats://localhost:4222"
+	// DefaultLeaderWorkerLiveness: how long a tensor-parallel rank may be
+	// silent before the leader suspects it (and plans nothing for it until
+	// it answers again). Ten seconds outlasts what a busy host does to a
+	// healthy process (GC and scheduler pauses, a slow disk, a saturated
+	// scheduler thread: seconds at worst) and is still short against the
+	// engine's own collective timeouts.
+	DefaultLeaderWorkerLiveness   = 10 * time.Second
+	DefaultLeaderZMQHost          = "127.0.0.1"
+	DefaultLeaderZMQPubPort       = 56001
+	DefaultLeaderZMQAckPort       = 56002
+	DefaultMaxConcurrentTransfers = 4
+	DefaultMaxTransferBatchSize   = 16
+	DefaultMetricsPort            = 6880
+	DefaultCacheStatsMaxRequests  = 1000
+	DefaultCacheStatsLogInterval  = 5 * time.Second
+	DefaultNatsServer             = "nats://localhost:4222"
 )
 
 // Config is the parsed, validated process configuration. Zero values of the
@@ -77,6 +85,7 @@ type Config struct {
 	HostOffloadPrefixMinPriority int  // G1→G2 offload only at or above this priority
 
 	LeaderWorkerInitTimeout time.Duration
+	LeaderWorkerLiveness    time.Duration // silence before a rank is suspected
 	LeaderZMQHost           string
 	LeaderZMQPubPort        int
 	LeaderZMQAckPort        int
@@ -118,6 +127,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		HostOffloadPrefixMinPriority: p.count(EnvHostOffloadPrefixMinPriority, 0, 0),
 
 		LeaderWorkerInitTimeout: p.seconds(EnvLeaderWorkerInitTimeoutSecs, DefaultLeaderWorkerInitTimeout),
+		LeaderWorkerLiveness:    p.seconds(EnvLeaderWorkerLivenessSecs, DefaultLeaderWorkerLiveness),
 		LeaderZMQHost:           p.str(EnvLeaderZMQHost, DefaultLeaderZMQHost),
 		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
 		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),
@@ -225,8 +235,8 @@ func (c *Config) Summary() string {
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
 	fmt.Fprintf(&b, "  transfers: %d concurrent batches of up to %d blocks\n",
 		c.MaxConcurrentTransfers, c.MaxTransferBatchSize)
-	fmt.Fprintf(&b, "  leader: zmq %s pub %d ack %d, worker init timeout %s\n",
-		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout)
+	fmt.Fprintf(&b, "  leader: zmq %s pub %d ack %d, worker init timeout %s, liveness timeout %s\n",
+		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout, c.LeaderWorkerLiveness)
 	if c.Metrics {
 		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics\n", c.MetricsPort)
 	} else {

@@ -29,6 +29,7 @@ func TestDefaults(t *testing.T) {
 	require.Equal(t, &Config{
 		DiskCacheDir:            "/tmp/",
 		LeaderWorkerInitTimeout: 1800 * time.Second,
+		LeaderWorkerLiveness:    10 * time.Second,
 		LeaderZMQHost:           "127.0.0.1",
 		LeaderZMQPubPort:        56001,
 		LeaderZMQAckPort:        56002,
@@ -107,6 +108,7 @@ func TestVariables(t *testing.T) {
 	}
 	for env, get := range map[string]func(*Config) any{
 		EnvLeaderWorkerInitTimeoutSecs: func(c *Config) any { return c.LeaderWorkerInitTimeout },
+		EnvLeaderWorkerLivenessSecs:    func(c *Config) any { return c.LeaderWorkerLiveness },
 		EnvCacheStatsLogIntervalSecs:   func(c *Config) any { return c.CacheStatsLogInterval },
 	} {
 		add(env,

@@ -430,20 +430,28 @@ func (c *Consolidator) sendZMQ(evs []events.ConsolidatedEvent) {
 		evs = evs[len(chunk):]
 		ts := float64(time.Now().UnixNano()) / 1e9
 		frames := events.ZMQFrames(c.seq, events.EncodeZMQPayload(ts, chunk))
+		// Counted before the send: a subscriber that has the message must
+		// already see it in Stats and in the metrics.
+		c.countZMQ(1, len(chunk))
 		if err := c.pub.Send(zmq4.NewMsgFrom(frames...)); err != nil {
 			// PUB sends only queue; an error means the socket is closing.
+			c.countZMQ(-1, -len(chunk))
 			c.log.Warn(fmt.Sprintf("Consolidator: failed to publish batch of %d event(s) to ZMQ (seq=%d): %v", len(chunk), c.seq, err))
 			continue
 		}
 		c.log.Debug(fmt.Sprintf("Consolidator: Published batch with %d event(s) to ZMQ (seq=%d)", len(chunk), c.seq))
 		c.seq++
-		c.zmqOut.Lock()
-		c.zmqOut.messages++
-		c.zmqOut.events += uint64(len(chunk))
-		c.zmqOut.Unlock()
-		if c.m != nil {
-			c.m.EventsOut.Add(float64(len(chunk)))
-		}
+	}
+}
+
+// countZMQ adds to the ZMQ output counters (negative: a send that failed).
+func (c *Consolidator) countZMQ(messages, evs int) {
+	c.zmqOut.Lock()
+	c.zmqOut.messages += uint64(int64(messages))
+	c.zmqOut.events += uint64(int64(evs))
+	c.zmqOut.Unlock()
+	if c.m != nil && evs > 0 {
+		c.m.EventsOut.Add(float64(evs))
 	}
 }
 

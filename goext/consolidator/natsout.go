@@ -153,10 +153,10 @@ func (o *natsOut) enqueue(evs []events.ConsolidatedEvent) {
 		o.buf = append(o.buf, b)
 	}
 	o.dropped += drops
-	o.mu.Unlock()
-	if drops > 0 && o.m != nil {
+	if drops > 0 && o.m != nil { // under the lock: Stats and the metric agree
 		o.m.EventsDropped.Add(float64(drops))
 	}
+	o.mu.Unlock()
 	o.signal()
 }
 

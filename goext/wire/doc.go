@@ -66,15 +66,27 @@
 // # Liveness
 //
 // After the handshake the leader pings every PingInterval (500 ms by default)
-// and every message from a rank counts as a sign of life. A rank silent for
-// DeadAfter (3 × PingInterval) is logged with its rank and marked dead for
-// good: its shard of every block may be missing, so its return cannot be
-// trusted. Operations waiting on it fail with ErrRankDead, and later
-// Broadcasts fail at once with an error naming it, so callers stop planning
-// transfers that need it and the engine keeps serving (misses recompute).
-// Workers answer pings from their receive loop, so a long transfer does not
-// look like silence. Heartbeats stop after the first death (nothing more is
-// sent once a rank is dead).
+// and every message from a rank counts as a sign of life. Two states follow
+// from what the leader can know:
+//
+//   - Suspected: silent for SuspectAfter
+//     (DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS, 10 s by default: longer
+//     than GC or scheduler pauses on a busy host). Operations waiting on it
+//     fail with a *SuspectRanksError and later Broadcasts fail at once, so
+//     nothing is planned for it; the engine keeps serving. When it answers
+//     again it is re-admitted. No resynchronisation is needed: a worker runs
+//     operations in order, so one that was given up on runs, late, before
+//     anything broadcast after its return, and the caller never committed it
+//     (a failed background operation frees its destination blocks in the
+//     leader's view; a late write into free blocks is harmless).
+//   - Dead, for good: the worker said goodbye (Close), another process
+//     claimed its rank, or its process exited (checked through /proc when
+//     the worker shares the leader's PID namespace, which it reports).
+//     Operations waiting on it fail with a *DeadRanksError; later
+//     Broadcasts fail at once.
+//
+// Each transition is logged once. Workers answer pings from their receive
+// loop, so a long transfer does not look like silence.
 //
 // A worker notices its leader going away (connection closed, or the
 // shutdown message from Close): Worker.Done is closed and Worker.Err says why.

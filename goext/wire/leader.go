@@ -18,14 +18,19 @@ import (
 const (
 	DefaultPingInterval  = 500 * time.Millisecond
 	DefaultRetryInterval = 100 * time.Millisecond
-	deadAfterPings       = 3
+	// DefaultSuspectAfter is config.DefaultLeaderWorkerLiveness.
+	DefaultSuspectAfter = config.DefaultLeaderWorkerLiveness
 )
 
 // Errors callers branch on.
 var (
-	// ErrRankDead: a rank stopped answering; the operation did not complete
-	// on it, and no later operation is sent.
+	// ErrRankDead: a rank's process is gone (it said goodbye, exited, or was
+	// replaced); the operation did not complete on it, and no later operation
+	// is sent.
 	ErrRankDead = errors.New("worker rank dead")
+	// ErrRankSuspect: a rank stopped answering for longer than SuspectAfter;
+	// nothing is sent until it answers again.
+	ErrRankSuspect = errors.New("worker rank not answering")
 	// ErrNotReady: Broadcast before the handshake completed.
 	ErrNotReady = errors.New("side channel handshake not complete")
 	// ErrClosed: the leader or worker end was closed.
@@ -54,6 +59,27 @@ func (e *DeadRanksError) Error() string {
 }
 
 func (e *DeadRanksError) Unwrap() error { return ErrRankDead }
+
+// SuspectRanksError is returned by Broadcast when ranks stopped answering
+// (it wraps ErrRankSuspect). Unlike death it is temporary: the ranks are
+// re-admitted when they answer again.
+type SuspectRanksError struct {
+	Ranks []int
+	// During is true when the ranks fell silent while the operation was in
+	// flight; it may still run on them later, in order, before anything
+	// broadcast after their return.
+	During bool
+}
+
+func (e *SuspectRanksError) Error() string {
+	if e.During {
+		return fmt.Sprintf("kvbm: worker rank(s) %v stopped answering during the operation; it is failed "+
+			"(it may still run there later, harmlessly)", e.Ranks)
+	}
+	return fmt.Sprintf("kvbm: worker rank(s) %v not answering heartbeats; nothing is sent until they answer again", e.Ranks)
+}
+
+func (e *SuspectRanksError) Unwrap() error { return ErrRankSuspect }
 
 // SizeFunc sizes the host and disk tiers (blocks) from one rank's
 // bytes_per_block and the number of ranks.
@@ -91,9 +117,10 @@ type LeaderOptions struct {
 	// Size sizes G2/G3; required (ConfigSize(cfg) in production).
 	Size SizeFunc
 	// PingInterval between heartbeats (0: DefaultPingInterval); a rank
-	// silent for DeadAfter (0: 3 × PingInterval) is dead.
+	// silent for SuspectAfter (0: DefaultSuspectAfter) is suspected until it
+	// answers again.
 	PingInterval time.Duration
-	DeadAfter    time.Duration
+	SuspectAfter time.Duration
 	// RetryInterval between repeats of unanswered handshake messages (0:
 	// DefaultRetryInterval).
 	RetryInterval time.Duration
@@ -103,10 +130,11 @@ type LeaderOptions struct {
 // LeaderOptionsFrom fills endpoint, timeout and sizing from kvbm's configuration.
 func LeaderOptionsFrom(c *config.Config, numWorkers int) LeaderOptions {
 	return LeaderOptions{
-		NumWorkers:  numWorkers,
-		Endpoint:    EndpointFrom(c),
-		InitTimeout: c.LeaderWorkerInitTimeout,
-		Size:        ConfigSize(c),
+		NumWorkers:   numWorkers,
+		Endpoint:     EndpointFrom(c),
+		InitTimeout:  c.LeaderWorkerInitTimeout,
+		SuspectAfter: c.LeaderWorkerLiveness,
+		Size:         ConfigSize(c),
 	}
 }
 
@@ -125,7 +153,8 @@ type rankState struct {
 	ready      bool
 	allocErr   string
 	lastSeen   time.Time
-	dead       bool
+	suspect    bool // silent for SuspectAfter; re-admitted when it answers
+	dead       bool // its process is gone: for good
 }
 
 // op is one broadcast waiting for its acks.
@@ -134,6 +163,7 @@ type op struct {
 	left    int
 	errs    []error // by rank
 	dead    []int   // ranks that died while it was in flight
+	suspect []int   // ranks that fell silent while it was in flight
 	done    chan struct{}
 }
 
@@ -193,8 +223,8 @@ func Listen(opts LeaderOptions) (*Leader, error) {
 	if opts.PingInterval <= 0 {
 		opts.PingInterval = DefaultPingInterval
 	}
-	if opts.DeadAfter <= 0 {
-		opts.DeadAfter = deadAfterPings * opts.PingInterval
+	if opts.SuspectAfter <= 0 {
+		opts.SuspectAfter = DefaultSuspectAfter
 	}
 	if opts.RetryInterval <= 0 {
 		opts.RetryInterval = DefaultRetryInterval
@@ -286,6 +316,11 @@ func (l *Leader) handle(m workerMsg) {
 		return // dead for good (see the package comment)
 	}
 	rs.lastSeen = time.Now()
+	if rs.suspect {
+		rs.suspect = false
+		l.log.Warn("kvbm worker rank answers again; re-admitted: transfers are planned for it again",
+			"rank", m.rank, "pid", rs.pid())
+	}
 	switch m.fn {
 	case fnWorkerMetadata:
 		var md WorkerMetadata
@@ -504,10 +539,11 @@ func (l *Leader) timeoutError(ctx context.Context, waited time.Duration) error {
 		l.opts.InitTimeout, strings.Join(parts, "; "), l.transport, l.ep.PubURL(), l.ep.AckURL())
 }
 
-// heartbeat pings every PingInterval and marks silent ranks dead. It stops
-// after the first death: every later Broadcast fails anyway, and pings to a
-// rank that is stopped rather than gone would pile up in its socket buffer
-// until the PUB socket blocks for every rank.
+// heartbeat pings every PingInterval, suspects ranks silent for
+// SuspectAfter and marks dead those whose process is gone. It stops when
+// every rank is dead. Pings keep going to suspected ranks: a stopped
+// process finds them queued when it resumes and its answer re-admits it
+// (a handful of small messages per second fills no socket buffer).
 func (l *Leader) heartbeat() {
 	defer l.wg.Done()
 	tick := time.NewTicker(l.opts.PingInterval)
@@ -523,19 +559,48 @@ func (l *Leader) heartbeat() {
 		}
 		now := time.Now()
 		l.mu.Lock()
+		alive := 0
 		for r := range l.ranks {
 			rs := &l.ranks[r]
-			if !rs.dead && now.Sub(rs.lastSeen) > l.opts.DeadAfter {
-				l.markDeadLocked(r, fmt.Sprintf("no answer for %s (heartbeat every %s)",
-					now.Sub(rs.lastSeen).Round(time.Millisecond), l.opts.PingInterval))
+			switch {
+			case rs.dead:
+				continue
+			case rs.md != nil && processGone(rs.md.Pid, rs.md.PidNS):
+				l.markDeadLocked(r, fmt.Sprintf("process %d exited", rs.md.Pid))
+				continue
+			case !rs.suspect && now.Sub(rs.lastSeen) > l.opts.SuspectAfter:
+				l.suspectLocked(r, now.Sub(rs.lastSeen))
 			}
+			alive++
 		}
-		anyDead := len(l.deadLocked()) > 0
 		l.mu.Unlock()
-		if anyDead {
+		if alive == 0 {
 			return
 		}
 	}
+}
+
+// suspectLocked stops planning for a silent rank; operations waiting on it
+// fail with a *SuspectRanksError.
+func (l *Leader) suspectLocked(rank int, silent time.Duration) {
+	rs := &l.ranks[rank]
+	rs.suspect = true
+	l.log.Warn("kvbm worker rank not answering; suspected: no transfers are planned for it until it answers again "+
+		"(the engine keeps serving)", "rank", rank, "pid", rs.pid(), "silent", silent.Round(time.Millisecond),
+		"timeout", l.opts.SuspectAfter, "variable", config.EnvLeaderWorkerLivenessSecs)
+	for _, o := range l.ops {
+		if o.waiting[rank] {
+			o.suspect = append(o.suspect, rank)
+			o.settle(rank, nil)
+		}
+	}
+}
+
+func (rs *rankState) pid() int {
+	if rs.md == nil {
+		return 0
+	}
+	return rs.md.Pid
 }
 
 func (l *Leader) markDeadLocked(rank int, why string) {
@@ -554,15 +619,11 @@ func (l *Leader) markRankLocked(rank int, why string, left bool) {
 		return
 	}
 	rs.dead = true
-	pid := 0
-	if rs.md != nil {
-		pid = rs.md.Pid
-	}
 	if left {
-		l.log.Info("kvbm worker rank closed; no more transfers are planned for it", "rank", rank, "pid", pid, "why", why)
+		l.log.Info("kvbm worker rank closed; no more transfers are planned for it", "rank", rank, "pid", rs.pid(), "why", why)
 	} else {
-		l.log.Error("kvbm worker rank stopped answering; marked dead: transfers that need it are no longer planned, "+
-			"the engine keeps serving (misses recompute)", "rank", rank, "pid", pid, "why", why)
+		l.log.Error("kvbm worker rank is gone; marked dead: transfers that need it are no longer planned, "+
+			"the engine keeps serving (misses recompute)", "rank", rank, "pid", rs.pid(), "why", why)
 	}
 	for _, o := range l.ops {
 		if o.waiting[rank] {
@@ -570,6 +631,23 @@ func (l *Leader) markRankLocked(rank int, why string, left bool) {
 			o.settle(rank, nil)
 		}
 	}
+}
+
+// SuspectRanks lists the ranks suspected (silent, not known dead), in order.
+func (l *Leader) SuspectRanks() []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.suspectedLocked()
+}
+
+func (l *Leader) suspectedLocked() []int {
+	var d []int
+	for r, rs := range l.ranks {
+		if rs.suspect && !rs.dead {
+			d = append(d, r)
+		}
+	}
+	return d
 }
 
 // DeadRanks lists the ranks marked dead, in order.
@@ -589,12 +667,12 @@ func (l *Leader) deadLocked() []int {
 	return d
 }
 
-// Healthy reports whether the handshake completed and no rank is dead:
-// whether operations can be planned at all.
+// Healthy reports whether the handshake completed and every rank is
+// answering: whether operations can be planned now.
 func (l *Leader) Healthy() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.hs != nil && l.closedErr == nil && len(l.deadLocked()) == 0
+	return l.hs != nil && l.closedErr == nil && len(l.deadLocked()) == 0 && len(l.suspectedLocked()) == 0
 }
 
 // Broadcast sends an encoded plan.Step to every rank and returns when every
@@ -616,6 +694,10 @@ func (l *Leader) Broadcast(ctx context.Context, step []byte) error {
 	if dead := l.deadLocked(); len(dead) > 0 {
 		l.mu.Unlock()
 		return &DeadRanksError{Ranks: dead}
+	}
+	if sus := l.suspectedLocked(); len(sus) > 0 {
+		l.mu.Unlock()
+		return &SuspectRanksError{Ranks: sus}
 	}
 	id := l.nextID.Add(1)
 	n := len(l.ranks)
@@ -658,6 +740,10 @@ func (l *Leader) Broadcast(ctx context.Context, step []byte) error {
 	if len(o.dead) > 0 {
 		slices.Sort(o.dead)
 		errs = append(errs, &DeadRanksError{Ranks: o.dead, During: true})
+	}
+	if len(o.suspect) > 0 {
+		slices.Sort(o.suspect)
+		errs = append(errs, &SuspectRanksError{Ranks: o.suspect, During: true})
 	}
 	for _, e := range o.errs {
 		if e != nil {

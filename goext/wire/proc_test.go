@@ -15,6 +15,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -294,9 +295,9 @@ func procConfig() *config.Config {
 func procLeader(t *testing.T, n int, ep Endpoint, mod func(*LeaderOptions)) (*Leader, *syncBuf) {
 	logs := &syncBuf{}
 	opts := LeaderOptions{NumWorkers: n, Endpoint: ep, Transport: TransportTCP, Size: ConfigSize(procConfig()),
-		// A generous DeadAfter: these machines run other packages' tests at
-		// the same time; only the kill test wants a short one.
-		InitTimeout: 30 * time.Second, PingInterval: 200 * time.Millisecond, DeadAfter: 5 * time.Second,
+		// A generous SuspectAfter: these machines run other packages' tests
+		// at the same time; only the SIGSTOP test wants a short one.
+		InitTimeout: 30 * time.Second, PingInterval: 200 * time.Millisecond, SuspectAfter: 30 * time.Second,
 		RetryInterval: 20 * time.Millisecond,
 		Logger:        testLogger(logs)}
 	if mod != nil {
@@ -428,12 +429,12 @@ func TestProcessesLateAnyOrder(t *testing.T) {
 }
 
 // TestProcessKilledMidTransfer: rank 1 SIGKILLs itself while executing the
-// onboarding operation. The leader's broadcast fails naming rank 1 within
-// the heartbeat bound, later broadcasts fail at once; nothing hangs.
+// onboarding operation. The leader sees its process gone (not merely
+// silent: the liveness timeout is far longer than the test), the broadcast
+// fails naming rank 1, later broadcasts fail at once; nothing hangs.
 func TestProcessKilledMidTransfer(t *testing.T) {
 	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) {
 		o.PingInterval = 100 * time.Millisecond
-		o.DeadAfter = time.Second
 	})
 	p := newProcs(t, 2, layout.FlashAttn, l.Endpoint().PubPort, l.Endpoint().AckPort)
 	p.start(0)
@@ -442,21 +443,19 @@ func TestProcessKilledMidTransfer(t *testing.T) {
 	require.NoError(t, err)
 	_, plans := offloadThenOnboard(t, l, hs)
 
-	err = l.Broadcast(ctxTimeout(t, 20*time.Second), plans[1])
+	err = l.Broadcast(ctxTimeout(t, 25*time.Second), plans[1])
 	var dead *DeadRanksError
 	require.ErrorAs(t, err, &dead, "got %v", err)
 	require.Equal(t, []int{1}, dead.Ranks)
 	require.True(t, dead.During)
 	p.expect(1, "dying mid-transfer")
 	p.expect(0, "rank 0 verified 6") // the surviving rank completed its shard
-	require.Contains(t, logs.String(), "kvbm worker rank stopped answering")
+	require.Contains(t, logs.String(), "kvbm worker rank is gone; marked dead")
 	require.Contains(t, logs.String(), "rank=1")
 
-	start := time.Now()
 	err = l.Broadcast(ctxTimeout(t, 20*time.Second), plans[1])
 	require.ErrorIs(t, err, ErrRankDead)
 	require.ErrorContains(t, err, "rank(s) [1] dead")
-	require.Less(t, time.Since(start), 5*time.Second, "a broadcast to a dead rank does not wait")
 	require.Equal(t, []int{1}, l.DeadRanks())
 
 	require.NoError(t, l.Close())
@@ -469,12 +468,15 @@ func TestProcessKilledMidTransfer(t *testing.T) {
 	p.wait()
 }
 
-// TestProcessStopsAnswering: a worker process that hangs (SIGSTOP) rather
-// than dies is noticed the same way.
-func TestProcessStopsAnswering(t *testing.T) {
+// TestProcessStoppedThenResumed: a worker process that hangs (SIGSTOP) is
+// suspected, nothing is sent while it is, and once it resumes (SIGCONT
+// after 3 s) it is re-admitted and its loads are byte-exact. The timeout is
+// short, so only what holds on a slow machine is asserted: broadcasts are
+// retried while any rank is suspected.
+func TestProcessStoppedThenResumed(t *testing.T) {
 	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) {
 		o.PingInterval = 100 * time.Millisecond
-		o.DeadAfter = time.Second
+		o.SuspectAfter = time.Second
 	})
 	p := newProcs(t, 2, layout.CPUPaged, l.Endpoint().PubPort, l.Endpoint().AckPort)
 	p.start(0)
@@ -486,22 +488,36 @@ func TestProcessStopsAnswering(t *testing.T) {
 	pid := p.cmds[0].Process.Pid
 	p.mu.Unlock()
 	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	stopped := time.Now()
 	defer func() { _ = syscall.Kill(pid, syscall.SIGCONT) }()
-	// Signal delivery is asynchronous: wait until the process is stopped.
-	checkFor(t, 5*time.Second, func() bool {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			return false
-		}
-		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-		return len(f) > 0 && f[0] == "T"
-	}, "rank 0 stopped")
+	checkFor(t, 20*time.Second, func() bool { return slices.Contains(l.SuspectRanks(), 0) }, "rank 0 suspected")
 	err = l.Broadcast(ctxTimeout(t, 20*time.Second), plans[1])
-	var dead *DeadRanksError
-	require.ErrorAs(t, err, &dead, "got %v", err)
-	require.Equal(t, []int{0}, dead.Ranks)
-	require.Contains(t, logs.String(), "rank=0")
+	var sus *SuspectRanksError
+	require.ErrorAs(t, err, &sus, "got %v", err)
+	require.Contains(t, sus.Ranks, 0)
+	require.Empty(t, l.DeadRanks(), "a stopped process is not dead")
+	require.Contains(t, logs.String(), "kvbm worker rank not answering; suspected")
+
+	time.Sleep(time.Until(stopped.Add(3 * time.Second))) // the scenario: stopped for 3 s
+	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+	checkFor(t, 30*time.Second, func() bool { return len(l.SuspectRanks()) == 0 }, "rank 0 re-admitted")
+	require.Contains(t, logs.String(), "kvbm worker rank answers again; re-admitted")
+
+	// The onboarding runs on both ranks, each verifying its shard.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		err = l.Broadcast(ctxTimeout(t, 20*time.Second), plans[1])
+		if !errors.Is(err, ErrRankSuspect) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	require.NoError(t, err)
+	p.expect(0, "rank 0 verified 6")
 	p.expect(1, "rank 1 verified 6")
+	require.Empty(t, l.DeadRanks())
+	require.NoError(t, l.Close())
+	p.wait()
 }
 
 // TestProcessesHandshakeTimeout: rank 1 of 3 never starts; the error names it.

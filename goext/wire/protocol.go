@@ -32,6 +32,9 @@ type WorkerMetadata struct {
 	// (two engines sharing one pair of ports, or a restarted worker).
 	Pid      int    `msgpack:"pid"`
 	Instance uint64 `msgpack:"instance"`
+	// PidNS names the worker's PID namespace: the leader trusts Pid to tell
+	// whether the process exited only when it shares that namespace.
+	PidNS string `msgpack:"pid_ns,omitempty"`
 }
 
 // LeaderMetadata is the leader's answer: how many host and disk blocks every

@@ -98,7 +98,7 @@ func (c *cluster) connect(t *testing.T, rank int, mod func(*WorkerOptions)) *Wor
 func (c *cluster) listen(t *testing.T, mod func(*LeaderOptions)) *Leader {
 	opts := LeaderOptions{
 		NumWorkers: len(c.ranks), Endpoint: c.ep, Transport: c.tr, InitTimeout: 10 * time.Second,
-		Size: fixedSize, PingInterval: 100 * time.Millisecond, DeadAfter: 10 * time.Second,
+		Size: fixedSize, PingInterval: 100 * time.Millisecond, SuspectAfter: 10 * time.Second,
 		RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs),
 	}
 	if mod != nil {
@@ -260,17 +260,19 @@ func TestConfigSize(t *testing.T) {
 	require.Equal(t, 7, disk)
 }
 
-// TestDeadRankMidOperation: a rank that stops answering while an operation
-// runs is noticed by the heartbeat; the operation fails naming it, later
-// broadcasts fail at once, nothing hangs.
-func TestDeadRankMidOperation(t *testing.T) {
+// TestSilentRankMidOperation: a rank that stops answering while an
+// operation runs is suspected by the heartbeat; the operation fails naming
+// it, later broadcasts fail at once while it stays silent, nothing hangs.
+// The timeout is short, so a loaded machine may suspect other ranks too:
+// only what holds however slow the machine is gets asserted.
+func TestSilentRankMidOperation(t *testing.T) {
 	c := newCluster(t, TransportTCP, 3)
 	for r := range 3 {
 		c.connect(t, r, nil)
 	}
 	l := c.listen(t, func(o *LeaderOptions) {
 		o.PingInterval = 50 * time.Millisecond
-		o.DeadAfter = 400 * time.Millisecond
+		o.SuspectAfter = 400 * time.Millisecond
 	})
 	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
 	require.NoError(t, err)
@@ -281,8 +283,8 @@ func TestDeadRankMidOperation(t *testing.T) {
 	f.mu.Lock()
 	f.block = release
 	f.mu.Unlock()
-	// Rank 1 is stuck in Execute; now its connection goes away (the
-	// process died, as far as the leader can tell).
+	// Rank 1 is stuck in Execute; now its connection goes away. Its process
+	// (this one) is alive, so the leader can only suspect it.
 	go func() {
 		checkFor(t, 5*time.Second, func() bool { return len(f.steps()) == 2 }, "rank 1 got the operation")
 		f.w.mu.Lock()
@@ -290,23 +292,27 @@ func TestDeadRankMidOperation(t *testing.T) {
 		f.w.mu.Unlock()
 		_ = tr.close()
 	}()
-	err = l.Broadcast(ctxTimeout(t, 10*time.Second), []byte("stuck"))
+	err = l.Broadcast(ctxTimeout(t, 30*time.Second), []byte("stuck"))
 	close(release)
-	var dead *DeadRanksError
-	require.ErrorAs(t, err, &dead)
-	require.Equal(t, []int{1}, dead.Ranks)
-	require.True(t, dead.During)
-	require.ErrorIs(t, err, ErrRankDead)
-	require.Equal(t, []int{1}, l.DeadRanks())
+	var sus *SuspectRanksError
+	require.ErrorAs(t, err, &sus)
+	require.Contains(t, sus.Ranks, 1)
+	require.True(t, sus.During)
+	require.ErrorIs(t, err, ErrRankSuspect)
+	require.NotErrorIs(t, err, ErrRankDead)
+	require.Contains(t, l.SuspectRanks(), 1)
+	require.Empty(t, l.DeadRanks(), "a live process is never dead")
 	require.False(t, l.Healthy())
-	require.Contains(t, c.logs.String(), "kvbm worker rank stopped answering")
+	require.Contains(t, c.logs.String(), "kvbm worker rank not answering; suspected")
 	require.Contains(t, c.logs.String(), "rank=1")
 
+	sent := len(c.ranks[0].steps())
 	err = l.Broadcast(ctxTimeout(t, 5*time.Second), []byte("later"))
-	require.ErrorAs(t, err, &dead)
-	require.False(t, dead.During)
-	require.ErrorContains(t, err, "rank(s) [1] dead")
-	require.Len(t, c.ranks[0].steps(), 2, "nothing is sent once a rank is dead")
+	require.ErrorAs(t, err, &sus)
+	require.False(t, sus.During)
+	require.Contains(t, sus.Ranks, 1)
+	require.ErrorContains(t, err, "not answering heartbeats")
+	require.Len(t, c.ranks[0].steps(), sent, "nothing is sent while a rank is suspected")
 }
 
 func TestBroadcastContextNamesPendingRanks(t *testing.T) {
@@ -440,15 +446,12 @@ func TestWorkerCloseSaysGoodbye(t *testing.T) {
 	for r := range 2 {
 		c.connect(t, r, nil)
 	}
-	l := c.listen(t, func(o *LeaderOptions) {
-		o.PingInterval = 50 * time.Millisecond
-		o.DeadAfter = 400 * time.Millisecond
-	})
+	l := c.listen(t, func(o *LeaderOptions) { o.PingInterval = 50 * time.Millisecond })
 	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, c.ranks[1].w.Close())
 	checkFor(t, 5*time.Second, func() bool { return len(l.DeadRanks()) == 1 }, "rank 1 recorded as gone")
 	require.Equal(t, []int{1}, l.DeadRanks())
 	require.Contains(t, c.logs.String(), "kvbm worker rank closed")
-	require.NotContains(t, c.logs.String(), "stopped answering")
+	require.NotContains(t, c.logs.String(), "not answering")
 }

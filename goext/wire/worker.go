@@ -138,7 +138,7 @@ func (w *Worker) WaitReady(ctx context.Context) (LeaderMetadata, error) {
 func (w *Worker) metadata() []byte {
 	return marshal(WorkerMetadata{
 		Rank: w.opts.Rank, WorldSize: w.opts.WorldSize, NumDeviceBlocks: w.opts.NumDeviceBlocks,
-		BytesPerBlock: w.opts.BytesPerBlock, Pid: os.Getpid(), Instance: w.instance,
+		BytesPerBlock: w.opts.BytesPerBlock, Pid: os.Getpid(), Instance: w.instance, PidNS: ownPidNS,
 	})
 }
 

@@ -101,12 +101,12 @@ class WireLeader(_native.Handle):
     _free = "kvbm_wire_leader_free"
 
     def __init__(self, *, num_workers: int, transport: str = "auto", ping_interval_ms: int = 0,
-                 dead_after_ms: int = 0):
+                 suspect_after_ms: int = 0):
         opts = {
             "num_workers": int(num_workers),
             "transport": _check_transport(transport),
             "ping_interval_ms": int(ping_interval_ms),
-            "dead_after_ms": int(dead_after_ms),
+            "suspect_after_ms": int(suspect_after_ms),
             "env": _native.env_snapshot(),
         }
         h = c_uint64()
@@ -126,18 +126,27 @@ class WireLeader(_native.Handle):
     def broadcast(self, plan: bytes, timeout_s: float | None = None) -> None:
         """Run an encoded plan on every rank; return once all acked.
 
-        Raises :class:`kvbm.KvbmStateError` naming a dead rank (nothing is
-        sent), :class:`kvbm.KvbmIOError` naming a rank whose execution failed.
+        Raises :class:`kvbm.KvbmStateError` naming a dead or suspected rank
+        (nothing is sent), :class:`kvbm.KvbmIOError` naming a rank whose
+        execution failed.
         """
         _native.call("kvbm_wire_leader_broadcast", self._h, plan, len(plan), _ms(timeout_s))
 
     def info(self) -> dict:
-        """{transport, pub_port, ack_port, healthy, dead_ranks}."""
+        """{transport, pub_port, ack_port, healthy, dead_ranks, suspect_ranks}.
+
+        A dead rank's process is gone (for good); a suspected one has been
+        silent for ``DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS`` and is
+        re-admitted when it answers again."""
         return json.loads(_buffer_call("kvbm_wire_leader_info", self._h))
 
     @property
     def dead_ranks(self) -> list[int]:
         return list(self.info()["dead_ranks"])
+
+    @property
+    def suspect_ranks(self) -> list[int]:
+        return list(self.info()["suspect_ranks"])
 
 
 class WireWorker(_native.Handle):
@@ -182,8 +191,10 @@ class BackgroundPump:
     in flight, broadcast and committed on a helper thread (the native calls
     release the GIL). An operation every rank acked is committed ok (its G3
     blocks become matchable and are announced); a failed or timed-out one is
-    committed failed (its blocks are freed, its moves retried). Once the side
-    channel reports dead ranks the leader is set degraded
+    committed failed (its blocks are freed, its moves retried). While a rank
+    is suspected (silent) nothing new is started; its moves wait in the
+    leader's queue until it answers again. Once the side channel reports a
+    dead rank (its process is gone) the leader is set degraded
     (``Leader.set_degraded``) and nothing more is sent.
 
     Workers run an operation only after the engine step it follows has saved
@@ -213,9 +224,12 @@ class BackgroundPump:
             # Checked even with an operation in flight: a rank that died makes
             # it wait for its timeout (the live ranks may be waiting for a step
             # that will not come), but the leader must stop matching now.
-            if self._check_dead():
+            info = self._wire.info()
+            if self._check_dead(info["dead_ranks"]):
                 return False
             if self._thread is not None and self._thread.is_alive():
+                return False
+            if info["suspect_ranks"]:
                 return False
             plan, ticket = self._leader.plan_background()
             if not ticket:
@@ -226,9 +240,8 @@ class BackgroundPump:
             self._thread.start()
             return True
 
-    def _check_dead(self) -> bool:
+    def _check_dead(self, dead: list[int]) -> bool:
         # Called with self._lock held.
-        dead = self._wire.dead_ranks
         if dead and not self.degraded:
             self.degraded, self.dead_ranks = True, list(dead)
             self._leader.set_degraded(dead)
@@ -260,7 +273,7 @@ class BackgroundPump:
                     self.committed += 1
                 else:
                     self.failed += 1
-                    self._check_dead()
+                    self._check_dead(self._wire.dead_ranks)
         except Exception:  # noqa: BLE001 - leader closed under us at shutdown
             log.debug("kvbm: could not commit background operation %d", ticket, exc_info=True)
 

@@ -49,11 +49,11 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
         "engine": {"num_gpu_blocks_override": 16},
         "events": {"endpoint": f"tcp://*:{engine_port}"},
         "collect": {"consolidated": f"tcp://127.0.0.1:{out_port}", "engine": f"tcp://127.0.0.1:{engine_port}"},
-        "collect_grace_s": 2.0,
         "actions": [gen("a", A), gen("b", B), gen("c", C), gen("d", D), gen("a2", A), gen("b2", B),
-                    {"reset": True, "tag": "reset"}, gen("c2", C), {"sleep": 1.0, "tag": "settle"}],
+                    {"reset": True, "tag": "reset"}, gen("c2", C), {"quiesce": True, "tag": "settle"}],
     }
     res = harness(spec)
+    assert res["actions"][-1]["quiesced"], "kvbm's counters kept changing"
     log = res["log"]
     batches = res["collected"]["consolidated"]
     assert batches, "no consolidated events received"

@@ -69,7 +69,7 @@ func Wire(workers int, payload []byte, iters int, tr wire.Transport) (Result, er
 	}
 	l, err := wire.Listen(wire.LeaderOptions{NumWorkers: workers, Endpoint: ep, Transport: tr, Logger: quiet,
 		Size: func(int64, int) (int, int, error) { return 1, 0, nil }, InitTimeout: 30 * time.Second,
-		RetryInterval: 10 * time.Millisecond, PingInterval: time.Second, DeadAfter: time.Minute})
+		RetryInterval: 10 * time.Millisecond, PingInterval: time.Second, SuspectAfter: time.Minute})
 	if err != nil {
 		return Result{}, err
 	}

@@ -10,7 +10,7 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "kvbm": true|false, "env": {...},
        "events": false | {"endpoint": "tcp://*:5557"},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
-                   {"reset": true}, {"corrupt_disk": true}, {"sleep": 0.5}]}
+                   {"reset": true}, {"corrupt_disk": true}, {"quiesce": true}]}
 result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
 """
 
@@ -92,9 +92,11 @@ class FrameCollector:
 
         self.frames: list[list[bytes]] = []
         self._stop = threading.Event()
+        self._joined = threading.Event()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._sub.connect(endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -104,16 +106,40 @@ class FrameCollector:
 
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(50):
-                self.frames.append(self._sub.recv_multipart())
+            for sock, _ in poller.poll(50):
+                if sock is self._sub:
+                    self.frames.append(self._sub.recv_multipart())
+                else:
+                    self._monitor.recv_multipart()
+                    self._joined.set()
+
+    def wait_joined(self, timeout: float) -> bool:
+        """Whether the publisher completed the ZMTP handshake with us."""
+        return self._joined.wait(timeout)
+
+    def events(self) -> int:
+        """Number of events in the batches received so far."""
+        return sum(len(b[1]) for b in _decode_frames(list(self.frames)) if isinstance(b, list))
 
     def close(self) -> list[list[bytes]]:
         self._stop.set()
         self._thread.join(2)
+        self._sub.disable_monitor()
+        self._monitor.close(0)
         self._sub.close(0)
         self._ctx.term()
         return self.frames
+
+
+def _wait_for(pred, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _decode_frames(frames):
@@ -211,6 +237,9 @@ def run(spec: dict) -> dict:
     t0 = time.time()
     llm = LLM(**engine_kwargs(model, spec))
     result = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
+    for name, c in collectors.items():  # both publishers are bound once the engine is up
+        if not c.wait_joined(60):
+            raise RuntimeError(f"collector {name!r} did not join its publisher in 60 s")
     for i, act in enumerate(spec.get("actions", [])):
         rec: dict = {"tag": act.get("tag", str(i))}
         if "conversations" in act:
@@ -247,15 +276,30 @@ def run(spec: dict) -> dict:
             rec["reset"] = bool(llm.reset_prefix_cache())
         elif act.get("corrupt_disk"):
             rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
-        elif "sleep" in act:
-            time.sleep(act["sleep"])
+        elif act.get("quiesce") and metrics_port:
+            # kvbm's background work (G2→G3 moves, events) has finished when
+            # its counters stop changing across consecutive scrapes.
+            last, same = None, 0
+            end = time.time() + act.get("timeout_s", 60)
+            while same < 3 and time.time() < end:
+                cur = {k: v for k, v in scrape(metrics_port).items() if not k.endswith("hit_rate")}
+                same = same + 1 if cur == last else 0
+                last = cur
+                time.sleep(0.2)
+            rec["quiesced"] = same >= 3
         if metrics_port:
             rec["metrics"] = scrape(metrics_port)
         result["actions"].append(rec)
         print(f"[harness] {rec['tag']}: " + json.dumps({k: v for k, v in rec.items() if k not in ('tokens',)})[:400],
               flush=True)
     if collectors:
-        time.sleep(spec.get("collect_grace_s", 1.0))
+        # The consolidated stream is complete when the collector holds every
+        # event the consolidator counted as published.
+        cons = collectors.get("consolidated")
+        if cons is not None and metrics_port:
+            want = lambda: scrape(metrics_port).get("kvbm_consolidator_events_out")  # noqa: E731
+            if not _wait_for(lambda: want() is not None and cons.events() >= want(), 60):
+                raise RuntimeError(f"consolidated events: received {cons.events()}, published {want()}")
         result["collected"] = {name: _decode_frames(c.close()) for name, c in collectors.items()}
     del llm
     return result

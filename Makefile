@@ -1,6 +1,8 @@
 # kvbm — build, test, bench, demo.
 #   make build   the Go shared library into python/kvbm/lib/
-#   make test    go vet + go test -race + short fuzzing + pytest (unit and e2e)
+#   make test    go vet + go test -race (fuzz seed corpora included) + pytest (unit and e2e)
+#   make fuzz    every fuzz target of outside input for FUZZTIME each
+#   make flake-hunt  the suites under a CPU hog on every core (scripts/flake-hunt)
 #   make bench   every benchmark table (Go and Python), baselines measured in the same run
 #   make demo    the main job: vLLM (CPU backend) serving a multi-turn workload with and without kvbm
 #   make cuda    the CUDA variant of the shared library (see docs/cuda.md)
@@ -14,16 +16,26 @@ FUZZTIME ?= 5s
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: build test gotest fuzz pytest bench demo cuda clean
+.PHONY: build build-debug test gotest fuzz pytest flake-hunt bench demo cuda clean
 
 build: $(LIB)
+
+# The library with test-only exports (kvbm_debug_*: panic injection), for
+# tests/test_abi.py; never installed.
+DEBUG_LIB := python/kvbm/lib/libkvbm_debug.so
+build-debug: $(DEBUG_LIB)
+
+$(DEBUG_LIB): $(GO_SOURCES)
+	@mkdir -p $(dir $@)
+	CGO_ENABLED=1 $(GO) build -tags kvbm_debug -trimpath -buildmode=c-shared $(GO_LDFLAGS) -o $@ ./capi
+	@rm -f $(basename $@).h
 
 $(LIB): $(GO_SOURCES)
 	@mkdir -p $(dir $@)
 	CGO_ENABLED=1 $(GO) build -trimpath -buildmode=c-shared $(GO_LDFLAGS) -o $@ ./capi
 	@rm -f $(basename $@).h
 
-test: gotest fuzz pytest
+test: gotest pytest
 
 gotest:
 	$(GO) vet ./...
@@ -39,7 +51,7 @@ fuzz:
 	  done; \
 	done
 
-pytest: build
+pytest: build build-debug
 	$(PY) -m pytest -q -ra tests
 
 bench: build
@@ -51,6 +63,9 @@ bench: build
 	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire; fi
 	@echo "== vLLM (CPU backend) with vs without kvbm"; $(PY) bench/vllm_ttft.py
 	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"
+
+flake-hunt:
+	scripts/flake-hunt
 
 demo: build
 	$(PY) -m kvbm.demo

@@ -83,7 +83,8 @@ func finish(err error, errOut **C.char) C.int {
 }
 
 // guard must be deferred directly by every export: recover only works in the
-// deferred function itself.
+// deferred function itself. Exports that return no status (the *_free
+// helpers) defer guardVoid instead.
 func guard(rc *C.int, errOut **C.char) {
 	r := recover()
 	if r == nil {
@@ -94,6 +95,21 @@ func guard(rc *C.int, errOut **C.char) {
 	setErr(errOut, msg)
 	*rc = statusInternal
 }
+
+// guardVoid is guard for exports that return nothing: a panic poisons the
+// library (later calls fail with the message) instead of unwinding into C.
+func guardVoid() {
+	r := recover()
+	if r == nil {
+		return
+	}
+	msg := fmt.Sprintf("kvbm internal error (library poisoned, restart the process): panic while freeing: %v\n%s", r, debug.Stack())
+	poison.CompareAndSwap(nil, &msg)
+}
+
+// freeHook runs inside every *_free export (guarded); debug builds use it to
+// prove that a panic there poisons instead of crashing.
+var freeHook = func() {}
 
 // healthy is the first check of every export.
 func healthy() error {
@@ -171,33 +187,23 @@ func cBuffer(b []byte, out **C.uint8_t, outLen *C.int64_t) {
 
 //export kvbm_free_string
 func kvbm_free_string(s *C.char) {
+	defer guardVoid()
 	C.free(unsafe.Pointer(s))
 }
 
 //export kvbm_free_buffer
 func kvbm_free_buffer(p *C.uint8_t) {
+	defer guardVoid()
 	C.free(unsafe.Pointer(p))
 }
 
 //export kvbm_is_poisoned
 func kvbm_is_poisoned() C.int {
+	defer guardVoid()
 	if poison.Load() != nil {
 		return 1
 	}
 	return 0
-}
-
-//export kvbm_debug_panic
-func kvbm_debug_panic(errOut **C.char) (rc C.int) {
-	// Exists so tests can prove that a panic becomes an error and poisons the
-	// library instead of killing the host process.
-	defer guard(&rc, errOut)
-	if err := healthy(); err != nil {
-		return finish(err, errOut)
-	}
-	var m map[string]int
-	m["boom"] = 1 // nil map write: a real runtime panic
-	return statusOK
 }
 
 func main() {}

@@ -133,7 +133,8 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 
 //export kvbm_consolidator_free
 func kvbm_consolidator_free(hd C.uint64_t) {
-	defer func() { _ = recover() }()
+	defer guardVoid()
+	freeHook()
 	if h, err := handle[*consolidatorHandle](hd); err == nil {
 		_ = h.c.Close()
 		deleteHandle(hd)

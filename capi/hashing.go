@@ -16,7 +16,10 @@ const version = "0.1.0"
 var cVersion = C.CString(version)
 
 //export kvbm_version
-func kvbm_version() *C.char { return cVersion }
+func kvbm_version() *C.char {
+	defer guardVoid()
+	return cVersion
+}
 
 func tokensView(p *C.uint32_t, n C.int64_t) []uint32 {
 	if p == nil || n <= 0 {

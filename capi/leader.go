@@ -117,7 +117,8 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 
 //export kvbm_leader_free
 func kvbm_leader_free(hd C.uint64_t) {
-	defer func() { _ = recover() }()
+	defer guardVoid()
+	freeHook()
 	if h, err := handle[*leaderHandle](hd); err == nil {
 		h.close()
 		deleteHandle(hd)

@@ -163,7 +163,8 @@ func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 
 //export kvbm_wire_leader_free
 func kvbm_wire_leader_free(hd C.uint64_t) {
-	defer func() { _ = recover() }()
+	defer guardVoid()
+	freeHook()
 	if h, err := handle[*wireLeaderHandle](hd); err == nil {
 		_ = h.l.Close()
 		deleteHandle(hd)
@@ -348,7 +349,8 @@ func isClosed(c <-chan struct{}) bool {
 
 //export kvbm_wire_worker_free
 func kvbm_wire_worker_free(hd C.uint64_t) {
-	defer func() { _ = recover() }()
+	defer guardVoid()
+	freeHook()
 	if h, err := handle[*wireWorkerHandle](hd); err == nil {
 		h.closeOnce.Do(func() { close(h.closing) })
 		_ = h.w.Close()

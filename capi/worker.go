@@ -136,7 +136,8 @@ func workerOf(hd C.uint64_t) (*workerHandle, error) {
 
 //export kvbm_worker_free
 func kvbm_worker_free(hd C.uint64_t) {
-	defer func() { _ = recover() }()
+	defer guardVoid()
+	freeHook()
 	if h, err := handle[*workerHandle](hd); err == nil && h.w != nil {
 		_ = h.w.Close()
 		h.w = nil

@@ -9,6 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.path.join(ROOT, "python", "kvbm", "lib", "libkvbm.so")
+DEBUG_LIB = os.path.join(ROOT, "python", "kvbm", "lib", "libkvbm_debug.so")  # make build-debug
 
 
 def run_py(code, env=None):
@@ -38,6 +39,8 @@ def test_only_kvbm_symbols_exported():
     assert names, "no exported functions found"
     stray = [n for n in names if not n.startswith("kvbm_")]
     assert not stray, f"symbols outside the kvbm_ namespace: {stray[:20]}"
+    debug = [n for n in names if n.startswith("kvbm_debug")]
+    assert not debug, f"test-only exports in the normal build: {debug}"
 
 
 def test_golden_hashes_through_python():
@@ -115,11 +118,33 @@ def test_panic_becomes_exception_and_poisons():
             n.sequence_hashes([1,2,3,4], 4, salt_hash=1337)
         except kvbm.KvbmPoisonedError as e:
             print('poisoned:', str(e).splitlines()[0])
-        """
+        """,
+        env={"KVBM_LIBRARY": DEBUG_LIB},
     )
     assert r.returncode == 0, r.stderr
     assert "caught" in r.stdout
     assert "poisoned: kvbm is poisoned" in r.stdout
+
+
+def test_panic_in_free_poisons_instead_of_crashing():
+    r = run_py(
+        """
+        import kvbm, kvbm._native as n
+        from kvbm._core import Leader
+        leader = Leader(block_size=4, bytes_per_block=64)
+        n.lib().kvbm_debug_panic_in_free()
+        leader.close()  # kvbm_leader_free panics inside the library
+        assert n.is_poisoned()
+        try:
+            n.sequence_hashes([1,2,3,4], 4, salt_hash=1337)
+        except kvbm.KvbmPoisonedError as e:
+            assert 'panic while freeing' in str(e), e
+            print('poisoned')
+        """,
+        env={"KVBM_LIBRARY": DEBUG_LIB, "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "poisoned" in r.stdout
 
 
 def test_fork_then_call_raises():

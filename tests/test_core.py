@@ -129,3 +129,11 @@ def test_plan_format_shared_by_go_and_python(env):
     # A plan written by Python is executed by the Go worker.
     worker.bind(_plan.encode(seq=p["seq"] + 1, saves=[(1, 8, 2, 30)]))
     worker.wait_for_save()
+    # ...and its bytes come back through a Python-written load.
+    assert block_bytes(caches, 20) != block_bytes(caches, 8)
+    worker.bind(_plan.encode(seq=p["seq"] + 2, loads={"q": [(2, 30, 1, 20)]}))
+    worker.start_load()
+    worker.wait_loads()
+    worker.wait_for_save()
+    assert worker.finished() == (["q"], [])
+    assert block_bytes(caches, 20) == block_bytes(caches, 8)

@@ -128,7 +128,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		LeaderWorkerInitTimeout: p.seconds(EnvLeaderWorkerInitTimeoutSecs, DefaultLeaderWorkerInitTimeout),
 		LeaderWorkerLiveness:    p.seconds(EnvLeaderWorkerLivenessSecs, DefaultLeaderWorkerLiveness),
-		LeaderZMQHost:           p.str(EnvLeaderZMQHost, DefaultLeaderZMQHost),
+		LeaderZMQHost:           p.host(EnvLeaderZMQHost, DefaultLeaderZMQHost),
 		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
 		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),
 
@@ -143,7 +143,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		EnableConsolidator: p.boolean(EnvEnableConsolidator, true),
 		TrtllmZMQPort:      p.port(EnvTrtllmZMQPort, 0),
-		NatsServer:         p.str(EnvNatsServer, DefaultNatsServer),
+		NatsServer:         p.natsURLs(EnvNatsServer, DefaultNatsServer),
 	}
 
 	// Cross-variable rules, only when the inputs themselves parsed (an error

@@ -151,13 +151,28 @@ func TestVariables(t *testing.T) {
 			add(env, tc{name: "bad " + v, value: v, reason: "not a boolean"})
 		}
 	}
-	for env, get := range map[string]func(*Config) any{
-		EnvLeaderZMQHost: func(c *Config) any { return c.LeaderZMQHost },
-		EnvNatsServer:    func(c *Config) any { return c.NatsServer },
-		EnvDiskCacheDir:  func(c *Config) any { return c.DiskCacheDir },
-	} {
-		add(env, tc{name: "valid", value: "/x-10.0.0.2", check: num(get, "/x-10.0.0.2")})
-	}
+	add(EnvDiskCacheDir, tc{name: "valid", value: "/x-10.0.0.2", check: num(func(c *Config) any { return c.DiskCacheDir }, "/x-10.0.0.2")})
+	host := func(c *Config) any { return c.LeaderZMQHost }
+	add(EnvLeaderZMQHost,
+		tc{name: "ip", value: "10.0.0.2", check: num(host, "10.0.0.2")},
+		tc{name: "ipv6", value: "::1", check: num(host, "::1")},
+		tc{name: "name", value: "node-3.cluster.local", check: num(host, "node-3.cluster.local")},
+		tc{name: "path", value: "/x-10.0.0.2", reason: "not an IP address or host name"},
+		tc{name: "url", value: "tcp://10.0.0.2", reason: "not an IP address or host name"},
+		tc{name: "port", value: "10.0.0.2:5555", reason: "not an IP address or host name"},
+		tc{name: "dash", value: "-node", reason: "starts or ends with '-'"},
+	)
+	nats := func(c *Config) any { return c.NatsServer }
+	add(EnvNatsServer,
+		tc{name: "url", value: "nats://10.0.0.2:4222", check: num(nats, "nats://10.0.0.2:4222")},
+		tc{name: "tls", value: "tls://nats.example.com", check: num(nats, "tls://nats.example.com")},
+		tc{name: "no scheme", value: "nats-0:4222", check: num(nats, "nats-0:4222")},
+		tc{name: "list", value: "nats://a:4222, nats://b:4222", check: num(nats, "nats://a:4222, nats://b:4222")},
+		tc{name: "path", value: "/x-10.0.0.2", reason: "no host"},
+		tc{name: "scheme", value: "http://10.0.0.2:4222", reason: `scheme "http"`},
+		tc{name: "port", value: "nats://a:99999", reason: "out of range"},
+		tc{name: "empty in list", value: "nats://a:4222,", reason: "empty URL"},
+	)
 
 	for env, list := range cases {
 		for _, c := range list {

@@ -208,8 +208,13 @@ func TestSaltAndLoraChangeHashes(t *testing.T) {
 func TestSequenceHashesChainDependsOnPrefix(t *testing.T) {
 	a := SequenceHashes([]uint32{1, 2, 3, 4, 9, 9, 9, 9}, 4, 1337, nil)
 	b := SequenceHashes([]uint32{5, 6, 7, 8, 9, 9, 9, 9}, 4, 1337, nil)
-	require.Equal(t, BlockHash([]uint32{9, 9, 9, 9}, 1337), BlockHash([]uint32{9, 9, 9, 9}, 1337))
+	// The second blocks have the same content (so the same block hash) but
+	// different prefixes: their sequence hashes differ.
+	require.NotEqual(t, a[0], b[0])
 	require.NotEqual(t, a[1], b[1], "same block content under different prefixes")
+	c := SequenceHashes([]uint32{1, 2, 3, 4, 7, 7, 7, 7}, 4, 1337, nil)
+	require.Equal(t, a[0], c[0], "same first block, same first sequence hash")
+	require.NotEqual(t, a[1], c[1])
 }
 
 func TestRouterGolden(t *testing.T) {

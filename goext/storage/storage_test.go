@@ -138,9 +138,31 @@ func TestDiskErrors(t *testing.T) {
 	buf := newBuf(t, 2*4096)
 	require.ErrorContains(t, d.WriteBlock(2, buf[:4096]), "out of range")
 	require.ErrorContains(t, d.WriteBlock(0, buf), "want the stride")
+	// Where the filesystem takes O_DIRECT (ext4, xfs: CI's disk), the tier
+	// must use it, and then refuse unaligned buffers.
+	require.Equal(t, fsTakesODirect(t, dir), d.Direct())
 	if d.Direct() {
 		require.ErrorContains(t, d.WriteBlock(0, buf[1:4097]), "aligned")
 	}
+}
+
+// fsTakesODirect probes dir's filesystem independently of the disk tier: an
+// aligned O_DIRECT write and read of one block.
+func fsTakesODirect(t *testing.T, dir string) bool {
+	t.Helper()
+	path := filepath.Join(dir, "odirect-probe")
+	defer os.Remove(path)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_DIRECT, 0o600)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	buf := newBuf(t, 4096)
+	if n, err := unix.Pwrite(fd, buf, 0); err != nil || n != len(buf) {
+		return false
+	}
+	n, err := unix.Pread(fd, buf, 0)
+	return err == nil && n == len(buf)
 }
 
 // TestStaleDiskFilesRemoved: a crashed process leaves its disk tier file

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // Defaults of Config.
@@ -154,7 +155,7 @@ func New(cfg Config) (*Consolidator, error) {
 			c.cancel()
 			return nil, fmt.Errorf("consolidator: ZMQ output high-water mark: %w", err)
 		}
-		if err := pub.Listen(cfg.ZMQBind); err != nil {
+		if err := pub.Listen(zmqguard.Endpoint(cfg.ZMQBind)); err != nil {
 			_ = pub.Close()
 			c.cancel()
 			return nil, fmt.Errorf("consolidator: bind ZMQ output %s (DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 must be free): %w",

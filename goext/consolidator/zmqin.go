@@ -8,6 +8,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // subscribe is the goroutine of one engine endpoint: connect a SUB socket
@@ -35,7 +36,7 @@ func (c *Consolidator) subscribe(ep string) {
 			c.log.Error(fmt.Sprintf("KV event consolidator: subscribe on %s: %v", ep, err))
 			return
 		}
-		if err := sub.Dial(ep); err != nil {
+		if err := sub.Dial(zmqguard.Endpoint(ep)); err != nil {
 			_ = sub.Close()
 			if !warned {
 				c.log.Warn(fmt.Sprintf("KV event consolidator ZMQ listener cannot connect to %s yet (%v); retrying with backoff up to %s",

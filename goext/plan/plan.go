@@ -21,6 +21,8 @@ import (
 	"fmt"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbm/kvbm/goext/internal/mpbound"
 )
 
 // Tier names where a block lives.
@@ -89,8 +91,13 @@ const copyBytes = 18
 // Encode serialises the step.
 func (s *Step) Encode() ([]byte, error) { return msgpack.Marshal(s) }
 
-// Decode parses an encoded step.
+// Decode parses an encoded step. A plan can come from anyone who reaches
+// the side channel, so its declared lengths are checked against its size
+// before the msgpack decoder allocates for them.
 func Decode(b []byte) (*Step, error) {
+	if err := mpbound.Check(b); err != nil {
+		return nil, fmt.Errorf("decode step plan (%d bytes): %w", len(b), err)
+	}
 	var s Step
 	if err := msgpack.Unmarshal(b, &s); err != nil {
 		return nil, fmt.Errorf("decode step plan (%d bytes): %w", len(b), err)
@@ -219,7 +226,13 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			if err != nil {
 				return err
 			}
-			s.Loads = make([]Load, 0, max(m, 0))
+			// An empty or nil list decodes as nil, as Encode omits it.
+			// The capacity is bounded: DecodeMsgpack also runs on input
+			// that Decode did not check.
+			s.Loads = nil
+			if m > 0 {
+				s.Loads = make([]Load, 0, min(m, 1024))
+			}
 			for j := 0; j < m; j++ {
 				ld, err := decodeLoad(dec)
 				if err != nil {

@@ -1,6 +1,7 @@
 package plan
 
 import (
+	"runtime"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -34,6 +35,41 @@ func TestDecodeGarbage(t *testing.T) {
 	for _, b := range [][]byte{nil, {0xc1}, {0x81, 0xa1, 'l', 0x05}, []byte("not msgpack at all")} {
 		_, err := Decode(b)
 		require.Error(t, err, "%x", b)
+	}
+}
+
+// Finding 4 of issue 13: 9 bytes declaring 2^32 loads, or a bin32 declaring
+// 4 GiB of copies, made Decode reserve that much before failing.
+func TestDecodeRefusesLengthsBeyondInput(t *testing.T) {
+	for name, b := range map[string][]byte{
+		"4G loads":       {0x81, 0xa1, 'l', 0xdd, 0xff, 0xff, 0xff, 0xff},
+		"4 GiB of saves": {0x81, 0xa1, 'v', 0xc6, 0xff, 0xff, 0xff, 0xff, 0},
+		"4 GiB req id":   {0x81, 0xa1, 'l', 0x91, 0x81, 0xa1, 'r', 0xdb, 0xff, 0xff, 0xff, 0xff},
+		"4 GiB skipped":  {0x81, 0xa1, 'z', 0xc6, 0xff, 0xff, 0xff, 0xff},
+	} {
+		before := allocatedBytes()
+		_, err := Decode(b)
+		require.Error(t, err, name)
+		require.Less(t, allocatedBytes()-before, uint64(1<<20), name)
+	}
+}
+
+func allocatedBytes() uint64 {
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.TotalAlloc
+}
+
+// An empty load list is no load list: Encode omits it.
+func TestDecodeEmptyLoadsIsNil(t *testing.T) {
+	for _, b := range [][]byte{
+		{0x82, 0xa1, 'q', 1, 0xa1, 'l', 0xc0},
+		{0x82, 0xa1, 'q', 1, 0xa1, 'l', 0x90},
+	} {
+		s, err := Decode(b)
+		require.NoError(t, err)
+		require.Nil(t, s.Loads)
+		require.Equal(t, &Step{Seq: 1}, s)
 	}
 }
 

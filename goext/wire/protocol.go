@@ -6,6 +6,8 @@ import (
 	"fmt"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbm/kvbm/goext/internal/mpbound"
 )
 
 // Function names carried in frame 1 (see the package comment).
@@ -123,7 +125,13 @@ func marshal(v any) []byte {
 	return b
 }
 
+// unmarshal decodes a payload from the side channel, whose declared lengths
+// are checked against its size first: msgpack reserves memory for a declared
+// length before reading it (a bin's whole size, a string's in 1 MiB steps).
 func unmarshal(b []byte, v any) error {
+	if err := mpbound.Check(b); err != nil {
+		return fmt.Errorf("%w: %T payload (%d bytes): %v", errFrame, v, len(b), err)
+	}
 	if err := msgpack.Unmarshal(b, v); err != nil {
 		return fmt.Errorf("%w: %T payload (%d bytes): %v", errFrame, v, len(b), err)
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // Transport selects how leader and workers talk.
@@ -168,13 +169,13 @@ func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t := &tcpLeader{ctx: ctx, cancel: cancel}
 	t.pub = zmq4.NewPub(ctx, zmqLogger(log))
-	if err := t.pub.Listen(ep.PubURL()); err != nil {
+	if err := t.pub.Listen(zmqguard.Endpoint(ep.PubURL())); err != nil {
 		_ = t.pub.Close()
 		cancel()
 		return nil, bindError("PUB", config.EnvLeaderZMQPubPort, ep, ep.PubURL(), ep.PubPort, err)
 	}
 	t.pull = zmq4.NewPull(ctx, zmqLogger(log))
-	if err := t.pull.Listen(ep.AckURL()); err != nil {
+	if err := t.pull.Listen(zmqguard.Endpoint(ep.AckURL())); err != nil {
 		_ = t.pull.Close()
 		_ = t.pub.Close()
 		cancel()
@@ -258,7 +259,7 @@ func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.L
 		url  string
 	}{{t.sub, ep.PubURL()}, {t.push, ep.AckURL()}} {
 		for {
-			err := s.sock.Dial(s.url)
+			err := s.sock.Dial(zmqguard.Endpoint(s.url))
 			if err == nil {
 				break
 			}

@@ -1,0 +1,140 @@
+package zmqguard
+
+import (
+	"bytes"
+	"errors"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// peerError is how the guard ends a connection. It is a net.Error that is not
+// a timeout, so zmq4 marks the connection closed and removes it from its
+// socket (zmq4 retries after a timeout).
+type peerError struct{ msg string }
+
+func (e *peerError) Error() string   { return "zmqguard: " + e.msg }
+func (e *peerError) Timeout() bool   { return false }
+func (e *peerError) Temporary() bool { return false }
+
+var _ net.Error = (*peerError)(nil)
+
+// Conn is a connection past its handshake, as zmq4 sees it.
+//
+// Reads: first the handshake bytes the guard read (replay), then the stream,
+// whose frame headers the scanner checks before zmq4 gets them. zmq4 reads a
+// connection from one goroutine at a time (its handshake, then its reader).
+//
+// Writes: zmq4's greeting is checked against the one the guard sent and
+// dropped; every later write gets WriteTimeout. Writes may come from several
+// goroutines (a SUB's subscriptions and its socket's writer).
+type Conn struct {
+	net.Conn
+	t *Transport
+
+	replay       []byte // handshake bytes not yet handed to zmq4
+	scan         frameScanner
+	readDeadline bool // the handshake's read deadline is still set
+
+	greeted  atomic.Bool  // zmq4's greeting has been written (and dropped)
+	greetMu  sync.Mutex   // guards greetGot
+	greetGot int          // bytes of zmq4's greeting seen
+	deadline atomic.Int64 // current write deadline, Unix nanoseconds
+	dropped  atomic.Bool  // the guard closed the connection
+}
+
+// newConn wraps c. inHandshake: the peer's READY command is still to come,
+// under c's read deadline, which Read clears once the command is through.
+func newConn(t *Transport, c net.Conn, replay []byte, inHandshake bool) *Conn {
+	return &Conn{Conn: c, t: t, replay: replay, readDeadline: inHandshake,
+		scan: frameScanner{max: t.limits.MaxMessageSize, handshake: inHandshake}}
+}
+
+// Read implements net.Conn.
+func (c *Conn) Read(p []byte) (int, error) {
+	if len(c.replay) > 0 {
+		n := copy(p, c.replay)
+		c.replay = c.replay[n:]
+		return n, nil
+	}
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		if serr := c.scan.scan(p[:n]); serr != nil {
+			var se *scanError
+			if errors.As(serr, &se) && se.oversized {
+				c.t.oversized.Add(1)
+			}
+			return 0, c.drop(serr.Error())
+		}
+		if c.readDeadline && !c.scan.handshake {
+			c.readDeadline = false
+			if derr := c.Conn.SetReadDeadline(time.Time{}); derr != nil && err == nil {
+				err = derr
+			}
+		}
+	}
+	return n, err
+}
+
+// Write implements net.Conn.
+func (c *Conn) Write(p []byte) (int, error) {
+	if !c.greeted.Load() {
+		n, rest, err := c.dropGreeting(p)
+		if err != nil || len(rest) == 0 {
+			return n, err
+		}
+		m, err := c.write(rest)
+		return n + m, err
+	}
+	return c.write(p)
+}
+
+// dropGreeting consumes the part of p that is zmq4's greeting.
+func (c *Conn) dropGreeting(p []byte) (int, []byte, error) {
+	c.greetMu.Lock()
+	defer c.greetMu.Unlock()
+	if c.greetGot == greetingLen {
+		return 0, p, nil
+	}
+	k := min(len(p), greetingLen-c.greetGot)
+	if !bytes.Equal(p[:k], greeting[c.greetGot:c.greetGot+k]) {
+		// Another mechanism than NULL: the peer already has the guard's
+		// greeting, so the handshake cannot go on.
+		return 0, nil, c.drop("zmq4 greeting differs from the guard's (only NULL security is supported)")
+	}
+	c.greetGot += k
+	if c.greetGot == greetingLen {
+		c.greeted.Store(true)
+	}
+	return k, p[k:], nil
+}
+
+func (c *Conn) write(p []byte) (int, error) {
+	wt := c.t.limits.WriteTimeout
+	// Moving the deadline costs a timer update; do it only when less than
+	// half the timeout is left, so every write still gets at least wt/2.
+	now := time.Now()
+	if dl := c.deadline.Load(); dl-now.UnixNano() < int64(wt/2) {
+		next := now.Add(wt)
+		if err := c.Conn.SetWriteDeadline(next); err != nil {
+			return 0, err
+		}
+		c.deadline.Store(next.UnixNano())
+	}
+	n, err := c.Conn.Write(p)
+	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		c.t.slowDropped.Add(1)
+		return n, c.drop("peer did not take a write within " + wt.String())
+	}
+	return n, err
+}
+
+// drop closes the connection for a reason the guard found.
+func (c *Conn) drop(reason string) error {
+	if c.dropped.CompareAndSwap(false, true) {
+		_ = c.Conn.Close()
+	}
+	return &peerError{msg: reason + " (" + c.RemoteAddr().String() + ")"}
+}

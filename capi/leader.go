@@ -12,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
@@ -222,9 +223,50 @@ type stepUpdate struct {
 	NewBlockIDs  []int64
 	NumComputed  int
 	NumScheduled int
-	Priority     int
+	Priority     rowPriority
 	Salt         uint64
 	Resumed      bool
+}
+
+// rowPriority is the priority field of a step row: nil when the engine gives
+// no priorities (vLLM: the offload filter does not apply), a list with the
+// priority of each new block id (TensorRT-LLM's RequestData.priorities), or
+// one integer that every new block id of the row has.
+type rowPriority struct {
+	perBlock []int
+	all      int
+	hasAll   bool
+}
+
+func (p *rowPriority) DecodeMsgpack(dec *msgpack.Decoder) error {
+	*p = rowPriority{}
+	code, err := dec.PeekCode()
+	if err != nil {
+		return err
+	}
+	switch {
+	case code == msgpcode.Nil:
+		return dec.DecodeNil()
+	case msgpcode.IsFixedArray(code) || code == msgpcode.Array16 || code == msgpcode.Array32:
+		return dec.Decode(&p.perBlock)
+	default:
+		p.all, err = dec.DecodeInt()
+		p.hasAll = err == nil
+		return err
+	}
+}
+
+// forBlocks is the leader's RequestUpdate.Priorities for a row with n new
+// block ids.
+func (p rowPriority) forBlocks(n int) []int {
+	if !p.hasAll {
+		return p.perBlock
+	}
+	out := make([]int, n)
+	for i := range out {
+		out[i] = p.all
+	}
+	return out
 }
 
 // stepInput is [updates, finished_loading_ids, load_error_blocks].
@@ -259,7 +301,7 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 		ups[i] = leader.RequestUpdate{
 			ReqID: u.ReqID, NewTokens: u.NewTokens, NewBlockIDs: u.NewBlockIDs,
 			NumComputedTokens: u.NumComputed, NumScheduledTokens: u.NumScheduled,
-			Priority: u.Priority, Salt: u.Salt, Resumed: u.Resumed,
+			Priorities: u.Priority.forBlocks(len(u.NewBlockIDs)), Salt: u.Salt, Resumed: u.Resumed,
 		}
 	}
 	b, err := h.l.Step(ups)

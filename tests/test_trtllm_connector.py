@@ -445,7 +445,13 @@ def test_leader_consolidator_merges_engine_and_kvbm_events_on_nats(make_engine, 
     assert len(idx.blocks(3)) == 3
 
 
-@pytest.mark.parametrize("priorities, saved", [(None, 2), ([60, 60], 2), ([60, 30], 0), ([20], 0)])
+@pytest.mark.parametrize("priorities, saved", [
+    (None, 3),  # no retention config: TensorRT-LLM's default priority (35) passes
+    ([60, 60, 60], 3),
+    ([80, 80, 10], 2),  # per block: the two 80s, not the step's minimum
+    ([60, 30, 60], 1),  # a prefix: offload stops at the first block below
+    ([20], 0),
+])
 def test_retention_priorities_drive_the_offload_filter(make_engine, priorities, saved):
     from kvbm._adapter_common import plan_summary
 
@@ -453,9 +459,103 @@ def test_retention_priorities_drive_the_offload_filter(make_engine, priorities, 
     try:
         eng = make_engine(env_extra={"DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY": "35"}, spec_extra={"tp": 1},
                           workers=pool)
-        rd = RequestData(1, toks(2 * BS), [4, 5], 0, 2 * BS, priorities=priorities)
+        rd = RequestData(1, toks(3 * BS), [4, 5, 6], 0, 3 * BS, priorities=priorities)
         plan = eng.leader.build_connector_meta(SchedulerOutput(new_requests=[rd]))
-        # TensorRT-LLM's default priority (35) when the request has no retention config.
-        assert len(plan_summary(plan)["saves"]) == saved
+        assert [s[0] for s in plan_summary(plan)["saves"]] == [4, 5, 6][:saved]
     finally:
         pool.close()
+
+
+def test_decode_blocks_are_filtered_by_their_own_priority(make_engine):
+    from kvbm._adapter_common import plan_summary
+
+    pool = InProcessPool()
+    try:
+        eng = make_engine(env_extra={"DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY": "35"}, spec_extra={"tp": 1},
+                          workers=pool)
+        step = eng.leader.build_connector_meta
+        plan = step(SchedulerOutput(new_requests=[RequestData(1, toks(2 * BS), [4, 5], 0, 2 * BS,
+                                                              priorities=[90, 90])]))
+        assert [s[0] for s in plan_summary(plan)["saves"]] == [4, 5]
+        # Decode fills block 6 (decode_retention_priority 10): not offloaded.
+        for i in range(BS):
+            rd = RequestData(1, [7 + i], [6] if i == 0 else [], 2 * BS + i, 1, priorities=[10] if i == 0 else [])
+            plan = step(SchedulerOutput(cached_requests=[rd]))
+            assert plan_summary(plan)["saves"] == []
+    finally:
+        pool.close()
+
+
+U64 = (1 << 64) - 1
+
+
+@pytest.mark.parametrize("salt_a, salt_b, shared", [
+    (None, None, True),
+    (7, 7, True),
+    (7, 8, False),
+    (None, 7, False),
+    (U64, U64, True),  # >= 2^63: survives the C ABI intact
+    ((1 << 63) + 5, (1 << 63) + 6, False),
+    ((1 << 63) + 5, 5, False),  # the high bit is not dropped
+])
+def test_cache_salt_id_keeps_tenants_apart(make_engine, salt_a, salt_b, shared):
+    """TensorRT-LLM's LlmRequest.cache_salt_id: the same tokens under another
+    salt match nothing in G2; under the same salt they load byte-exact."""
+    eng = make_engine()
+    prompt = toks(4 * BS + 3)
+    a = FakeLlmRequest(1, prompt, 2)
+    a.cache_salt_id = salt_a
+    eng.submit(a)
+    eng.run()
+    assert a.phase == "done"
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, r.matched // BS), loaded.append(r))
+    b = FakeLlmRequest(2, prompt, 2)
+    b.cache_salt_id = salt_b
+    eng.submit(b)
+    eng.run()
+    assert b.phase == "done"
+    assert b.matched == (4 * BS if shared else 0)
+    assert loaded == ([b] if shared else [])
+
+
+def test_request_data_salt_keys_an_unmatched_request(make_engine):
+    """A request the connector never matched is offloaded under the salt of
+    its RequestData (cache_salt_id, or the cache_salt string of releases that
+    report the string)."""
+    pool = InProcessPool()
+    try:
+        eng = make_engine(spec_extra={"tp": 1}, workers=pool)
+        salt = (1 << 63) + 1
+        eng.leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, toks(3 * BS), [4, 5, 6], 0, 3 * BS, cache_salt_id=salt),
+            RequestData(2, toks(3 * BS, start=900), [7, 8, 9], 0, 3 * BS, cache_salt="tenant-a"),
+        ]))
+        for rid, (tokens, salt_id, want) in enumerate([
+            (toks(3 * BS), salt, 3 * BS),
+            (toks(3 * BS), salt - (1 << 63), 0),
+            (toks(3 * BS), None, 0),
+            (toks(3 * BS, start=900), None, 0),
+        ], start=10):
+            r = FakeLlmRequest(rid, tokens + [1], 1)
+            r.cache_salt_id = salt_id
+            assert eng.leader.get_num_new_matched_tokens(r, 0) == ((want, True) if want else (0, False))
+            eng.leader.request_finished(r, [])
+    finally:
+        pool.close()
+
+
+def test_cache_salt_id_is_mixed_as_its_decimal_string():
+    from types import SimpleNamespace
+
+    from kvbm import _native
+    from kvbm.trtllm_integration.connector.kvbm_connector_leader import _cache_salt
+
+    assert _cache_salt(SimpleNamespace(cache_salt_id=U64)) == "18446744073709551615"
+    # A binding that reports the u64 as a signed 64-bit value names the same salt.
+    assert _cache_salt(SimpleNamespace(cache_salt_id=-1)) == "18446744073709551615"
+    assert _cache_salt(SimpleNamespace(cache_salt_id=0)) == "0"
+    assert _cache_salt(SimpleNamespace(cache_salt_id=None, cache_salt="tenant-a")) == "tenant-a"
+    assert _cache_salt(SimpleNamespace(cache_salt_id=None)) is None
+    assert _native.salt_hash(_cache_salt(SimpleNamespace(cache_salt_id=U64))) != _native.salt_hash(
+        _cache_salt(SimpleNamespace(cache_salt_id=U64 >> 1)))

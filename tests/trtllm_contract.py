@@ -53,6 +53,7 @@ class RequestData:
     block_hashes: list = field(default_factory=list)
     priorities: Optional[list] = None
     cache_salt: Optional[str] = None
+    cache_salt_id: Optional[int] = None
 
 
 @dataclass
@@ -129,7 +130,7 @@ class FakeLlmRequest:
         self.reported = False
         self.sampled_iter = -1
         self.lora_task_id = None
-        self.cache_salt = None
+        self.cache_salt_id = None  # u64, derived by the LLM API from the request's salt string
 
     def get_tokens(self, beam: int):
         assert beam == 0
@@ -438,7 +439,7 @@ class Engine:
         r.rep_tokens = max(r.rep_tokens, len(visible))
         new_blocks = list(r.blocks) if (self.resend and r.reported) else list(r.blocks[r.rep_blocks:])
         r.rep_blocks = len(r.blocks)
-        return RequestData(r.request_id, new_tokens, new_blocks, computed, sched)
+        return RequestData(r.request_id, new_tokens, new_blocks, computed, sched, cache_salt_id=r.cache_salt_id)
 
     def _get_finished(self) -> None:
         saving, loading = self.new_saving, self.new_loading

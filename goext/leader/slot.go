@@ -1,6 +1,7 @@
 package leader
 
 import (
+	"math"
 	"slices"
 
 	"github.com/kvbm/kvbm/goext/hashing"
@@ -25,6 +26,10 @@ type source struct {
 	g1   int64 // destination G1 block, once planned
 }
 
+// noPriority marks a block the engine gave no priority: the offload filter
+// lets it through and its copies are registered at priority 0.
+const noPriority = math.MinInt
+
 // slot is the leader's state for one request.
 type slot struct {
 	id   string
@@ -36,11 +41,12 @@ type slot struct {
 	// hashes[i] is the sequence hash of full block i; extended lazily, so it
 	// may be shorter than len(tokens)/bs.
 	hashes []uint64
-	// g1 are the engine's block ids for the request, in order.
-	g1 []int64
+	// g1 are the engine's block ids for the request, in order; prio[i] is
+	// the priority of block i (noPriority when the engine gave none).
+	g1   []int64
+	prio []int
 
-	seen     bool // appeared in a Step (its block list and tokens are the engine's)
-	priority int
+	seen bool // appeared in a Step (its block list and tokens are the engine's)
 
 	// Offload progress: blocks [0, offloaded) were saved (or skipped as
 	// already present); stopped is set by the priority filter, after which
@@ -123,15 +129,29 @@ func (s *slot) ensureHashes(n, bs int) {
 	}
 }
 
-// mergeBlockIDs appends the engine's new G1 block ids. Engines may resend ids
-// the slot already has (TensorRT-LLM resends whole lists; vLLM's first
-// scheduling lists every block): an incoming list whose head overlaps the
-// tail of the known list contributes only what follows the overlap. Block ids
-// are unique within a request, so the overlap is found from incoming[0].
-// Cost: O(len(incoming)).
-func (s *slot) mergeBlockIDs(incoming []int64) {
+// mergeBlockIDs appends the engine's new G1 block ids and their priorities
+// (prios[i] is incoming[i]'s; blocks past the end of prios have none).
+// Engines may resend ids the slot already has (TensorRT-LLM resends whole
+// lists; vLLM's first scheduling lists every block): an incoming list whose
+// head overlaps the tail of the known list contributes only what follows the
+// overlap. Cost: O(len(incoming)).
+func (s *slot) mergeBlockIDs(incoming []int64, prios []int) {
+	for i := s.overlap(incoming); i < len(incoming); i++ {
+		p := noPriority
+		if i < len(prios) {
+			p = prios[i]
+		}
+		s.g1 = append(s.g1, incoming[i])
+		s.prio = append(s.prio, p)
+	}
+}
+
+// overlap is how many leading ids of incoming the slot's block list already
+// ends with. Block ids are unique within a request, so the overlap is found
+// from incoming[0].
+func (s *slot) overlap(incoming []int64) int {
 	if len(incoming) == 0 {
-		return
+		return 0
 	}
 	first := incoming[0]
 	for p := max(0, len(s.g1)-len(incoming)); p < len(s.g1); p++ {
@@ -140,17 +160,22 @@ func (s *slot) mergeBlockIDs(incoming []int64) {
 		}
 		tail := s.g1[p:]
 		if slices.Equal(tail, incoming[:len(tail)]) {
-			s.g1 = append(s.g1, incoming[len(tail):]...)
-			return
+			return len(tail)
 		}
 		break
 	}
-	s.g1 = append(s.g1, incoming...)
+	return 0
+}
+
+// resetBlocks forgets the block list (a resumed request gets a new one).
+func (s *slot) resetBlocks() {
+	s.g1 = s.g1[:0]
+	s.prio = s.prio[:0]
 }
 
 // recycle clears the slot for reuse by another request, keeping its buffers
 // (a 32K-token prompt's buffers are ~200 KB; reusing them keeps matching
 // free of large allocations).
 func (s *slot) recycle() {
-	*s = slot{tokens: s.tokens[:0], hashes: s.hashes[:0], g1: s.g1[:0], staged: s.staged[:0]}
+	*s = slot{tokens: s.tokens[:0], hashes: s.hashes[:0], g1: s.g1[:0], prio: s.prio[:0], staged: s.staged[:0]}
 }

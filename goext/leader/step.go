@@ -25,8 +25,12 @@ type RequestUpdate struct {
 	NumComputedTokens int
 	// NumScheduledTokens: tokens this step computes.
 	NumScheduledTokens int
-	// Priority of the request's blocks (eviction order, offload filter).
-	Priority int
+	// Priorities: the priority of each of NewBlockIDs (Priorities[i] is
+	// NewBlockIDs[i]'s), for the eviction order of its saved copies and the
+	// offload filter (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY). A block past
+	// the end of the list (every block when nil) has no priority: the filter
+	// lets it through and its copies are registered at priority 0.
+	Priorities []int
 	// Salt is the request's salt hash (hashing.SaltHash), read when the slot
 	// is created; 0 = the default salt.
 	Salt uint64
@@ -50,8 +54,9 @@ type RequestUpdate struct {
 //     not evaluated yet is copied G1→G2 (G1→G3 in disk-only mode) and
 //     registered; a block whose hash the tier already has is not copied again
 //     but counts as a re-registration for the disk frequency filter. The
-//     priority filter stops a request's offload at its first block below
-//     DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY.
+//     priority filter (SPEC §4) offloads the longest prefix of blocks whose
+//     priority is at least DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY and
+//     stops the request's offload for good at its first block below it.
 //   - Drops: blocks invalidated since the last Step and not rewritten by it.
 //
 // Cost is O(blocks that changed) plus the queued moves; nothing walks a pool.
@@ -177,7 +182,7 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
 	if !s.seen || u.Resumed {
 		s.setTokens(u.NewTokens, l.bs)
 		if u.Resumed {
-			s.g1 = s.g1[:0]
+			s.resetBlocks()
 		}
 		// What the engine has computed when it (re)schedules a request came
 		// from its own prefix cache or from a kvbm load: never offload it
@@ -188,8 +193,7 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
 		s.appendTokens(u.NewTokens)
 	}
 	s.seen = true
-	s.mergeBlockIDs(u.NewBlockIDs)
-	s.priority = u.Priority
+	s.mergeBlockIDs(u.NewBlockIDs, u.Priorities)
 	l.planSaves(s, u, st)
 }
 
@@ -205,15 +209,20 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 	if start >= end {
 		return
 	}
-	if l.minPrio > 0 && u.Priority < l.minPrio {
-		s.stopped = true
-		l.log.Debug("kvbm: offload terminated at block (priority below DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY)",
-			"request", s.id, "block", start, "priority", u.Priority, "min_priority", l.minPrio)
-		return
-	}
 	s.ensureHashes(end, bs)
 	tier := l.saveTo.Tier()
 	for i := start; i < end; i++ {
+		prio := s.prio[i]
+		if prio == noPriority {
+			prio = 0
+		} else if l.minPrio > 0 && prio < l.minPrio {
+			// Offloaded blocks stay a prefix of the request: nothing after
+			// this block is offloaded either.
+			s.stopped = true
+			l.log.Debug("kvbm: offload terminated at block (priority below DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY)",
+				"request", s.id, "block", i, "priority", prio, "min_priority", l.minPrio)
+			return
+		}
 		h := s.hashes[i]
 		if idx, ok := l.saveTo.Lookup(h); ok {
 			l.saveTo.Touch(idx)
@@ -233,7 +242,7 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 		if i > 0 {
 			parent = s.hashes[i-1]
 		}
-		dst, _ = l.saveTo.Register(dst, h, parent, i > 0, s.tokens[i*bs:(i+1)*bs], u.Priority)
+		dst, _ = l.saveTo.Register(dst, h, parent, i > 0, s.tokens[i*bs:(i+1)*bs], prio)
 		l.written = append(l.written, tierBlock{tier, dst})
 		st.Saves = append(st.Saves, plan.Copy{Src: plan.G1, SrcBlock: s.g1[i], Dst: tier, DstBlock: int64(dst)})
 		if tier == plan.G2 {

@@ -141,32 +141,81 @@ func TestSaveRetriedWhenTierPinned(t *testing.T) {
 }
 
 func TestPriorityFilter(t *testing.T) {
-	// Reference test: priorities [80, 80, 10] with threshold 30 offload the
-	// first two blocks, then the request's offload terminates for good.
+	// Reference test: priorities [80, 80, 10, 80] with threshold 30 offload
+	// the first two blocks, then the request's offload terminates for good.
 	e := newEnv(t, 16, 0, func(c *config.Config) { c.HostOffloadPrefixMinPriority = 30 })
 	prompt := toks(0, 16)
-	ups := []struct {
-		prio  int
-		saves []plan.Copy
-	}{
-		{80, []plan.Copy{save(100, plan.G2, 0)}},
-		{80, []plan.Copy{save(101, plan.G2, 1)}},
-		{10, nil},
-		{80, nil},
-	}
-	for i, u := range ups {
-		up := RequestUpdate{ReqID: "r", NumComputedTokens: i * bs, NumScheduledTokens: bs, Priority: u.prio}
+	want := [][]plan.Copy{{save(100, plan.G2, 0)}, {save(101, plan.G2, 1)}, nil, nil}
+	for i, saves := range want {
+		up := RequestUpdate{ReqID: "r", NumComputedTokens: i * bs, NumScheduledTokens: bs}
 		if i == 0 {
-			up.NewTokens, up.NewBlockIDs = prompt, []int64{100, 101, 102, 103}
+			up.NewTokens, up.NewBlockIDs, up.Priorities = prompt, []int64{100, 101, 102, 103}, []int{80, 80, 10, 80}
 		}
 		st := e.step(t, up)
-		require.Equal(t, u.saves, st.Saves, "block %d priority %d", i, u.prio)
+		require.Equal(t, saves, st.Saves, "block %d", i)
 	}
 	require.Contains(t, e.logs.String(), "offload terminated at block")
 	// Other requests are unaffected; registered priority drives eviction.
-	st := e.step(t, RequestUpdate{ReqID: "q", NewTokens: toks(50, 4), NewBlockIDs: []int64{5}, NumScheduledTokens: 4, Priority: 90})
+	st := e.step(t, RequestUpdate{ReqID: "q", NewTokens: toks(50, 4), NewBlockIDs: []int64{5}, NumScheduledTokens: 4,
+		Priorities: []int{90}})
 	require.Len(t, st.Saves, 1)
 	require.Equal(t, 90, e.l.host.Info(int(st.Saves[0].DstBlock)).Priority)
+}
+
+func TestPriorityFilterIsPerBlock(t *testing.T) {
+	// Issue 14: one step computing blocks with priorities [80, 80, 10] and a
+	// threshold of 35 offloads the two 80s (it used to offload none: the
+	// filter took one priority per step, the minimum).
+	tests := []struct {
+		name       string
+		minPrio    int
+		priorities []int
+		saved      []int64
+	}{
+		{"prefix above the threshold", 35, []int{80, 80, 10}, []int64{100, 101}},
+		{"all above", 35, []int{80, 35, 50}, []int64{100, 101, 102}},
+		{"first block below: nothing", 35, []int{10, 80, 80}, nil},
+		{"stops at the first block below", 35, []int{80, 10, 80}, []int64{100}},
+		{"no priorities: no filter", 35, nil, []int64{100, 101, 102}},
+		{"filter off", 0, []int{80, 80, 10}, []int64{100, 101, 102}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, 16, 0, func(c *config.Config) { c.HostOffloadPrefixMinPriority = tc.minPrio })
+			st := e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(0, 12), NewBlockIDs: []int64{100, 101, 102},
+				NumScheduledTokens: 12, Priorities: tc.priorities})
+			var saved []int64
+			for _, c := range st.Saves {
+				saved = append(saved, c.SrcBlock)
+			}
+			require.Equal(t, tc.saved, saved)
+			for k, c := range st.Saves {
+				prio := 0
+				if tc.priorities != nil {
+					prio = tc.priorities[k]
+				}
+				require.Equal(t, prio, e.l.host.Info(int(c.DstBlock)).Priority, "block %d", k)
+			}
+		})
+	}
+}
+
+func TestPriorityFilterFollowsLaterBlocksPriorities(t *testing.T) {
+	// Decode blocks arrive later with their own priority (TensorRT-LLM's
+	// decode_retention_priority): a low one stops offload from there on.
+	e := newEnv(t, 16, 0, func(c *config.Config) { c.HostOffloadPrefixMinPriority = 35 })
+	st := e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(0, 8), NewBlockIDs: []int64{1, 2},
+		NumScheduledTokens: 8, Priorities: []int{50, 50}})
+	require.Len(t, st.Saves, 2)
+	st = e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(8, 4), NewBlockIDs: []int64{3},
+		NumComputedTokens: 8, NumScheduledTokens: 4, Priorities: []int{60}})
+	require.Equal(t, []plan.Copy{save(3, plan.G2, 2)}, st.Saves)
+	st = e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(12, 4), NewBlockIDs: []int64{4},
+		NumComputedTokens: 12, NumScheduledTokens: 4, Priorities: []int{20}})
+	require.Empty(t, st.Saves)
+	st = e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(16, 4), NewBlockIDs: []int64{5},
+		NumComputedTokens: 16, NumScheduledTokens: 4, Priorities: []int{90}})
+	require.Empty(t, st.Saves, "offloaded blocks stay a prefix of the request")
 }
 
 func TestDiskOffloadWithFrequencyFilter(t *testing.T) {
@@ -227,8 +276,10 @@ func TestOnboardHitFeedsFrequencyFilter(t *testing.T) {
 func TestDiskOffloadFilterDisabled(t *testing.T) {
 	e := newEnv(t, 16, 16, func(c *config.Config) { c.DisableDiskOffloadFilter = true })
 	st := e.step(t,
-		RequestUpdate{ReqID: "a", NewTokens: toks(0, 8), NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8, Priority: 1},
-		RequestUpdate{ReqID: "b", NewTokens: toks(100, 4), NewBlockIDs: []int64{3}, NumScheduledTokens: 4, Priority: 5})
+		RequestUpdate{ReqID: "a", NewTokens: toks(0, 8), NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8,
+			Priorities: []int{1, 1}},
+		RequestUpdate{ReqID: "b", NewTokens: toks(100, 4), NewBlockIDs: []int64{3}, NumScheduledTokens: 4,
+			Priorities: []int{5}})
 	require.Empty(t, st.Moves, "a block saved in step N moves in step N+1 at the earliest")
 	st = e.step(t)
 	// Highest priority first, then FIFO.

@@ -86,9 +86,40 @@ func TestMergeBlockIDs(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			s := &slot{g1: append([]int64(nil), tc.have...)}
-			s.mergeBlockIDs(tc.in)
+			s := &slot{}
+			s.mergeBlockIDs(tc.have, nil)
+			s.mergeBlockIDs(tc.in, nil)
 			require.Equal(t, tc.out, s.g1)
+			require.Len(t, s.prio, len(s.g1))
+		})
+	}
+}
+
+func TestMergeBlockIDsKeepsPrioritiesWithTheirBlocks(t *testing.T) {
+	tests := []struct {
+		name       string
+		have       []int64
+		havePrio   []int
+		in         []int64
+		inPrio     []int
+		wantBlocks []int64
+		wantPrio   []int
+	}{
+		{"aligned", nil, nil, []int64{1, 2, 3}, []int{80, 80, 10}, []int64{1, 2, 3}, []int{80, 80, 10}},
+		{"full resend takes the new blocks' priorities", []int64{1, 2}, []int{80, 70},
+			[]int64{1, 2, 3}, []int{0, 0, 60}, []int64{1, 2, 3}, []int{80, 70, 60}},
+		{"overlap", []int64{1, 2}, []int{80, 70}, []int64{2, 3}, []int{0, 60}, []int64{1, 2, 3}, []int{80, 70, 60}},
+		{"short list: the rest have none", nil, nil, []int64{1, 2}, []int{20},
+			[]int64{1, 2}, []int{20, noPriority}},
+		{"no priorities", []int64{1}, []int{50}, []int64{2}, nil, []int64{1, 2}, []int{50, noPriority}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := &slot{}
+			s.mergeBlockIDs(tc.have, tc.havePrio)
+			s.mergeBlockIDs(tc.in, tc.inPrio)
+			require.Equal(t, tc.wantBlocks, s.g1)
+			require.Equal(t, tc.wantPrio, s.prio)
 		})
 	}
 }

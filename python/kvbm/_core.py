@@ -103,7 +103,11 @@ class Leader(_native.Handle):
         _native.call("kvbm_leader_update_after_alloc", self._h, req_id.encode(), arr, n, int(num_external_tokens))
 
     def step(self, updates, loaded=(), load_errors=()) -> bytes:
-        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed]."""
+        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed].
+
+        priority: None (no priorities: the offload filter does not apply), a
+        list with the priority of each new block id, or one int for all of them.
+        """
         payload = msgpack.packb([updates, list(loaded), list(load_errors)], use_bin_type=True)
         return _buffer_call("kvbm_leader_step", self._h, payload, len(payload))
 

@@ -13,8 +13,8 @@ TensorRT-LLM's order, per iteration (PyExecutor, both executor loops):
 
 The adapter turns TensorRT-LLM's objects into the Go leader's plain calls:
 integer request ids become strings, ``RequestData`` becomes an update row
-``[req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority,
-salt, resumed]``. Matching, planning and deduplication live in Go.
+``[req_id, new_tokens, new_block_ids, num_computed, num_scheduled,
+priorities (one per new block id), salt, resumed]``. Matching, planning and deduplication live in Go.
 
 Bytes per block: the Go leader sizes G2/G3 from it, and TensorRT-LLM gives the
 scheduler no model shapes. The leader is therefore created on first use, when
@@ -50,8 +50,25 @@ def _lora_name(request) -> str | None:
     return str(task) if task is not None else None
 
 
-def _cache_salt(request) -> str | None:
-    salt = getattr(request, "cache_salt", None)
+_U64_MASK = (1 << 64) - 1
+
+
+def _cache_salt(obj) -> str | None:
+    """The cache salt of an LlmRequest or RequestData, as kvbm's salt string.
+
+    TensorRT-LLM keeps tenants apart with ``cache_salt_id``, a u64 that its
+    LLM API derives from the request's salt string (``LlmRequest`` and newer
+    ``RequestData``; some releases give ``RequestData`` the string itself as
+    ``cache_salt``). kvbm mixes the id into its keys the way it mixes vLLM's
+    salt string (SPEC §3), as the string of its decimal digits:
+    ``{"salt":"18446744073709551615"}``. The id thus crosses the C ABI as
+    bytes, exact for every u64; an id reported as a signed 64-bit value is
+    read back as the same u64.
+    """
+    salt_id = getattr(obj, "cache_salt_id", None)
+    if salt_id is not None:
+        return str(int(salt_id) & _U64_MASK)
+    salt = getattr(obj, "cache_salt", None)
     return salt if isinstance(salt, str) and salt else None
 
 
@@ -79,7 +96,6 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._matched: dict[str, tuple[int, int]] = {}  # (device-computed tokens, kvbm tokens) at matching
         self._loading: set[str] = set()  # load planned; not yet seen back in the batch
         self._seen: set[str] = set()  # has been in a Step (a later "new" appearance is a replay)
-        self._priority: dict[str, int] = {}
         # For the next Step:
         self._loaded: list[str] = []  # requests whose loads ended
 
@@ -148,11 +164,13 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
 
     # ------------------------------------------------------------- requests
 
-    def _salt(self, rid: str, request=None, cache_salt=None) -> int:
+    def _salt(self, rid: str, source) -> int:
+        """The request's salt hash, fixed when it is first seen: at matching
+        (source: the LlmRequest) or, unmatched, at its first step (source:
+        its RequestData)."""
         s = self._salts.get(rid)
         if s is None:
-            salt = _cache_salt(request) if request is not None else cache_salt
-            s = _native.salt_hash(salt, _lora_name(request) if request is not None else None)
+            s = _native.salt_hash(_cache_salt(source), _lora_name(source))
             self._salts[rid] = s
         return s
 
@@ -190,15 +208,18 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._leader.update_after_alloc(rid, list(block_ids), m[1])
         self._loading.add(rid)
 
-    def _request_priority(self, rid: str, rd) -> int:
-        # RequestData.priorities: retention priority per new block, None
-        # without a retention config. The request's blocks share one priority
-        # in kvbm; the lowest of the new ones is the conservative choice for
-        # the offload filter (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY).
-        prios = getattr(rd, "priorities", None)
-        if prios:
-            self._priority[rid] = min(int(p) for p in prios)
-        return self._priority.get(rid, DEFAULT_PRIORITY)
+    @staticmethod
+    def _block_priorities(rd, n: int) -> list[int]:
+        """The retention priority of each of the n new block ids of rd, for
+        eviction order and the offload filter
+        (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: SPEC §4).
+
+        RequestData.priorities has one per new block, or is None without a
+        retention config; a block without one has TensorRT-LLM's default
+        priority, as it has in the engine's own cache.
+        """
+        prios = [int(p) for p in (getattr(rd, "priorities", None) or ())[:n]]
+        return prios + [DEFAULT_PRIORITY] * (n - len(prios))
 
     @guarded(b"")
     def build_connector_meta(self, scheduler_output) -> bytes:
@@ -223,10 +244,10 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
                 # asynchronous load it does not. Either way the KV up to the
                 # matched prefix is in G1 now.
                 computed = max(computed, m[0] + m[1])
+            blocks = list(rd.new_block_ids)
             updates.append([
-                rid, list(rd.new_tokens), list(rd.new_block_ids), computed, self._scheduled(rd),
-                self._request_priority(rid, rd), self._salt(rid, cache_salt=getattr(rd, "cache_salt", None)),
-                resumed,
+                rid, list(rd.new_tokens), blocks, computed, self._scheduled(rd),
+                self._block_priorities(rd, len(blocks)), self._salt(rid, rd), resumed,
             ])
             self._seen.add(rid)
         for rd in getattr(scheduler_output, "cached_requests", None) or ():
@@ -237,9 +258,10 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
                 continue
             # Block ids may be resent in full or overlap what the slot has;
             # the Go leader keeps only what follows the overlap.
+            blocks = list(rd.new_block_ids)
             updates.append([
-                rid, list(rd.new_tokens), list(rd.new_block_ids), int(rd.computed_position), self._scheduled(rd),
-                self._request_priority(rid, rd), self._salts.get(rid, 0), False,
+                rid, list(rd.new_tokens), blocks, int(rd.computed_position), self._scheduled(rd),
+                self._block_priorities(rd, len(blocks)), self._salts.get(rid, 0), False,
             ])
         loaded, self._loaded = self._loaded, []
         return leader.step(updates, loaded, LOCAL.take_load_errors())
@@ -283,7 +305,6 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._salts.pop(rid, None)
         self._matched.pop(rid, None)
         self._seen.discard(rid)
-        self._priority.pop(rid, None)
 
     @guarded(False)
     def reset_cache(self) -> bool:

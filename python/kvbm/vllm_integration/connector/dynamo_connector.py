@@ -18,6 +18,13 @@ Per engine step:
 * load failures (a G3 block whose checksum does not verify, an I/O error) are
   reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 
+A load promised to vLLM (``update_state_after_alloc`` with external tokens)
+keeps the request waiting until the workers report it finished. If kvbm fails
+before that load is in a plan, the next metadata names it in ``failed_loads``
+and the workers report it finished, with every block failed, from the
+``get_finished`` of that step; loads already in a bound plan are the workers'
+own (``_inflight_loads``).
+
 Anything kvbm cannot handle (multimodal prompts, hybrid models with several
 KV cache groups, device tensors without the CUDA build) is bypassed with a log
 line: the engine keeps serving, those requests just get no external hits.
@@ -67,6 +74,9 @@ class DynamoConnectorMetadata(KVConnectorMetadata):
     plan: bytes = b""
     seq: int = 0
     extra: dict = field(default_factory=dict)
+    # Loads promised to vLLM that no plan will carry (kvbm failed first):
+    # request id → the G1 blocks vLLM expects loaded, to report as failed.
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _role_name(role) -> str:
@@ -125,8 +135,16 @@ class DynamoConnector(KVConnectorBase_V1):
         self._failed = None
         self._on_device = False
         # Worker side: loads bound but not yet reported finished (request id →
-        # G1 blocks), so that a failure can still answer vLLM for them.
+        # G1 blocks), so that a failure can still answer vLLM for them; and
+        # loads the scheduler gave up on before planning them.
         self._inflight_loads: dict[str, list[int]] = {}
+        self._unplanned_loads: dict[str, list[int]] = {}
+        # Scheduler side: requests answered with an asynchronous load
+        # (request id → num_computed_tokens at matching), and loads promised
+        # by update_state_after_alloc that no plan carries yet (request id →
+        # their G1 blocks).
+        self._async_matches: dict[str, int] = {}
+        self._promised_loads: dict[str, list[int]] = {}
         if self._is_scheduler:
             self._prefer_recompute_on_load_failure()
             self._init_scheduler()
@@ -149,15 +167,16 @@ class DynamoConnector(KVConnectorBase_V1):
         log.error("kvbm failed in %s and is disabled for this process; vLLM keeps serving and recomputes "
                   "what kvbm would have loaded. Cause: %s", where, err)
 
-    def _failed_finished(self):
-        # Loads the worker can no longer complete: report them finished with
-        # every block failed, so vLLM recomputes instead of waiting forever.
-        if not self._inflight_loads:
-            return None, None
-        loads, self._inflight_loads = self._inflight_loads, {}
+    def _give_up_loads(self, loads: dict[str, list[int]]) -> set[str]:
+        # Loads that will not complete: report them finished with every block
+        # failed, so vLLM recomputes instead of waiting forever.
         for blocks in loads.values():
             self._load_errors.update(blocks)
-        return None, set(loads)
+        return set(loads)
+
+    def _failed_finished(self) -> set[str]:
+        loads, self._inflight_loads = self._inflight_loads, {}
+        return self._give_up_loads(loads)
 
     def shutdown(self):
         if self._pump is not None:
@@ -284,10 +303,32 @@ class DynamoConnector(KVConnectorBase_V1):
             return 0, False
         tokens = request.all_token_ids
         got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
+        if got and is_async:
+            self._async_matches[request.request_id] = int(num_computed_tokens)
+        else:
+            self._async_matches.pop(request.request_id, None)
         return got, is_async
 
-    @guarded(None)
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        # The promise is recorded even when kvbm has failed since matching:
+        # vLLM now waits for this load, and only a worker can release it.
+        try:
+            self._record_promised_load(request, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - the engine must survive
+            self._fail("update_state_after_alloc", e)
+        self._update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _record_promised_load(self, request, blocks, num_external_tokens: int) -> None:
+        computed = self._async_matches.pop(request.request_id, None)
+        if computed is None or num_external_tokens <= 0:
+            return
+        bs = self._block_size
+        first = computed // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        self._promised_loads[request.request_id] = block_ids[first:first + -(-num_external_tokens // bs)]
+
+    @guarded(None)
+    def _update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._leader is None:
             return
         rid = request.request_id
@@ -296,11 +337,19 @@ class DynamoConnector(KVConnectorBase_V1):
             block_ids = blocks.get_block_ids()[0]
             self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
 
-    @guarded(lambda self: DynamoConnectorMetadata())
+    def _failure_meta(self) -> DynamoConnectorMetadata:
+        """The metadata of a step kvbm could not plan: the promised loads that
+        no plan carries go to the workers as failed."""
+        failed, self._promised_loads = self._promised_loads, {}
+        return DynamoConnectorMetadata(failed_loads=failed)
+
+    @guarded(lambda self: self._failure_meta())
     def build_connector_meta(self, scheduler_output) -> DynamoConnectorMetadata:
         if self._leader is None:
             return DynamoConnectorMetadata()
         num_sched = scheduler_output.num_scheduled_tokens
+        # Rows carry no priority: vLLM's request priority orders scheduling,
+        # not retention, so the offload filter never applies under vLLM.
         updates = []
         for nr in scheduler_output.scheduled_new_reqs:
             rid = nr.req_id
@@ -309,8 +358,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._sent_tokens[rid] = len(tokens)
             updates.append([
                 rid, tokens, list(nr.block_ids[0]) if nr.block_ids else [], int(nr.num_computed_tokens),
-                int(num_sched.get(rid, 0)), -int(getattr(req, "priority", 0) or 0),
-                self._salt(req) if req is not None else _native.salt_hash(), False,
+                int(num_sched.get(rid, 0)), None, self._salt(req) if req is not None else _native.salt_hash(), False,
             ])
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -328,7 +376,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._sent_tokens[rid] = len(all_tokens)
             updates.append([
                 rid, tokens, list(new_blocks[0]) if new_blocks else [], int(cached.num_computed_tokens[i]),
-                int(num_sched.get(rid, 0)), -int(getattr(req, "priority", 0) or 0), self._salt(req), is_resumed,
+                int(num_sched.get(rid, 0)), None, self._salt(req), is_resumed,
             ])
         loaded, self._loaded = self._loaded, []
         invalid, self._invalid_blocks = self._invalid_blocks, []
@@ -343,6 +391,9 @@ class DynamoConnector(KVConnectorBase_V1):
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1
+        # The leader emits every load it planned in the next step: the loads
+        # promised so far are in this plan, and the workers own them now.
+        self._promised_loads.clear()
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
 
     @guarded(None)
@@ -364,6 +415,7 @@ class DynamoConnector(KVConnectorBase_V1):
         return pending, None
 
     def _forget(self, rid: str) -> None:
+        self._async_matches.pop(rid, None)
         self._requests.pop(rid, None)
         self._sent_tokens.pop(rid, None)
         self._salts.pop(rid, None)
@@ -435,6 +487,7 @@ class DynamoConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
+        self._unplanned_loads.update(getattr(connector_metadata, "failed_loads", None) or {})
         plan = getattr(connector_metadata, "plan", b"")
         if not plan:
             return
@@ -481,19 +534,24 @@ class DynamoConnector(KVConnectorBase_V1):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids):
+        unplanned, self._unplanned_loads = self._unplanned_loads, {}
+        done = self._give_up_loads(unplanned)
+        if unplanned:
+            log.warning("kvbm: %d promised loads were never planned (kvbm failed); vLLM recomputes them",
+                        len(unplanned))
         if self._worker is None or self._failed is not None:
-            return self._failed_finished()
+            return None, (done | self._failed_finished()) or None
         try:
             loaded, errors = self._worker.finished()
         except Exception as e:  # noqa: BLE001
             self._fail("get_finished", e)
-            return self._failed_finished()
+            return None, (done | self._failed_finished()) or None
         for rid in loaded:
             self._inflight_loads.pop(rid, None)
         if errors:
             self._load_errors.update(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
-        return None, (set(loaded) or None)
+        return None, (done | set(loaded)) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

@@ -1,0 +1,233 @@
+"""kvbm's vLLM connector (``DynamoConnector``) driven through vLLM's scheduler
+and worker calls by small stand-ins for vLLM's objects (reference/vllm.md
+§1.5): the scheduler-side and worker-side connectors in one process, as with
+TP=1, CPU tensors standing in for the KV cache."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbm._adapter_common import plan_summary
+
+BS = 4
+LAYERS = 2
+NUM_BLOCKS = 32
+HEADS, HEAD_DIM = 2, 8
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    for k in [k for k in os.environ if k.startswith("DYN_KVBM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "64")
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
+    monkeypatch.setenv("DYN_KVBM_DISK_CACHE_DIR", str(tmp_path))
+    return monkeypatch
+
+
+def vllm_config():
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS, enable_prefix_caching=True),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_connector="DynamoConnector", kv_role="kv_both",
+                                           kv_connector_module_path="kvbm.vllm_integration.connector",
+                                           kv_connector_extra_config={}),
+        kv_events_config=None,
+    )
+
+
+def kv_cache_config():
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = 2 * BS * HEADS * HEAD_DIM * 2  # K and V, float16
+    spec = SimpleNamespace(page_size_bytes=page)
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
+                                                                                    layer_names=names)])
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks: one KV cache group."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def request(rid: str, tokens, priority: int = 0):
+    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), cache_salt=None, lora_request=None,
+                           priority=priority, mm_features=None, prompt_embeds=None)
+
+
+def scheduler_output(new=(), finished=()):
+    """new: (request, block ids, num_computed) scheduled for the rest of its prompt."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.all_token_ids,
+                                            block_ids=(list(blocks),), num_computed_tokens=computed)
+                            for r, blocks, computed in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
+                                              new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r.request_id: len(r.all_token_ids) - computed for r, _, computed in new},
+        finished_req_ids=set(finished),
+    )
+
+
+class Engine:
+    """The scheduler-side and worker-side connectors of one vLLM instance."""
+
+    def __init__(self):
+        from kvbm.vllm_integration.connector import DynamoConnector
+
+        cfg, kvc = vllm_config(), kv_cache_config()
+        self.sched = DynamoConnector(cfg, SimpleNamespace(name="SCHEDULER"), kvc)
+        self.worker = DynamoConnector(cfg, SimpleNamespace(name="WORKER"), kvc)
+        g = torch.Generator().manual_seed(0)
+        self.kv = {f"model.layers.{i}.self_attn.attn":
+                   torch.randint(-1000, 1000, (2, NUM_BLOCKS, HEADS, BS, HEAD_DIM), generator=g).to(torch.float16)
+                   for i in range(LAYERS)}
+        self.worker.register_kv_caches(self.kv)
+        assert self.worker._worker is not None
+
+    def step(self, so, forward=True):
+        """One engine step: build_connector_meta, then the worker's calls.
+        Returns (metadata, finished_recving, invalid block ids)."""
+        meta = self.sched.build_connector_meta(so)
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        if forward:
+            w.wait_for_save()
+        _, recving = w.get_finished(set(so.finished_req_ids))
+        invalid = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        self.sched.update_connector_output(SimpleNamespace(finished_recving=recving, invalid_block_ids=invalid))
+        return meta, recving or set(), invalid
+
+    def close(self):
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def engine(env):
+    eng = Engine()
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("priority", [0, 7, -3])
+def test_request_priority_never_filters_offload(env, priority):
+    """vLLM's request priority orders scheduling, not retention: with
+    DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY set, every full block is still
+    offloaded (it used to pass -priority, so 0 < threshold offloaded nothing)."""
+    env.setenv("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "50")
+    eng = Engine()
+    try:
+        r = request("r1", range(100, 100 + 3 * BS + 1), priority=priority)
+        assert eng.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        eng.sched.update_state_after_alloc(r, Blocks([]), 0)
+        meta, _, _ = eng.step(scheduler_output(new=[(r, [3, 4, 5, 6], 0)]))
+        assert [s[0] for s in plan_summary(meta.plan)["saves"]] == [3, 4, 5]
+    finally:
+        eng.close()
+
+
+def offload_prompt(eng, tokens, blocks):
+    a = request("a", tokens)
+    assert eng.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    eng.sched.update_state_after_alloc(a, Blocks([]), 0)
+    eng.step(scheduler_output(new=[(a, blocks, 0)]))
+    assert eng.sched.request_finished(a, blocks) == (False, None)
+    eng.step(scheduler_output(finished=["a"]), forward=False)
+
+
+def promise_load(eng, tokens, blocks, device_hit=0):
+    """Matching and allocation of a request whose prefix kvbm holds: vLLM now
+    waits for the asynchronous load (WAITING_FOR_REMOTE_KVS)."""
+    b = request("b", tokens)
+    got, is_async = eng.sched.get_num_new_matched_tokens(b, device_hit)
+    assert got > 0 and is_async
+    eng.sched.update_state_after_alloc(b, Blocks(blocks), got)
+    return b, got
+
+
+def test_promised_load_completes(engine):
+    tokens = list(range(200, 200 + 4 * BS + 2))
+    offload_prompt(engine, tokens, [1, 2, 3, 4, 5])
+    _, got = promise_load(engine, tokens, [10, 11, 12, 13, 14])
+    assert got == 4 * BS
+    meta, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert plan_summary(meta.plan)["loads"] == {"b": [10, 11, 12, 13]}
+    for _ in range(50):
+        if recving:
+            break
+        _, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert recving == {"b"} and invalid == set()
+    for i in range(4):
+        for layer in engine.kv.values():
+            assert torch.equal(layer[:, 10 + i], layer[:, 1 + i])
+
+
+def _raise(*_args, **_kwargs):
+    raise RuntimeError("injected leader failure")
+
+
+# Where kvbm fails between vLLM's promise (get_num_new_matched_tokens answered
+# an asynchronous load, update_state_after_alloc accepted it) and the plan
+# that would carry the load to the workers.
+FAILURE_POINTS = [
+    "between_match_and_alloc",  # another request's call, before this one's allocation
+    "update_after_alloc",  # the leader, while planning this load
+    "after_alloc",  # another request's call, after this one's allocation
+    "build_connector_meta",  # the leader, while planning the step
+]
+
+
+@pytest.mark.parametrize("where", FAILURE_POINTS)
+def test_leader_failure_before_the_load_is_planned_reports_it_failed_within_one_step(engine, where):
+    tokens = list(range(300, 300 + 3 * BS + 1))
+    offload_prompt(engine, tokens, [1, 2, 3, 4])
+    sched, leader = engine.sched, engine.sched._leader
+    b = request("b", tokens)
+    got, is_async = sched.get_num_new_matched_tokens(b, 0)
+    assert (got, is_async) == (3 * BS, True)
+    if where == "between_match_and_alloc":
+        leader.request_finished = _raise
+        sched.request_finished(request("x", [1]), [])
+    if where == "update_after_alloc":
+        leader.update_after_alloc = _raise
+    sched.update_state_after_alloc(b, Blocks([20, 21, 22, 23]), got)
+    if where == "after_alloc":
+        leader.request_finished = _raise
+        sched.request_finished(request("x", [1]), [])
+    if where == "build_connector_meta":
+        leader.step = _raise
+    # The very next step reports the load finished with every block failed,
+    # so vLLM's scheduler takes the request back and recomputes them.
+    meta, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert sched._failed is not None
+    assert meta.failed_loads == {"b": [20, 21, 22]}
+    assert recving == {"b"}
+    assert invalid == {20, 21, 22}
+    # Reported once.
+    _, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert recving == set() and invalid == set()
+
+
+def test_failure_after_the_load_is_planned_leaves_it_to_the_worker(engine):
+    tokens = list(range(400, 400 + 2 * BS + 1))
+    offload_prompt(engine, tokens, [1, 2, 3])
+    promise_load(engine, tokens, [20, 21, 22])
+    meta, recving, _ = engine.step(scheduler_output(), forward=False)
+    assert plan_summary(meta.plan)["loads"] == {"b": [20, 21]}
+    engine.sched._leader.step = _raise
+    for _ in range(50):
+        if recving:
+            break
+        meta, recving, invalid = engine.step(scheduler_output(), forward=False)
+        assert meta.failed_loads == {}, "a planned load is not reported twice"
+    assert recving == {"b"}

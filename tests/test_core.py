@@ -137,3 +137,23 @@ def test_plan_format_shared_by_go_and_python(env):
     worker.wait_for_save()
     assert worker.finished() == (["q"], [])
     assert block_bytes(caches, 20) == block_bytes(caches, 8)
+
+
+@pytest.mark.parametrize("priority, saved", [
+    (None, 3),  # no priorities (vLLM): the filter does not apply
+    ([80, 80, 10], 2),  # one per new block: the prefix at or above the threshold
+    ([10, 80, 80], 0),
+    (80, 3),  # one for every new block
+    (10, 0),
+])
+def test_step_row_priority_forms(env, priority, saved):
+    from kvbm import _plan
+
+    env.setenv("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "35")
+    leader = Leader(block_size=BS, bytes_per_block=1024)
+    try:
+        prompt = list(range(3 * BS))
+        plan = leader.step([["r", prompt, [4, 5, 6], 0, len(prompt), priority, 0, False]])
+        assert [c[1] for c in _plan.decode(plan)["saves"]] == [4, 5, 6][:saved]
+    finally:
+        leader.close()

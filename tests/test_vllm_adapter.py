@@ -218,6 +218,18 @@ def test_leader_failure_before_the_load_is_planned_reports_it_failed_within_one_
     assert recving == set() and invalid == set()
 
 
+def test_request_aborted_while_its_load_is_promised_is_still_reported(engine):
+    """vLLM keeps an aborted WAITING_FOR_REMOTE_KVS request's blocks until its
+    load is reported finished: the report must come even after a failure."""
+    tokens = list(range(500, 500 + 2 * BS + 1))
+    offload_prompt(engine, tokens, [1, 2, 3])
+    b, _ = promise_load(engine, tokens, [20, 21, 22])
+    engine.sched.request_finished(b, [20, 21, 22])
+    engine.sched._leader.step = _raise
+    _, recving, invalid = engine.step(scheduler_output(finished=["b"]), forward=False)
+    assert recving == {"b"} and invalid == {20, 21}
+
+
 def test_failure_after_the_load_is_planned_leaves_it_to_the_worker(engine):
     tokens = list(range(400, 400 + 2 * BS + 1))
     offload_prompt(engine, tokens, [1, 2, 3])

@@ -14,7 +14,8 @@ TensorRT-LLM's order, per iteration (PyExecutor, both executor loops):
 The adapter turns TensorRT-LLM's objects into the Go leader's plain calls:
 integer request ids become strings, ``RequestData`` becomes an update row
 ``[req_id, new_tokens, new_block_ids, num_computed, num_scheduled,
-priorities (one per new block id), salt, resumed]``. Matching, planning and deduplication live in Go.
+priorities (one per new block id), salt, resumed]``. Matching, planning and
+deduplication live in Go.
 
 Bytes per block: the Go leader sizes G2/G3 from it, and TensorRT-LLM gives the
 scheduler no model shapes. The leader is therefore created on first use, when

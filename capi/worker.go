@@ -78,6 +78,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	}
 	nw := max(o.NumWorkers, 1)
 	total := eng.BytesPerBlock() * int64(nw)
+	if err := cfg.CheckBlocks(total); err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
 	hostBlocks, diskBlocks := 0, 0
 	if cfg.HostEnabled() {
 		hostBlocks = cfg.HostBlocks(total)

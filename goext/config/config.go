@@ -120,7 +120,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		DiskCacheGB:             p.gigabytes(EnvDiskCacheGB),
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
-		DiskCacheDir:            p.str(EnvDiskCacheDir, DefaultDiskCacheDir),
+		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
@@ -152,9 +152,19 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		p.fail(EnvLeaderZMQAckPort, fmt.Sprint(c.LeaderZMQAckPort),
 			"must differ from "+EnvLeaderZMQPubPort+" (both sockets bind on the leader)")
 	}
-	if p.ok(EnvDiskCacheGB, EnvDiskCacheOverrideBlocks) && c.DiskEnabled() {
+	if p.ok(EnvDiskCacheGB, EnvDiskCacheOverrideBlocks, EnvDiskCacheDir) && c.DiskEnabled() {
 		if err := checkWritableDir(c.DiskCacheDir); err != nil {
 			p.fail(EnvDiskCacheDir, c.DiskCacheDir, err.Error())
+		} else if reason := checkCapacity(uint64(gbToBytes(c.DiskCacheGB)), "disk space in "+c.DiskCacheDir,
+			func() (uint64, bool) { return availableDisk(c.DiskCacheDir) }); reason != "" {
+			p.fail(EnvDiskCacheGB, fmt.Sprint(c.DiskCacheGB), reason)
+		}
+	}
+	// A size the machine cannot hold fails here, at start-up; the block
+	// counts are checked again against the block size (CheckBlocks).
+	if p.ok(EnvCPUCacheGB) {
+		if reason := checkCapacity(uint64(gbToBytes(c.CPUCacheGB)), "memory", availableMemory); reason != "" {
+			p.fail(EnvCPUCacheGB, fmt.Sprint(c.CPUCacheGB), reason)
 		}
 	}
 
@@ -175,17 +185,21 @@ func (c *Config) DiskEnabled() bool { return c.DiskCacheOverrideBlocks > 0 || c.
 // is one block's bytes summed over all workers (TP ranks), because the GB
 // budget is a total. Returns 0 when bytesPerBlockAllWorkers ≤ 0.
 func (c *Config) HostBlocks(bytesPerBlockAllWorkers int64) int {
-	return blocks(c.CPUCacheOverrideBlocks, c.CPUCacheGB, bytesPerBlockAllWorkers)
+	return clampBlocks(blocks(c.CPUCacheOverrideBlocks, c.CPUCacheGB, bytesPerBlockAllWorkers))
 }
 
 // DiskBlocks is HostBlocks for the disk (G3) tier.
 func (c *Config) DiskBlocks(bytesPerBlockAllWorkers int64) int {
-	return blocks(c.DiskCacheOverrideBlocks, c.DiskCacheGB, bytesPerBlockAllWorkers)
+	return clampBlocks(blocks(c.DiskCacheOverrideBlocks, c.DiskCacheGB, bytesPerBlockAllWorkers))
 }
 
-func blocks(override int, gb float64, bytesPerBlock int64) int {
+// HostBlocks and DiskBlocks are at most MaxBlocks; CheckBlocks reports a
+// configuration that asks for more.
+func clampBlocks(n int64) int { return int(min(n, MaxBlocks)) }
+
+func blocks(override int, gb float64, bytesPerBlock int64) int64 {
 	if override > 0 {
-		return override
+		return int64(override)
 	}
 	if bytesPerBlock <= 0 || gb <= 0 {
 		return 0
@@ -194,7 +208,7 @@ func blocks(override int, gb float64, bytesPerBlock int64) int {
 	// float64, and flooring that before dividing would lose a block whenever
 	// the budget is an exact multiple of the block size.
 	total := int64(gbToBytes(gb))
-	return int(total / bytesPerBlock)
+	return total / bytesPerBlock
 }
 
 // ErrNoTier is returned by Validate when neither cache tier is configured.

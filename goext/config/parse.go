@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // VarError is one invalid variable. Callers can errors.As the joined error
@@ -67,6 +68,19 @@ func (p *parser) str(name, def string) string {
 		return def
 	}
 	return strings.TrimSpace(v)
+}
+
+// path is str for a file-system path. A path must be valid UTF-8 and free of
+// U+FFFD: the value reaches Go through JSON from Python, which turns bytes
+// that are not UTF-8 into U+FFFD, so the tier would land in another
+// directory than the one named.
+func (p *parser) path(name, def string) string {
+	v := p.str(name, def)
+	if !utf8.ValidString(v) || strings.ContainsRune(v, utf8.RuneError) {
+		p.fail(name, v, "not valid UTF-8; use a path whose name is UTF-8")
+		return def
+	}
+	return v
 }
 
 // boolean accepts 1/true/on/yes and 0/false/off/no, case-insensitively.

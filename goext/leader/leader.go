@@ -140,6 +140,9 @@ func New(opts Options) (*Leader, error) {
 	}
 	cfg := opts.Config
 	total := opts.BytesPerBlock * int64(opts.NumWorkers)
+	if err := cfg.CheckBlocks(total); err != nil {
+		return nil, fmt.Errorf("leader: %w", err)
+	}
 	hostBlocks, diskBlocks := 0, 0
 	if cfg.HostEnabled() {
 		hostBlocks = cfg.HostBlocks(total)

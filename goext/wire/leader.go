@@ -91,6 +91,9 @@ type SizeFunc func(bytesPerBlock int64, numWorkers int) (hostBlocks, diskBlocks 
 func ConfigSize(c *config.Config) SizeFunc {
 	return func(bpb int64, n int) (int, int, error) {
 		total := bpb * int64(n)
+		if err := c.CheckBlocks(total); err != nil {
+			return 0, 0, fmt.Errorf("sizing for %d workers × %d bytes per block: %w", n, bpb, err)
+		}
 		host, disk := 0, 0
 		if c.HostEnabled() {
 			host = c.HostBlocks(total)

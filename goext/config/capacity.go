@@ -1,0 +1,107 @@
+package config
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// MaxBlocks is the most blocks a tier may hold: pools index blocks with
+// int32.
+const MaxBlocks = math.MaxInt32
+
+// The machine's capacity, read when a size is checked. Tests replace them.
+var (
+	availableMemory = memAvailable
+	availableDisk   = diskAvailable
+)
+
+// memAvailable is the kernel's estimate of memory available for new
+// allocations without swapping (MemAvailable in /proc/meminfo), in bytes;
+// ok is false where it cannot be read.
+func memAvailable() (bytes uint64, ok bool) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, false
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		rest, found := strings.CutPrefix(sc.Text(), "MemAvailable:")
+		if !found {
+			continue
+		}
+		kb, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+		if err != nil || kb > math.MaxUint64/1024 {
+			return 0, false
+		}
+		return kb * 1024, true
+	}
+	return 0, false
+}
+
+// diskAvailable is the space an unprivileged process can still use in dir's
+// filesystem, in bytes; ok is false where it cannot be read.
+func diskAvailable(dir string) (bytes uint64, ok bool) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil || st.Bsize <= 0 {
+		return 0, false
+	}
+	if st.Bavail > math.MaxUint64/uint64(st.Bsize) {
+		return math.MaxUint64, true
+	}
+	return st.Bavail * uint64(st.Bsize), true
+}
+
+// checkCapacity reports why bytes does not fit in what (memory or disk),
+// or "" when it fits or the capacity is unknown.
+func checkCapacity(bytes uint64, what string, avail func() (uint64, bool)) string {
+	free, ok := avail()
+	if !ok || bytes <= free {
+		return ""
+	}
+	return fmt.Sprintf("needs %d bytes, more than the %d bytes of %s available", bytes, free, what)
+}
+
+// CheckBlocks checks the tier sizes for one block of bytesPerBlockAllWorkers
+// (summed over all workers, as for HostBlocks) before anything is allocated:
+// each tier holds at most MaxBlocks blocks and fits in the memory (host tier)
+// or the disk space of DiskCacheDir (disk tier) available now. The error
+// joins one *VarError per tier, naming the variable that sized it.
+func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
+	if bytesPerBlockAllWorkers <= 0 {
+		return nil
+	}
+	var errs []error
+	check := func(enabled bool, override int, gb float64, gbVar, overrideVar, what string, avail func() (uint64, bool)) {
+		if !enabled {
+			return
+		}
+		name, value := gbVar, strconv.FormatFloat(gb, 'g', -1, 64)
+		if override > 0 {
+			name, value = overrideVar, strconv.Itoa(override)
+		}
+		n := blocks(override, gb, bytesPerBlockAllWorkers)
+		if n > MaxBlocks {
+			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
+				"gives %d blocks of %d bytes; a tier holds at most %d blocks", n, bytesPerBlockAllWorkers, MaxBlocks)})
+			return
+		}
+		// n ≤ MaxBlocks < 2³¹, so the product fits in a uint64.
+		bytes := uint64(n) * uint64(bytesPerBlockAllWorkers)
+		if reason := checkCapacity(bytes, what, avail); reason != "" {
+			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
+				"%d blocks of %d bytes %s", n, bytesPerBlockAllWorkers, reason)})
+		}
+	}
+	check(c.HostEnabled(), c.CPUCacheOverrideBlocks, c.CPUCacheGB, EnvCPUCacheGB, EnvCPUCacheOverrideBlocks,
+		"memory", availableMemory)
+	check(c.DiskEnabled(), c.DiskCacheOverrideBlocks, c.DiskCacheGB, EnvDiskCacheGB, EnvDiskCacheOverrideBlocks,
+		"disk space in "+c.DiskCacheDir, func() (uint64, bool) { return availableDisk(c.DiskCacheDir) })
+	return errors.Join(errs...)
+}

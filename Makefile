@@ -3,6 +3,7 @@
 #   make test    go vet + go test -race (fuzz seed corpora included) + pytest (unit and e2e)
 #   make fuzz    every fuzz target of outside input for FUZZTIME each
 #   make flake-hunt  the suites under a CPU hog on every core (scripts/flake-hunt)
+#   make wheel   a manylinux platform wheel in dist/ (scripts/wheel-check tests it without Go)
 #   make bench   every benchmark table (Go and Python), baselines measured in the same run
 #   make demo    the main job: vLLM (CPU backend) serving a multi-turn workload with and without kvbm
 #   make cuda    the CUDA variant of the shared library (see docs/cuda.md)
@@ -16,7 +17,7 @@ FUZZTIME ?= 5s
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: build build-debug test gotest fuzz pytest flake-hunt bench demo cuda clean
+.PHONY: build build-debug test gotest fuzz pytest flake-hunt wheel bench demo cuda clean
 
 build: $(LIB)
 
@@ -66,6 +67,16 @@ bench: build
 
 flake-hunt:
 	scripts/flake-hunt
+
+# A platform wheel with the compiled library (and the CUDA variant when built),
+# retagged manylinux by auditwheel; `scripts/wheel-check` installs and tests it
+# without Go. libcuda comes from the driver: never bundled.
+wheel: build
+	rm -rf build dist/*.whl
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m build --wheel --no-isolation --outdir dist/raw .
+	PATH=$(abspath $(dir $(PY))):$$PATH $(PY) -m auditwheel repair --exclude libcuda.so.1 -w dist dist/raw/*.whl
+	rm -rf dist/raw build
+	@ls -l dist/*.whl
 
 demo: build
 	$(PY) -m kvbm.demo

@@ -1,11 +1,16 @@
 """Builds the Go shared library with `go build -buildmode=c-shared` and ships it
-inside the package (python/kvbm/lib/libkvbm.so)."""
+inside the package (python/kvbm/lib/libkvbm.so).
+
+The wheel is a platform wheel tagged py3-none-<platform>: the library is loaded
+with ctypes and does not link libpython, so one wheel serves every CPython the
+package supports. `make wheel` retags it manylinux with auditwheel."""
 
 import os
 import shutil
 import subprocess
 
-from setuptools import setup
+from setuptools import Distribution, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -34,4 +39,19 @@ class BuildPyWithGo(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithGo})
+class PlatformWheel(bdist_wheel):
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self):
+        return True
+
+
+setup(cmdclass={"build_py": BuildPyWithGo, "bdist_wheel": PlatformWheel}, distclass=BinaryDistribution)

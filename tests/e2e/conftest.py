@@ -35,7 +35,8 @@ def harness(tmp_path):
         out_path = spec_path.with_suffix(".out.json")
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+        if not os.environ.get("KVBM_TEST_INSTALLED"):
+            env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("DYN_KVBM_DISK_CACHE_DIR", str(tmp_path))
         for k, v in (spec.get("env") or {}).items():
             env[k] = str(v)

@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"unsafe"
 
@@ -78,29 +77,10 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	if size/int64(o.NumBlocks) != stride {
 		return nil, fmt.Errorf("disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
 	}
-	var rnd [4]byte
-	_, _ = rand.Read(rnd[:])
-	path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), o.Rank, hex.EncodeToString(rnd[:])))
-
-	d := &DiskRegion{fd: -1, path: path, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride}
-	const baseFlags = unix.O_RDWR | unix.O_CREAT | unix.O_EXCL | unix.O_CLOEXEC
-	fd, err := -1, error(nil)
-	if !o.DisableODirect {
-		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
-		if err == nil {
-			d.direct = true
-		} else if errors.Is(err, unix.EINVAL) {
-			log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open, using buffered I/O", "path", path, "err", err)
-		} else {
-			return nil, fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
-		}
+	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride}
+	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
+		return nil, err
 	}
-	if fd < 0 {
-		if fd, err = unix.Open(path, baseFlags, 0o600); err != nil {
-			return nil, fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
-		}
-	}
-	d.fd = fd
 	if err := d.preallocate(size, log); err != nil {
 		_ = d.Close()
 		return nil, fmt.Errorf("disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
@@ -109,14 +89,15 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	}
 	if d.direct {
 		if err := probeDirect(d.fd); err != nil {
-			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", path, "err", err)
-			if err := d.reopenBuffered(); err != nil {
+			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", d.path, "err", err)
+			if err := d.dropDirect(); err != nil {
+				path := d.path
 				_ = d.Close()
-				return nil, fmt.Errorf("disk tier file %s: reopen without O_DIRECT: %w", path, err)
+				return nil, fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err)
 			}
 		}
 	}
-	log.Info("kvbm disk tier ready", "path", path, "blocks", o.NumBlocks, "block_bytes", stride, "o_direct", d.direct)
+	log.Info("kvbm disk tier ready", "path", d.path, "blocks", o.NumBlocks, "block_bytes", stride, "o_direct", d.direct)
 	return d, nil
 }
 
@@ -138,13 +119,92 @@ func (d *DiskRegion) preallocate(size int64, log *slog.Logger) error {
 	return nil
 }
 
-func (d *DiskRegion) reopenBuffered() error {
-	fd, err := unix.Open(d.path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+// create makes the tier file under a fresh name and takes its lock. A
+// cleanup in another process may lock and remove the file between our open
+// and our flock (it is not locked yet, so it looks stale); create then sees
+// the lock taken, or its path gone, and tries again under another name.
+func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger) error {
+	const attempts = 3
+	for range attempts {
+		var rnd [4]byte
+		_, _ = rand.Read(rnd[:])
+		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
+		fd, odirect, err := openTierFile(path, direct, log)
+		if err != nil {
+			return fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
+		}
+		if err := lockTierFile(fd, path); err != nil {
+			_ = unix.Close(fd)
+			if errors.Is(err, errLostToCleanup) {
+				continue
+			}
+			return fmt.Errorf("disk tier file %s: %w", path, err)
+		}
+		d.fd, d.path, d.direct = fd, path, odirect
+		return nil
+	}
+	return fmt.Errorf("disk tier in DYN_KVBM_DISK_CACHE_DIR=%q: %w %d times", dir, errLostToCleanup, attempts)
+}
+
+// errLostToCleanup: another process's stale-file cleanup removed the file
+// we had just created, before we could lock it.
+var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked")
+
+// openTierFile creates path, with O_DIRECT when direct is set and the
+// filesystem accepts it at open; the result says whether it did.
+func openTierFile(path string, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
+	const baseFlags = unix.O_RDWR | unix.O_CREAT | unix.O_EXCL | unix.O_CLOEXEC
+	if direct {
+		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
+		if err == nil {
+			return fd, true, nil
+		}
+		if !errors.Is(err, unix.EINVAL) {
+			return -1, false, err
+		}
+		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open, using buffered I/O", "path", path, "err", err)
+	}
+	fd, err = unix.Open(path, baseFlags, 0o600)
+	return fd, false, err
+}
+
+// lockTierFile takes the exclusive lock that marks the file as in use for
+// its whole lifetime, and checks that path still names the locked file.
+func lockTierFile(fd int, path string) error {
+	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return errLostToCleanup // a cleanup holds it while removing it
+		}
+		return fmt.Errorf("flock: %w", err)
+	}
+	var held, named unix.Stat_t
+	if err := unix.Fstat(fd, &held); err != nil {
+		return fmt.Errorf("fstat: %w", err)
+	}
+	if err := unix.Stat(path, &named); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return errLostToCleanup
+		}
+		return fmt.Errorf("stat: %w", err)
+	}
+	if held.Dev != named.Dev || held.Ino != named.Ino {
+		return errLostToCleanup
+	}
+	return nil
+}
+
+// dropDirect turns O_DIRECT off. It changes the flags of the open file
+// description rather than opening the file again: the lock belongs to this
+// description, and a second one could not take it while the first holds it.
+func (d *DiskRegion) dropDirect() error {
+	flags, err := unix.FcntlInt(uintptr(d.fd), unix.F_GETFL, 0)
 	if err != nil {
 		return err
 	}
-	_ = unix.Close(d.fd)
-	d.fd, d.direct = fd, false
+	if _, err := unix.FcntlInt(uintptr(d.fd), unix.F_SETFL, flags&^unix.O_DIRECT); err != nil {
+		return err
+	}
+	d.direct = false
 	return nil
 }
 
@@ -221,21 +281,24 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 	return nil
 }
 
-// Close closes and removes the file. A crashed process leaves its file
-// behind; the pid in the name tells an operator whose it was.
+// Close removes and closes the file. The file is removed while its lock is
+// still held, so no cleanup elsewhere can see it unlocked. A crashed process
+// leaves its file behind, unlocked (the kernel drops the lock with the last
+// descriptor); the pid in the name tells an operator whose it was.
 func (d *DiskRegion) Close() error {
 	var errs []error
-	if d.fd >= 0 {
-		if err := unix.Close(d.fd); err != nil {
-			errs = append(errs, fmt.Errorf("disk tier %s: close: %w", d.path, err))
-		}
-		d.fd = -1
-	}
-	if d.path != "" {
-		if err := os.Remove(d.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, fmt.Errorf("disk tier %s: remove: %w", d.path, err))
+	path := d.path
+	if path != "" {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("disk tier %s: remove: %w", path, err))
 		}
 		d.path = ""
+	}
+	if d.fd >= 0 {
+		if err := unix.Close(d.fd); err != nil {
+			errs = append(errs, fmt.Errorf("disk tier %s: close: %w", path, err))
+		}
+		d.fd = -1
 	}
 	return errors.Join(errs...)
 }
@@ -243,10 +306,14 @@ func (d *DiskRegion) Close() error {
 // diskFilePrefix starts every disk tier file name: kvbm-disk-cache-<pid>-rank<r>-<random>.
 const diskFilePrefix = "kvbm-disk-cache-"
 
-// removeStaleFiles deletes disk tier files left in dir by processes that no
-// longer exist (a crash skips Close, which removes the file). Their contents
-// are useless: the registry that indexed them died with the process. Files of
-// live processes (another engine on this host) are left alone.
+// removeStaleFiles deletes disk tier files in dir that no process has open
+// (a crash skips Close, which removes the file). Their contents are useless:
+// the registry that indexed them died with the process.
+//
+// A live tier holds an exclusive flock on its file (see lockTierFile), so a
+// file whose lock can be taken is stale. The pid in the name is not used:
+// processes in other PID namespaces (containers sharing a volume) have pids
+// that mean nothing here, and a pid can be reused.
 func removeStaleFiles(dir string, log *slog.Logger) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
@@ -257,25 +324,23 @@ func removeStaleFiles(dir string, log *slog.Logger) {
 		if !e.Type().IsRegular() || !strings.HasPrefix(name, diskFilePrefix) {
 			continue
 		}
-		rest := name[len(diskFilePrefix):]
-		i := strings.IndexByte(rest, '-')
-		if i <= 0 {
-			continue
-		}
-		pid, err := strconv.Atoi(rest[:i])
-		if err != nil || pid <= 0 || pid == os.Getpid() || processAlive(pid) {
-			continue
-		}
 		path := filepath.Join(dir, name)
-		if err := os.Remove(path); err == nil {
-			log.Info("kvbm disk tier: removed a file left by a process that no longer runs", "path", path, "pid", pid)
+		if removeIfUnlocked(path) {
+			log.Info("kvbm disk tier: removed a file that no process holds", "path", path)
 		}
 	}
 }
 
-// processAlive reports whether pid names a running process (EPERM: it exists
-// but belongs to someone else).
-func processAlive(pid int) bool {
-	err := unix.Kill(pid, 0)
-	return err == nil || errors.Is(err, unix.EPERM)
+// removeIfUnlocked removes path if its lock can be taken, holding the lock
+// while it removes it. A file it cannot open (another user's) is kept.
+func removeIfUnlocked(path string) bool {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer func() { _ = unix.Close(fd) }()
+	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		return false
+	}
+	return os.Remove(path) == nil
 }

@@ -2,7 +2,6 @@ package storage
 
 import (
 	"bytes"
-	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -166,23 +165,74 @@ func fsTakesODirect(t *testing.T, dir string) bool {
 }
 
 // TestStaleDiskFilesRemoved: a crashed process leaves its disk tier file
-// behind; the next disk tier in that directory removes it, but never the file
-// of a process that is still running.
+// behind; the next disk tier in that directory removes it, but never a file
+// that some process holds locked, whatever pid its name carries (pids from
+// another PID namespace mean nothing here).
 func TestStaleDiskFilesRemoved(t *testing.T) {
 	dir := t.TempDir()
-	// A pid above the kernel's maximum (4194304) cannot be running.
-	stale := filepath.Join(dir, "kvbm-disk-cache-4194399-rank0-deadbeef")
-	live := filepath.Join(dir, fmt.Sprintf("kvbm-disk-cache-%d-rank1-cafebabe", os.Getppid()))
-	other := filepath.Join(dir, "kvbm-disk-cache-notapid-rank0-x")
-	for _, p := range []string{stale, live, other} {
+	// A pid above the kernel's maximum (4194304) cannot be running here,
+	// yet a worker in another PID namespace may hold the file.
+	lockedForeign := filepath.Join(dir, "kvbm-disk-cache-4194399-rank0-deadbeef")
+	// pid 1 runs, but nobody holds this file: it is stale.
+	unlockedLive := filepath.Join(dir, "kvbm-disk-cache-1-rank1-cafebabe")
+	unlockedOdd := filepath.Join(dir, "kvbm-disk-cache-notapid-rank0-x")
+	unrelated := filepath.Join(dir, "other-file")
+	for _, p := range []string{lockedForeign, unlockedLive, unlockedOdd, unrelated} {
 		require.NoError(t, os.WriteFile(p, []byte("x"), 0o600))
 	}
+	// Another open file description holds the lock, as another process's
+	// tier would.
+	f, err := os.Open(lockedForeign)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB))
+
 	d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: 2, BlockBytes: 4096, DisableODirect: true})
 	require.NoError(t, err)
 	defer d.Close()
-	_, err = os.Stat(stale)
-	require.True(t, os.IsNotExist(err), "stale file kept")
-	require.FileExists(t, live)
-	require.FileExists(t, other)
+	require.NoFileExists(t, unlockedLive, "unlocked file kept")
+	require.NoFileExists(t, unlockedOdd, "unlocked file kept")
+	require.FileExists(t, lockedForeign, "a locked file was removed")
+	require.FileExists(t, unrelated)
 	require.FileExists(t, d.Path())
+}
+
+// TestDiskFileLockedForItsLifetime: a live tier's file cannot be locked by
+// anyone else, so a second tier's cleanup in the same directory keeps it,
+// and Close releases it by removing it.
+func TestDiskFileLockedForItsLifetime(t *testing.T) {
+	dir := t.TempDir()
+	for _, direct := range []bool{false, true} {
+		d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: 2, BlockBytes: 4096, DisableODirect: !direct})
+		require.NoError(t, err)
+		f, err := os.Open(d.Path())
+		require.NoError(t, err)
+		require.ErrorIs(t, unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB), unix.EWOULDBLOCK)
+		require.NoError(t, f.Close())
+
+		d2, err := NewDiskRegion(DiskOptions{Dir: dir, Rank: 1, NumBlocks: 2, BlockBytes: 4096, DisableODirect: true})
+		require.NoError(t, err)
+		require.FileExists(t, d.Path(), "cleanup removed a live tier's file")
+		path := d.Path()
+		require.NoError(t, d.Close())
+		require.NoFileExists(t, path)
+		require.NoError(t, d2.Close())
+	}
+}
+
+// TestDiskFileLockSurvivesDroppingODirect: a filesystem that accepts
+// O_DIRECT at open but fails its I/O makes the tier fall back to buffered
+// I/O; the file stays locked across the switch.
+func TestDiskFileLockSurvivesDroppingODirect(t *testing.T) {
+	old := probeDirect
+	probeDirect = func(int) error { return unix.EINVAL }
+	t.Cleanup(func() { probeDirect = old })
+	d, err := NewDiskRegion(DiskOptions{Dir: t.TempDir(), NumBlocks: 2, BlockBytes: 4096})
+	require.NoError(t, err)
+	defer d.Close()
+	require.False(t, d.Direct())
+	f, err := os.Open(d.Path())
+	require.NoError(t, err)
+	defer f.Close()
+	require.ErrorIs(t, unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB), unix.EWOULDBLOCK)
 }

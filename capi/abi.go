@@ -132,13 +132,19 @@ func indexByte(s string, b byte) int {
 	return -1
 }
 
-// handle resolves an opaque handle to T.
-func handle[T any](h C.uint64_t) (T, error) {
+// handle resolves an opaque handle to T. An unknown or freed handle is an
+// error for the caller, not a panic that poisons the library: cgo.Handle.Value
+// panics on one, and handles are never reused, so a freed one stays unknown.
+func handle[T any](h C.uint64_t) (v T, err error) {
 	var zero T
 	if h == 0 {
 		return zero, errorf(statusState, "null handle")
 	}
-	defer func() { _ = recover() }() // cgo.Handle.Value panics on an unknown handle
+	defer func() {
+		if recover() != nil {
+			v, err = zero, errorf(statusState, "handle %d is unknown or already freed", uint64(h))
+		}
+	}()
 	v, ok := cgo.Handle(uintptr(h)).Value().(T)
 	if !ok {
 		return zero, errorf(statusState, "handle %d is not a %T", uint64(h), zero)

@@ -90,6 +90,9 @@ func kvbm_router_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, lo
 	if blockSize <= 0 {
 		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
 	}
+	if n < 0 || (n > 0 && tokens == nil) {
+		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
+	}
 	full := int64(n) / int64(blockSize)
 	if int64(outCap) < full || (full > 0 && out == nil) {
 		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)

@@ -376,6 +376,9 @@ func kvbm_leader_commit_background(hd C.uint64_t, ticket C.uint64_t, ok C.int32_
 	return statusOK
 }
 
+// maxRanks bounds a rank list passed through the ABI.
+const maxRanks = 1 << 16
+
 // kvbm_leader_set_degraded tells the leader which tensor-parallel ranks died:
 // it stops matching, saving and moving (the engine keeps serving).
 //
@@ -386,7 +389,12 @@ func kvbm_leader_set_degraded(hd C.uint64_t, ranks *C.int64_t, n C.int64_t, errO
 	if err != nil {
 		return finish(err, errOut)
 	}
-	rs := make([]int, 0, max(int(n), 0))
+	// Ranks are tensor-parallel ranks: a list longer than any world size is
+	// a caller's mistake, and n must describe the array actually passed.
+	if n < 0 || n > maxRanks || (n > 0 && ranks == nil) {
+		return finish(errorf(statusInvalid, "kvbm_leader_set_degraded: invalid rank array (n=%d)", int64(n)), errOut)
+	}
+	rs := make([]int, 0, int(n))
 	for _, r := range int64View(ranks, n) {
 		rs = append(rs, int(r))
 	}

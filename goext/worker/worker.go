@@ -153,7 +153,6 @@ type Worker struct {
 	diskSum   []atomic.Uint64 // XXH3 of each G3 block's payload as written
 	degraded  atomic.Bool
 
-	loads sync.WaitGroup // background load goroutines (owned by StartLoad, joined by WaitLoads/Close)
 	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
 
 	// exec serialises Run with the engine's per-step calls: Bind (its
@@ -171,6 +170,12 @@ type Worker struct {
 	closed   bool
 	savedSeq uint64     // highest Seq of a bound step whose Moves/Saves finished
 	saved    *sync.Cond // on mu: signalled when savedSeq grows or the worker closes
+	// loading counts the background load goroutines (started by StartLoad,
+	// waited for by WaitLoads and Close). Not a sync.WaitGroup: the engine
+	// may call WaitLoads from one thread while the next step's StartLoad
+	// runs on another, and a WaitGroup forbids Add during such a Wait.
+	loading     int
+	loadingDone *sync.Cond // on mu: broadcast when loading drops to 0
 }
 
 // New validates opts. Regions are allocated by RegisterG1, once the block size is known.
@@ -190,6 +195,7 @@ func New(opts Options) (*Worker, error) {
 	w := &Worker{opts: opts, log: opts.Logger, m: opts.Metrics, lim: transfer.NewLimiter(opts.MaxConcurrent),
 		diskLim: transfer.NewLimiter(diskSlots(opts.MaxConcurrent))}
 	w.saved = sync.NewCond(&w.mu)
+	w.loadingDone = sync.NewCond(&w.mu)
 	if w.log == nil {
 		w.log = slog.Default()
 	}
@@ -371,17 +377,33 @@ func (w *Worker) StartLoad() {
 		return
 	}
 	w.loadsRun = true
-	w.loads.Add(1)
-	w.mu.Unlock()
 	if len(s.Loads) == 0 {
-		w.loads.Done()
+		w.mu.Unlock()
 		return
 	}
+	w.loading++
+	w.mu.Unlock()
 	w.fence("load")
 	go func() {
-		defer w.loads.Done()
+		defer w.loadFinished()
 		w.runLoads(s.Loads)
 	}()
+}
+
+// loadFinished is the last thing a load goroutine does.
+func (w *Worker) loadFinished() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.loading--; w.loading == 0 {
+		w.loadingDone.Broadcast()
+	}
+}
+
+// waitLoadsLocked waits, with mu held, until no load goroutine runs.
+func (w *Worker) waitLoadsLocked() {
+	for w.loading > 0 {
+		w.loadingDone.Wait()
+	}
 }
 
 func (w *Worker) runLoads(loads []plan.Load) {
@@ -557,7 +579,11 @@ func (w *Worker) Finished() (loaded []string, loadErrorG1Blocks []int64) {
 }
 
 // WaitLoads blocks until every started load has completed.
-func (w *Worker) WaitLoads() { w.loads.Wait() }
+func (w *Worker) WaitLoads() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.waitLoadsLocked()
+}
 
 // Close waits for in-flight loads, then releases the host region and removes
 // the disk file. The engine's tensors are untouched.
@@ -569,10 +595,10 @@ func (w *Worker) Close() error {
 	}
 	w.closed = true
 	w.saved.Broadcast() // a Run waiting for a step's saves gives up
-	w.mu.Unlock()
 	// Nothing new starts once closed is set; wait for what is running
 	// before the regions it copies into disappear.
-	w.loads.Wait()
+	w.waitLoadsLocked()
+	w.mu.Unlock()
 	w.saves.Wait()
 	var errs []error
 	if w.opts.G1 != nil {

@@ -6,6 +6,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log"
 	"net"
 	"net/http"
 	"time"
@@ -41,6 +43,7 @@ type Metrics struct {
 	EventsDeduped prometheus.Counter
 	EventsDropped prometheus.Counter
 	EventsInvalid prometheus.Counter
+	BlocksEvicted prometheus.Counter // tracked blocks forgotten at the tracker's cap
 	EventQueue    prometheus.Gauge
 }
 
@@ -80,10 +83,52 @@ func New() *Metrics {
 		EventsDeduped: c("kvbm_consolidator_events_deduplicated", "Block events absorbed by deduplication"),
 		EventsDropped: c("kvbm_consolidator_events_dropped", "Block events dropped (buffer full while a publisher was down)"),
 		EventsInvalid: c("kvbm_consolidator_events_invalid", "Malformed input events skipped"),
+		BlocksEvicted: c("kvbm_consolidator_blocks_evicted", "Tracked blocks forgotten (and removed for the router) at the tracking cap"),
 		EventQueue:    g("kvbm_consolidator_queue_depth", "Events waiting to be published"),
 	}
 	r.MustRegister(m.BytesMoved, m.TransferSecs)
 	return m
+}
+
+// ServerOptions bound what clients can hold of the /metrics endpoint, so
+// that idle or slow connections cannot exhaust the process's file
+// descriptors (the engine shares them). Zero fields take the Default values.
+type ServerOptions struct {
+	// MaxConns bounds the connections held at once; a connection beyond it
+	// is closed as soon as it is accepted.
+	MaxConns int
+	// ReadHeaderTimeout bounds how long a connection may take to send its
+	// request headers, from accept on: an idle or trickling connection is
+	// closed when it expires.
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration // the whole request
+	WriteTimeout      time.Duration // the whole response
+	IdleTimeout       time.Duration // a kept-alive connection between requests
+}
+
+// Defaults of ServerOptions. A scrape is one small request every few
+// seconds; a handful of scrapers need far fewer connections than MaxConns.
+const (
+	DefaultMaxConns          = 64
+	DefaultReadHeaderTimeout = 5 * time.Second
+	DefaultReadTimeout       = 10 * time.Second
+	DefaultWriteTimeout      = 30 * time.Second
+	DefaultIdleTimeout       = 30 * time.Second
+)
+
+func (o *ServerOptions) fill() {
+	set := func(d *time.Duration, def time.Duration) {
+		if *d <= 0 {
+			*d = def
+		}
+	}
+	if o.MaxConns <= 0 {
+		o.MaxConns = DefaultMaxConns
+	}
+	set(&o.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	set(&o.ReadTimeout, DefaultReadTimeout)
+	set(&o.WriteTimeout, DefaultWriteTimeout)
+	set(&o.IdleTimeout, DefaultIdleTimeout)
 }
 
 // Server serves /metrics until Close.
@@ -92,17 +137,35 @@ type Server struct {
 	Addr string // the address actually bound (useful with port 0)
 }
 
-// Serve starts the Prometheus endpoint on addr (e.g. "0.0.0.0:6880").
+// Serve starts the Prometheus endpoint on addr (e.g. "0.0.0.0:6880") with
+// the default ServerOptions.
 func (m *Metrics) Serve(addr string) (*Server, error) {
+	return m.ServeWith(addr, ServerOptions{})
+}
+
+// ServeWith starts the Prometheus endpoint on addr. Its goroutine (the
+// http.Server's accept loop) is owned by the Server and ends at Close.
+func (m *Metrics) ServeWith(addr string, o ServerOptions) (*Server, error) {
+	o.fill()
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics endpoint %s (set DYN_KVBM_METRICS_PORT to a free port): %w", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
-	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, Addr: ln.Addr().String()}
+	s := &Server{
+		srv: &http.Server{
+			Handler:           mux,
+			ReadHeaderTimeout: o.ReadHeaderTimeout,
+			ReadTimeout:       o.ReadTimeout,
+			WriteTimeout:      o.WriteTimeout,
+			IdleTimeout:       o.IdleTimeout,
+			ErrorLog:          log.New(io.Discard, "", 0), // a flood must not flood the logs
+		},
+		Addr: ln.Addr().String(),
+	}
 	go func() {
-		if err := s.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := s.srv.Serve(newConnLimiter(ln, o.MaxConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			_ = err // the listener is gone; nothing left to serve
 		}
 	}()

@@ -1,0 +1,119 @@
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// openFDs counts this process's open file descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	return len(entries)
+}
+
+// scrape fetches /metrics once.
+func scrape(addr string) error {
+	client := &http.Client{Timeout: 2 * time.Second}
+	resp, err := client.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "kvbm_offload_blocks_d2h") {
+		return fmt.Errorf("scrape: status %d, %d bytes", resp.StatusCode, len(body))
+	}
+	return nil
+}
+
+// checkFor polls fn every interval until it returns nil or timeout passes.
+func checkFor(t *testing.T, timeout, interval time.Duration, fn func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := fn()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %s: %v", timeout, err)
+		}
+		time.Sleep(interval)
+	}
+}
+
+// TestServerBoundsIdleConnections: a flood of idle connections (far more
+// than the limit) holds at most MaxConns of the server's descriptors, the
+// held ones are closed when the header timeout expires, and a scrape then
+// succeeds.
+func TestServerBoundsIdleConnections(t *testing.T) {
+	const (
+		maxConns = 8
+		flood    = maxConns + 100
+		timeout  = time.Second
+	)
+	s, err := New().ServeWith("127.0.0.1:0", ServerOptions{
+		MaxConns: maxConns, ReadHeaderTimeout: timeout, ReadTimeout: timeout, IdleTimeout: timeout,
+	})
+	require.NoError(t, err)
+	defer s.Close()
+	require.NoError(t, scrape(s.Addr))
+
+	base := openFDs(t)
+	conns := make([]net.Conn, 0, flood)
+	defer func() {
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}()
+	for range flood {
+		c, err := net.Dial("tcp", s.Addr)
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	// The client ends are ours too: what is beyond them is the server's.
+	// Sampled for most of the timeout, while every idle connection is
+	// still within it.
+	peak := 0
+	for end := time.Now().Add(timeout / 2); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		peak = max(peak, openFDs(t)-base-flood)
+	}
+	const slack = 4 // connections being closed right now, the runtime's own
+	require.LessOrEqual(t, peak, maxConns+slack, "server descriptors held by %d idle connections", flood)
+
+	// Every idle connection is closed by the server: the ones beyond the
+	// limit at once, the held ones when the header timeout expires.
+	for i, c := range conns {
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(3*timeout)))
+		_, err := c.Read(make([]byte, 1))
+		require.Error(t, err)
+		var ne net.Error
+		require.False(t, errors.As(err, &ne) && ne.Timeout(), "idle connection %d still open after %s", i, 3*timeout)
+	}
+	checkFor(t, 3*timeout, 20*time.Millisecond, func() error { return scrape(s.Addr) })
+}
+
+// TestServerDefaults: zero ServerOptions take the defaults, so that Serve
+// is never without limits.
+func TestServerDefaults(t *testing.T) {
+	var o ServerOptions
+	o.fill()
+	require.Equal(t, ServerOptions{
+		MaxConns: DefaultMaxConns, ReadHeaderTimeout: DefaultReadHeaderTimeout, ReadTimeout: DefaultReadTimeout,
+		WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout,
+	}, o)
+}

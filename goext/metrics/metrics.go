@@ -14,6 +14,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // Metrics is one leader's (or worker's) set of metrics, registered in its own
@@ -87,7 +89,27 @@ func New() *Metrics {
 		EventQueue:    g("kvbm_consolidator_queue_depth", "Events waiting to be published"),
 	}
 	r.MustRegister(m.BytesMoved, m.TransferSecs)
+	registerZMQGuard(r)
 	return m
+}
+
+// registerZMQGuard exports the process-wide counts of ZeroMQ peers that
+// goext/zmqguard turned away.
+func registerZMQGuard(r *prometheus.Registry) {
+	for _, x := range []struct {
+		name, help string
+		get        func(zmqguard.Stats) uint64
+	}{
+		{"kvbm_zmq_handshakes_refused", "ZeroMQ peers whose handshake was invalid, too slow, or over the pending limit",
+			func(s zmqguard.Stats) uint64 { return s.HandshakeFailures }},
+		{"kvbm_zmq_oversized_messages", "ZeroMQ peers disconnected for declaring a message over the size limit",
+			func(s zmqguard.Stats) uint64 { return s.OversizedMessages }},
+		{"kvbm_zmq_slow_peers_dropped", "ZeroMQ peers disconnected for not taking a write in time (e.g. a subscriber that stopped reading)",
+			func(s zmqguard.Stats) uint64 { return s.SlowPeersDropped }},
+	} {
+		r.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: x.name, Help: x.help},
+			func() float64 { return float64(x.get(zmqguard.Default().Stats())) }))
+	}
 }
 
 // ServerOptions bound what clients can hold of the /metrics endpoint, so

@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -32,9 +33,12 @@ type wireLeaderOptions struct {
 	Transport string `json:"transport"`
 	// Heartbeat tuning; 0: defaults (500 ms pings; suspected after
 	// DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS of silence).
-	PingIntervalMs int64             `json:"ping_interval_ms"`
-	SuspectAfterMs int64             `json:"suspect_after_ms"`
-	Env            map[string]string `json:"env"`
+	PingIntervalMs int64 `json:"ping_interval_ms"`
+	SuspectAfterMs int64 `json:"suspect_after_ms"`
+	// Secret authenticates the side channel (the engine instance's id);
+	// DYN_KVBM_LEADER_WORKER_SECRET, when set, is used instead.
+	Secret string            `json:"secret"`
+	Env    map[string]string `json:"env"`
 }
 
 type wireLeaderHandle struct {
@@ -72,6 +76,7 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 	opts := wire.LeaderOptionsFrom(cfg, max(o.NumWorkers, 1))
 	opts.Transport = tr
 	opts.PingInterval = ms(o.PingIntervalMs)
+	opts.Secret = cmp.Or(opts.Secret, o.Secret) // DYN_KVBM_LEADER_WORKER_SECRET wins
 	if o.SuspectAfterMs > 0 {
 		opts.SuspectAfter = ms(o.SuspectAfterMs)
 	}
@@ -143,7 +148,7 @@ func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, 
 }
 
 // kvbm_wire_leader_info returns JSON {transport, pub_port, ack_port,
-// healthy, dead_ranks, suspect_ranks}.
+// healthy, dead_ranks, suspect_ranks, forged_messages}.
 //
 //export kvbm_wire_leader_info
 func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -156,6 +161,7 @@ func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	b, _ := json.Marshal(map[string]any{
 		"transport": h.l.Transport().String(), "pub_port": ep.PubPort, "ack_port": ep.AckPort,
 		"healthy": h.l.Healthy(), "dead_ranks": nonNil(h.l.DeadRanks()), "suspect_ranks": nonNil(h.l.SuspectRanks()),
+		"forged_messages": h.l.Forged(),
 	})
 	cBuffer(b, out, outLen)
 	return statusOK
@@ -176,6 +182,7 @@ type wireWorkerOptions struct {
 	Rank       int               `json:"rank"`
 	NumWorkers int               `json:"num_workers"`
 	Transport  string            `json:"transport"`
+	Secret     string            `json:"secret"` // as in wireLeaderOptions
 	Env        map[string]string `json:"env"`
 }
 
@@ -237,7 +244,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	w, err := wire.Connect(wire.WorkerOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
-		Logger: kvbmLogger(),
+		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: kvbmLogger(),
 		Allocate: func(md wire.LeaderMetadata) error {
 			if md.NumHostBlocks != hostBlocks || md.NumDiskBlocks != diskBlocks {
 				return fmt.Errorf("this rank sized %d host and %d disk blocks from its own environment, the leader sized %d and %d: "+
@@ -320,7 +327,7 @@ func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uin
 	return statusOK
 }
 
-// kvbm_wire_worker_info returns JSON {ready, stopped, error}.
+// kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages}.
 //
 //export kvbm_wire_worker_info
 func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -329,7 +336,8 @@ func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	if err != nil {
 		return finish(err, errOut)
 	}
-	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": ""}
+	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": "",
+		"forged_messages": h.w.Forged()}
 	if e := h.w.Err(); e != nil {
 		info["error"] = e.Error()
 	}

@@ -34,6 +34,7 @@ const (
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
 	EnvLeaderWorkerInitTimeoutSecs  = "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"
 	EnvLeaderWorkerLivenessSecs     = "DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS"
+	EnvLeaderWorkerSecret           = "DYN_KVBM_LEADER_WORKER_SECRET"
 	EnvLeaderZMQHost                = "DYN_KVBM_LEADER_ZMQ_HOST"
 	EnvLeaderZMQPubPort             = "DYN_KVBM_LEADER_ZMQ_PUB_PORT"
 	EnvLeaderZMQAckPort             = "DYN_KVBM_LEADER_ZMQ_ACK_PORT"
@@ -86,6 +87,7 @@ type Config struct {
 
 	LeaderWorkerInitTimeout time.Duration
 	LeaderWorkerLiveness    time.Duration // silence before a rank is suspected
+	LeaderWorkerSecret      string        // authenticates the side channel (engines pass their own)
 	LeaderZMQHost           string
 	LeaderZMQPubPort        int
 	LeaderZMQAckPort        int
@@ -128,6 +130,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		LeaderWorkerInitTimeout: p.seconds(EnvLeaderWorkerInitTimeoutSecs, DefaultLeaderWorkerInitTimeout),
 		LeaderWorkerLiveness:    p.seconds(EnvLeaderWorkerLivenessSecs, DefaultLeaderWorkerLiveness),
+		LeaderWorkerSecret:      p.str(EnvLeaderWorkerSecret, ""),
 		LeaderZMQHost:           p.host(EnvLeaderZMQHost, DefaultLeaderZMQHost),
 		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
 		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),

@@ -127,7 +127,10 @@ type LeaderOptions struct {
 	// RetryInterval between repeats of unanswered handshake messages (0:
 	// DefaultRetryInterval).
 	RetryInterval time.Duration
-	Logger        *slog.Logger
+	// Secret authenticates the TCP transport (auth.go); the leader and its
+	// workers must be given the same one. Empty: unauthenticated (logged).
+	Secret string
+	Logger *slog.Logger
 }
 
 // LeaderOptionsFrom fills endpoint, timeout and sizing from kvbm's configuration.
@@ -137,6 +140,7 @@ func LeaderOptionsFrom(c *config.Config, numWorkers int) LeaderOptions {
 		Endpoint:     EndpointFrom(c),
 		InitTimeout:  c.LeaderWorkerInitTimeout,
 		SuspectAfter: c.LeaderWorkerLiveness,
+		Secret:       c.LeaderWorkerSecret,
 		Size:         ConfigSize(c),
 	}
 }
@@ -194,6 +198,7 @@ type Leader struct {
 	t         leaderTransport
 	ep        Endpoint // with the ports actually bound
 	nextID    atomic.Uint64
+	forged    forgeries // unauthenticated messages dropped
 
 	mu        sync.Mutex // guards everything below
 	ranks     []rankState
@@ -257,8 +262,12 @@ func Listen(opts LeaderOptions) (*Leader, error) {
 		if err != nil {
 			return nil, err
 		}
-		l.t = t
+		l.t = sealedLeader{t, newSealer(opts.Secret, labelToWorkers, labelToLeader)}
 		l.ep.PubPort, l.ep.AckPort = t.pubP, t.ackP
+		if opts.Secret == "" {
+			l.log.Warn("kvbm leader side channel is not authenticated: no secret given; any local process can " +
+				"impersonate a worker (set " + config.EnvLeaderWorkerSecret + ", the same on every rank)")
+		}
 	}
 	l.log.Info("kvbm leader side channel listening", "transport", l.transport.String(),
 		"pub", l.ep.PubURL(), "ack", l.ep.AckURL(), "workers", opts.NumWorkers)
@@ -286,6 +295,10 @@ func (l *Leader) recvLoop() {
 		frames, err := l.t.recv()
 		if errors.Is(err, errTransportClosed) {
 			return
+		}
+		if errors.Is(err, errForged) {
+			l.forged.drop(l.log, "leader", err)
+			continue
 		}
 		if err != nil {
 			// One peer's connection dropped; the heartbeat names the rank.
@@ -652,6 +665,9 @@ func (l *Leader) suspectedLocked() []int {
 	}
 	return d
 }
+
+// Forged is the number of unauthenticated messages dropped.
+func (l *Leader) Forged() uint64 { return l.forged.count() }
 
 // DeadRanks lists the ranks marked dead, in order.
 func (l *Leader) DeadRanks() []int {

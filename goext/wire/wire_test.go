@@ -33,14 +33,15 @@ func (f *fakeRank) steps() [][]byte {
 }
 
 type cluster struct {
-	ep    Endpoint
-	tr    Transport
-	ranks []*fakeRank
-	logs  *syncBuf
+	ep     Endpoint
+	tr     Transport
+	ranks  []*fakeRank
+	logs   *syncBuf
+	secret string // given to the leader and every worker
 }
 
 func newCluster(t *testing.T, tr Transport, n int) *cluster {
-	c := &cluster{tr: tr, logs: &syncBuf{}}
+	c := &cluster{tr: tr, logs: &syncBuf{}, secret: "engine-" + t.Name()}
 	if tr == TransportTCP {
 		p := freePorts(t, 2)
 		c.ep = Endpoint{Host: "127.0.0.1", PubPort: p[0], AckPort: p[1]}
@@ -65,6 +66,7 @@ func (c *cluster) connect(t *testing.T, rank int, mod func(*WorkerOptions)) *Wor
 	opts := WorkerOptions{
 		Rank: rank, WorldSize: len(c.ranks), NumDeviceBlocks: 64, BytesPerBlock: 4096,
 		Endpoint: c.ep, Transport: c.tr, RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs),
+		Secret: c.secret,
 		Allocate: func(md LeaderMetadata) error {
 			f.mu.Lock()
 			defer f.mu.Unlock()
@@ -99,7 +101,7 @@ func (c *cluster) listen(t *testing.T, mod func(*LeaderOptions)) *Leader {
 	opts := LeaderOptions{
 		NumWorkers: len(c.ranks), Endpoint: c.ep, Transport: c.tr, InitTimeout: 10 * time.Second,
 		Size: fixedSize, PingInterval: 100 * time.Millisecond, SuspectAfter: 10 * time.Second,
-		RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs),
+		RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs), Secret: c.secret,
 	}
 	if mod != nil {
 		mod(&opts)

@@ -32,7 +32,9 @@ type WorkerOptions struct {
 	// RetryInterval between connection attempts while the leader is not up
 	// (0: DefaultRetryInterval).
 	RetryInterval time.Duration
-	Logger        *slog.Logger
+	// Secret authenticates the TCP transport: the leader's (auth.go).
+	Secret string
+	Logger *slog.Logger
 }
 
 // Worker is one rank's end of the side channel. Connect starts it in the
@@ -45,6 +47,7 @@ type Worker struct {
 	opts     WorkerOptions
 	log      *slog.Logger
 	instance uint64
+	forged   forgeries // unauthenticated messages dropped
 
 	stop  chan struct{} // closed by Close
 	done  chan struct{} // closed when the run loop ended
@@ -175,7 +178,7 @@ func (w *Worker) run() {
 			w.finish(ErrClosed)
 			return
 		}
-		t = tt
+		t = sealedWorker{tt, newSealer(w.opts.Secret, labelToLeader, labelToWorkers)}
 	}
 	w.mu.Lock()
 	w.t = t
@@ -195,6 +198,10 @@ func (w *Worker) run() {
 	w.send(0, fnWorkerMetadata, w.metadata())
 	for {
 		frames, err := t.recv()
+		if errors.Is(err, errForged) {
+			w.forged.drop(w.log, "worker", err)
+			continue
+		}
 		if err != nil {
 			select {
 			case <-w.stop:
@@ -343,3 +350,6 @@ func (w *Worker) Close() error {
 	})
 	return nil
 }
+
+// Forged is the number of unauthenticated messages dropped.
+func (w *Worker) Forged() uint64 { return w.forged.count() }

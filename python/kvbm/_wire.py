@@ -101,8 +101,9 @@ class WireLeader(_native.Handle):
     _free = "kvbm_wire_leader_free"
 
     def __init__(self, *, num_workers: int, transport: str = "auto", ping_interval_ms: int = 0,
-                 suspect_after_ms: int = 0):
+                 suspect_after_ms: int = 0, secret: str = ""):
         opts = {
+            "secret": str(secret),
             "num_workers": int(num_workers),
             "transport": _check_transport(transport),
             "ping_interval_ms": int(ping_interval_ms),
@@ -158,8 +159,9 @@ class WireWorker(_native.Handle):
 
     _free = "kvbm_wire_worker_free"
 
-    def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto"):
+    def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto", secret: str = ""):
         opts = {
+            "secret": str(secret),
             "rank": int(rank),
             "num_workers": int(num_workers),
             "transport": _check_transport(transport),

@@ -198,6 +198,16 @@ class DynamoConnector(KVConnectorBase_V1):
                     log.exception("kvbm: error while shutting down")
         self._leader = self._worker = None
 
+    def _side_channel_secret(self) -> str:
+        # The engine instance's id: vLLM draws it at random (uuid4) when the
+        # configuration is created and ships the same configuration to the
+        # scheduler and every worker, and no peer outside the engine sees it.
+        # It authenticates the leader/worker side channel (goext/wire/auth.go);
+        # DYN_KVBM_LEADER_WORKER_SECRET, when set, is used instead.
+        ktc = getattr(self._vllm_config, "kv_transfer_config", None)
+        engine_id = getattr(ktc, "engine_id", None)
+        return f"vllm-engine:{engine_id}" if engine_id else ""
+
     # --------------------------------------------------------------- scheduler
 
     def _prefer_recompute_on_load_failure(self) -> None:
@@ -272,7 +282,7 @@ class DynamoConnector(KVConnectorBase_V1):
         DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)."""
         from kvbm._wire import WireLeader
 
-        self._wire = WireLeader(num_workers=tp_size)
+        self._wire = WireLeader(num_workers=tp_size, secret=self._side_channel_secret())
         try:
             hs = self._wire.handshake()
         except BaseException:
@@ -458,7 +468,8 @@ class DynamoConnector(KVConnectorBase_V1):
             # channel; this returns at once (the scheduler does not exist yet).
             from kvbm._wire import WireWorker
 
-            self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size)
+            self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size,
+                                           secret=self._side_channel_secret())
         info = self._worker.info()
         log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],

@@ -91,10 +91,12 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 
 func wireLeaderOf(hd C.uint64_t) (*wireLeaderHandle, error) { return live[*wireLeaderHandle](hd) }
 
-// kvbm_wire_leader_handshake blocks until every rank reported and allocated
-// (bounded by DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS and timeoutMs > 0) and
-// returns JSON {num_workers, bytes_per_block, num_device_blocks,
-// num_host_blocks, num_disk_blocks}.
+// kvbm_wire_leader_handshake waits until every rank reported and allocated
+// and returns JSON {num_workers, bytes_per_block, num_device_blocks,
+// num_host_blocks, num_disk_blocks}. DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS
+// bounds the handshake from the first call (then it fails naming the ranks);
+// when timeoutMs > 0 ends the wait first, it returns OK with an empty buffer
+// and a later call resumes, so a caller can wait in short slices.
 //
 //export kvbm_wire_leader_handshake
 func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -106,6 +108,10 @@ func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint
 	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
 	hs, err := h.l.Handshake(ctx)
+	if errors.Is(err, wire.ErrHandshakePending) {
+		*out, *outLen = nil, 0 // not yet: an empty answer, call again
+		return statusOK
+	}
 	if err != nil {
 		code := statusConfig // workers disagree, allocation failed, no tier
 		if errors.Is(err, wire.ErrHandshakeTimeout) || errors.Is(err, wire.ErrClosed) {

@@ -359,3 +359,34 @@ def test_tp1_in_process(monkeypatch):
         assert ww.info()["ready"]
     ww.close()
     worker.close()
+
+
+def test_handshake_wait_is_interruptible(monkeypatch):
+    """Ctrl-C during the (30 min by default) handshake wait is not ignored."""
+    import signal
+
+    from kvbm._wire import WireLeader
+
+    pub, ack = _free_ports(2)
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_PUB_PORT", str(pub))
+    monkeypatch.setenv("DYN_KVBM_LEADER_ZMQ_ACK_PORT", str(ack))
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "8")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with WireLeader(num_workers=2, transport="tcp") as wl:
+            start = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(KeyboardInterrupt):
+                wl.handshake()
+            # Generous bound against the 1800 s default: only "not ignored" is checked.
+            assert time.monotonic() - start < 60
+            # The interrupted wait can be resumed (and is still pending: no workers).
+            with pytest.raises(Exception, match="within timeout_s=0.2"):
+                wl.handshake(timeout_s=0.2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

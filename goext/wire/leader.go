@@ -37,6 +37,10 @@ var (
 	ErrClosed = errors.New("side channel closed")
 	// ErrHandshakeTimeout is wrapped by the handshake's timeout error.
 	ErrHandshakeTimeout = errors.New("leader/worker handshake timed out")
+	// ErrHandshakePending: the caller's context ended before the handshake
+	// completed and before its InitTimeout; calling Handshake again resumes
+	// it (callers wait in slices to stay interruptible).
+	ErrHandshakePending = errors.New("leader/worker handshake still in progress")
 	// errLeaderGone: the worker lost the leader (connection closed, or it
 	// said shutdown).
 	errLeaderGone = errors.New("leader went away")
@@ -206,6 +210,7 @@ type Leader struct {
 	meta      *LeaderMetadata
 	metaID    uint64 // id of the leader_metadata broadcast
 	hs        *Handshake
+	hsStart   time.Time // first Handshake call
 	ops       map[uint64]*op
 	closedErr error
 
@@ -405,9 +410,17 @@ func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
 	if closed {
 		return Handshake{}, ErrClosed
 	}
-	ctx, cancel := context.WithTimeout(ctx, l.opts.InitTimeout)
+	// InitTimeout bounds the handshake as a whole, across calls.
+	l.mu.Lock()
+	if l.hsStart.IsZero() {
+		l.hsStart = time.Now()
+	}
+	start := l.hsStart
+	l.mu.Unlock()
+	deadline := start.Add(l.opts.InitTimeout)
+	caller := ctx
+	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	start := time.Now()
 	tick := time.NewTicker(l.opts.RetryInterval)
 	defer tick.Stop()
 	for {
@@ -430,6 +443,10 @@ func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
 		}
 		select {
 		case <-ctx.Done():
+			if caller.Err() != nil && time.Now().Before(deadline) {
+				return Handshake{}, fmt.Errorf("kvbm leader: %w (%s so far)", ErrHandshakePending,
+					time.Since(start).Round(time.Millisecond))
+			}
 			return Handshake{}, l.timeoutError(ctx, time.Since(start))
 		case <-l.closed:
 			return Handshake{}, ErrClosed

@@ -457,3 +457,18 @@ func TestWorkerCloseSaysGoodbye(t *testing.T) {
 	require.Contains(t, c.logs.String(), "kvbm worker rank closed")
 	require.NotContains(t, c.logs.String(), "not answering")
 }
+
+// TestHandshakeInSlices: a caller's deadline shorter than InitTimeout ends
+// the wait with ErrHandshakePending; a later call resumes the same
+// handshake, which InitTimeout bounds from the first call.
+func TestHandshakeInSlices(t *testing.T) {
+	c := newCluster(t, TransportTCP, 1)
+	l := c.listen(t, func(o *LeaderOptions) { o.InitTimeout = time.Minute })
+	_, err := l.Handshake(ctxTimeout(t, 100*time.Millisecond))
+	require.ErrorIs(t, err, ErrHandshakePending)
+	require.NotErrorIs(t, err, ErrHandshakeTimeout)
+	c.connect(t, 0, nil)
+	hs, err := l.Handshake(ctxTimeout(t, 20*time.Second))
+	require.NoError(t, err)
+	require.Equal(t, 1, hs.NumWorkers)
+}

@@ -26,10 +26,12 @@ import ctypes
 import json
 import logging
 import threading
+import time
 from ctypes import POINTER, byref, c_char_p, c_int64, c_uint8, c_uint64
 from dataclasses import dataclass
 
 from kvbm import _native
+from kvbm._errors import KvbmIOError
 from kvbm._core import Worker
 
 _P = POINTER
@@ -51,6 +53,9 @@ _native.register_signatures(
 _TRANSPORTS = ("auto", "tcp", "inproc")
 
 log = logging.getLogger("kvbm")
+
+
+_HANDSHAKE_SLICE_S = 1.0
 
 
 def _buffer_call(name, *args) -> bytes:
@@ -121,8 +126,19 @@ class WireLeader(_native.Handle):
         Bounded by ``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS`` and
         ``timeout_s``; the timeout error names the ranks that never answered.
         """
-        d = json.loads(_buffer_call("kvbm_wire_leader_handshake", self._h, _ms(timeout_s)))
-        return Handshake(**d)
+        # Waits in slices of at most a second, so Ctrl-C (or any signal
+        # handler) interrupts it within a second; the native call releases
+        # the GIL but Python runs signal handlers only between calls.
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = _HANDSHAKE_SLICE_S if end is None else min(_HANDSHAKE_SLICE_S, end - time.monotonic())
+            data = _buffer_call("kvbm_wire_leader_handshake", self._h, _ms(max(left, 0.001)))
+            if data:
+                return Handshake(**json.loads(data))
+            if end is not None and time.monotonic() >= end:
+                raise KvbmIOError(
+                    f"kvbm leader: leader/worker handshake not complete within timeout_s={timeout_s}; it goes "
+                    f"on until DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS (call handshake() again to keep waiting)")
 
     def broadcast(self, plan: bytes, timeout_s: float | None = None) -> None:
         """Run an encoded plan on every rank; return once all acked.

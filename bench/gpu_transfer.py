@@ -1,17 +1,29 @@
 """GPU ⇄ host KV block transfers through kvbm's CUDA data path (device machine).
 
 Model shape: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks
-(32 KiB per K or V chunk, 2 MiB per block), 8,192 G1 blocks. Offloads 2,048
-random G1 blocks to G2 (bind + wait_for_save) and onboards them into 2,048
-other G1 blocks (bind + start_load + wait_loads), through the real worker
-(C ABI → Go → CUDA), and checks the bytes. The clock covers the data path
-(wait_for_save; start_load until finished() reports the loads); binding the
-plan (decoding it, done in bind_connector_metadata) is printed apart. Next to it, in the same run:
-  (a) torch's pinned contiguous copy of the same number of bytes, each way;
-  (b) naive per-block, per-layer torch copies into/out of pinned memory.
-GB/s = 10^9 bytes per second of moved payload (2,048 × 2 MiB = 4.29 GB).
+(32 KiB per K or V chunk, 2 MiB per block), 8,192 G1 blocks. Through the real
+worker (C ABI → Go → CUDA), for each layout and copy mode, and checking bytes:
 
-    PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm]
+1. one way: offload 2,048 random G1 blocks to G2 (bind + wait_for_save) and
+   onboard them into 2,048 other G1 blocks (bind + start_load + wait_loads).
+   The data-path clock covers wait_for_save / start_load … finished(); the
+   plan's bind (decode, done in bind_connector_metadata) is printed apart and
+   included in the end-to-end columns;
+2. both directions at once: one step that saves 2,048 blocks and loads 2,048
+   others (start_load, wait_for_save, wait_loads), total GB/s;
+3. what an engine feels: bf16 8192³ matmuls queued on the engine stream, timed
+   with CUDA events, alone vs while kvbm moves KV both ways at full rate
+   (steps back to back) vs while torch's pinned contiguous copies do the same
+   (same run). kvbm's engine-stream fence points at an idle stream, so its
+   copies do not wait for the queued matmuls; the movers wait by polling, so
+   no thread holds the GIL while waiting.
+
+Baselines in the same run: (a) torch's pinned contiguous copy of the same
+number of bytes, each way and both ways at once; (b) naive per-block,
+per-layer torch copies. GB/s = 10^9 bytes per second of moved payload
+(2,048 × 2 MiB = 4.29 GB each way).
+
+    PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm] [--modes staged,kernel]
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import os
 import random
 import statistics
 import sys
-import tempfile
+import threading
 import time
 from ctypes import POINTER, c_char_p, c_int, c_uint64
 
@@ -122,11 +134,132 @@ def bench_naive(kind, tensors, src, dst, bpb):
     return gbps(n * bpb, t_off), gbps(n * bpb, t_on)
 
 
-def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
+MM_N = 8192
+
+
+def matmul_window(movers, k):
+    """TFLOP/s of k bf16 MM_N³ matmuls queued on an engine stream, while the
+    `movers` (callables looping until their stop event is set) run in
+    threads. Returns (TFLOP/s, [mover results])."""
+    eng = torch.cuda.Stream()
+    a = torch.randn(MM_N, MM_N, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(MM_N, MM_N, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    with torch.cuda.stream(eng):
+        for _ in range(3):
+            torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stop = threading.Event()
+    results = [None] * len(movers)
+    threads = [threading.Thread(target=lambda i=i, m=m: results.__setitem__(i, m(stop))) for i, m in enumerate(movers)]
+    with torch.cuda.stream(eng):
+        t0.record()
+        for _ in range(k):
+            torch.mm(a, b, out=c)
+        t1.record()
+    for t in threads:
+        t.start()
+    while not t1.query():
+        time.sleep(0.0005)
+    stop.set()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    secs = t0.elapsed_time(t1) / 1e3
+    return 2 * MM_N ** 3 * k / secs / 1e12, results
+
+
+def slowdown(movers, k):
+    """Alone, with the movers, alone, with: (alone TFLOP/s, with TFLOP/s,
+    mover results of the last window). Each with-window is compared with
+    the alone-windows next to it, so clock drift over the run cancels."""
+    alone, withm, res = [], [], None
+    for _ in range(3):
+        alone.append(matmul_window([], k)[0])
+        t, res = matmul_window(movers, k)
+        withm.append(t)
+    return statistics.mean(alone), statistics.mean(withm), res
+
+
+def poll(ev):
+    while not ev.query():
+        time.sleep(0.0002)
+
+
+def torch_mover(dev, host, to_dev):
+    """Loops pinned contiguous copies of dev ⇄ host on a side stream."""
+    def run(stop):
+        s = torch.cuda.Stream()
+        ev = torch.cuda.Event()
+        moved, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            with torch.cuda.stream(s):
+                (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
+                ev.record()
+            poll(ev)
+            moved += dev.numel()
+        return moved, time.perf_counter() - t0
+    return run
+
+
+def bench_pinned(nbytes, repeat):
+    """(a): one way each, and both ways at once, pinned contiguous."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.random_(0, 256)
+    dev2 = torch.empty_like(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), repeat)
+    h2d = timed(lambda: dev2.copy_(host2, non_blocking=True), repeat)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        with torch.cuda.stream(s1):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+
+    duplex = timed(both, repeat)
+    return gbps(nbytes, d2h), gbps(nbytes, h2d), gbps(2 * nbytes, duplex), (dev, dev2, host, host2)
+
+
+def bench_naive(kind, tensors, src, dst, bpb):
+    """One torch copy per block per layer (K and V together where adjacent)."""
+    n = len(src)
+    refill(tensors)
+    host = torch.empty((n, LAYERS, bpb // LAYERS // 2), dtype=torch.int16, pin_memory=True)
+
+    def off():
+        for i, b in enumerate(src):
+            for l, v in enumerate(block_views(kind, tensors, b)):
+                host[i, l].view(v.shape).view(torch.bfloat16).copy_(v, non_blocking=True)
+
+    def on():
+        for i, b in enumerate(dst):
+            for l, v in enumerate(block_views(kind, tensors, b)):
+                v.copy_(host[i, l].view(torch.bfloat16).view(v.shape), non_blocking=True)
+
+    t_off, t_on = timed(off, 1), timed(on, 1)
+    for k in random.Random(3).sample(range(n), 16):
+        assert torch.equal(block_bytes(kind, tensors, src[k]), block_bytes(kind, tensors, dst[k])), "naive copy mismatch"
+    del host
+    return gbps(n * bpb, t_off), gbps(n * bpb, t_on)
+
+
+def check(kind, mode, tensors, src, dst, what):
+    for k in random.Random(5).sample(range(len(src)), 64):
+        assert torch.equal(block_bytes(kind, tensors, src[k]), block_bytes(kind, tensors, dst[k])), \
+            f"{kind}/{mode} {what}: block {dst[k]} differs from {src[k]}"
+
+
+def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
+    """One way, both ways at once, and the matmul while moving, for one mode.
+    G2 blocks [0, n) receive the saves, [n, 2n) feed the duplex loads."""
     n = len(src)
     refill(tensors)  # no destination may already hold the expected bytes
     os.environ.update({
-        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(n),
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * n),
         "DYN_KVBM_CUDA_COPY": mode,
     })
     os.environ.pop("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", None)
@@ -134,9 +267,12 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
     w = Worker(tensors=[(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors], kind=kind,
                num_blocks=nblocks, block_size=BS, dtype_bytes=2)
     setup = time.perf_counter() - t0
+    r = {"setup": setup}
     try:
         info = w.info()
+        r["g1"] = info["g1"]
         bpb = info["bytes_per_block"]
+        nbytes = n * bpb
         _native.call("kvbm_worker_set_cuda_stream", w._h, torch.cuda.current_stream().cuda_stream)
         seq = [0]
 
@@ -146,28 +282,35 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
 
         save = {"v": [{"s": 1, "sb": b, "d": 2, "db": i} for i, b in enumerate(src)]}
         load = {"l": [{"r": f"r{i}", "c": [{"s": 2, "sb": i, "d": 1, "db": b}]} for i, b in enumerate(dst)]}
-
-        phases = {"bind_save": [], "bind_load": [], "finished": []}
+        prefill = {"v": [{"s": 1, "sb": b, "d": 2, "db": n + i} for i, b in enumerate(src)]}
+        duplex = {**save, "l": [{"r": f"r{i}", "c": [{"s": 2, "sb": n + i, "d": 1, "db": b}]} for i, b in enumerate(dst)]}
+        phases = {"bind_save": [], "bind_load": [], "bind_duplex": []}
 
         # The plan is bound (decoded) before the clock starts: an engine
-        # binds it in bind_connector_metadata, before the forward pass; its
-        # cost is printed apart. Timed: the data path, i.e. wait_for_save,
-        # and start_load until finished() reports the loads.
+        # binds it in bind_connector_metadata, before the forward pass.
         def bind(which, plan):
             t0 = time.perf_counter()
             w.bind(step(**plan))
-            phases[which].append(time.perf_counter() - t0)
+            if which:
+                phases[which].append(time.perf_counter() - t0)
 
         def off():
             w.wait_for_save()
 
+        def finish(want):
+            loaded, failed = w.finished()
+            assert len(loaded) == want and not failed, (len(loaded), failed[:5])
+
         def on():
             w.start_load()
             w.wait_loads()
-            t0 = time.perf_counter()
-            loaded, failed = w.finished()
-            phases["finished"].append(time.perf_counter() - t0)
-            assert len(loaded) == n and not failed, (len(loaded), failed[:5])
+            finish(n)
+
+        def both():
+            w.start_load()
+            w.wait_for_save()
+            w.wait_loads()
+            finish(n)
 
         t_off, t_on = [], []
         for _ in range(repeat):
@@ -175,12 +318,42 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat):
             t_off += timed(off, 1)
             bind("bind_load", load)
             t_on += timed(on, 1)
-        for k in random.Random(5).sample(range(n), 64):
-            assert torch.equal(block_bytes(kind, tensors, src[k]), block_bytes(kind, tensors, dst[k])), \
-                f"{kind}/{mode}: block {dst[k]} differs from {src[k]}"
-        print("    " + ", ".join(f"{k} {1e3 * statistics.median(v):.2f} ms" for k, v in phases.items())
-              + f"; offload {1e3 * statistics.median(t_off):.1f} ms, onboard {1e3 * statistics.median(t_on):.1f} ms", flush=True)
-        return gbps(n * bpb, t_off), gbps(n * bpb, t_on), info["g1"], setup, bpb
+        check(kind, mode, tensors, src, dst, "one way")
+
+        refill(tensors)
+        bind(None, prefill)
+        w.wait_for_save()
+        bind(None, duplex)
+        both()  # warm-up
+        t_both = []
+        for _ in range(repeat):
+            bind("bind_duplex", duplex)
+            t_both += timed(both, 1)
+        check(kind, mode, tensors, src, dst, "both ways")
+
+        med = {k: statistics.median(v) for k, v in phases.items()}
+        r.update(off=gbps(nbytes, t_off), on=gbps(nbytes, t_on), both=gbps(2 * nbytes, t_both),
+                 off_e2e=nbytes / 1e9 / (statistics.median(t_off) + med["bind_save"]),
+                 on_e2e=nbytes / 1e9 / (statistics.median(t_on) + med["bind_load"]), bind=med)
+
+        if mm_k:
+            # The engine's matmuls run on their own stream; kvbm's fence
+            # points at an idle stream so its copies do not queue behind them.
+            idle = torch.cuda.Stream()
+            _native.call("kvbm_worker_set_cuda_stream", w._h, idle.cuda_stream)
+
+            def mover(stop):
+                moved, t0 = 0, time.perf_counter()
+                while not stop.is_set():
+                    bind(None, duplex)
+                    both()
+                    moved += 2 * nbytes
+                return moved, time.perf_counter() - t0
+
+            alone, tflops, res = slowdown([mover], mm_k)
+            moved, secs = res[0]
+            r.update(mm_alone=alone, mm=tflops, mm_gbps=moved / 1e9 / secs)
+        return r
     finally:
         w.close()
 
@@ -190,8 +363,12 @@ def main():
     ap.add_argument("--blocks", type=int, default=8192)
     ap.add_argument("--moved", type=int, default=2048)
     ap.add_argument("--layouts", default="flash_attn,flashinfer,trtllm")
-    ap.add_argument("--modes", default="kernel,staged", help="kvbm modes for per-layer layouts (trtllm adds direct)")
+    ap.add_argument("--modes", default="staged,kernel", help="kvbm modes for per-layer layouts (trtllm adds direct)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive per-block torch copies")
+    ap.add_argument("--staged-variants", default="",
+                    help="extra staged runs on the first layout, MiB:slots:grid each, e.g. 64:4:16,128:2:132")
     args = ap.parse_args()
 
     path, variant = _native.library_path()
@@ -200,6 +377,7 @@ def main():
         sys.exit(1)
     _native.register_signatures({"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, kvbm {_native.version()}")
+    print("command: PYTHONPATH=python python3 bench/gpu_transfer.py " + " ".join(sys.argv[1:]), flush=True)
 
     rng = random.Random(42)
     perm = rng.sample(range(args.blocks), 2 * args.moved)
@@ -207,28 +385,75 @@ def main():
     bpb = LAYERS * 2 * BS * HEADS * DIM * 2
     nbytes = args.moved * bpb
     rows = []
-    a_off, a_on = bench_pinned(nbytes, args.repeat)
-    rows.append(("(a) torch pinned contiguous", "-", a_off, a_on))
+    a_off, a_on, a_both, bufs = bench_pinned(nbytes, args.repeat)
+    mm_alone = mm_torch = torch_gbps = None
+    if args.matmuls:
+        dev, dev2, host, host2 = bufs
+        mm_alone, mm_torch, res = slowdown([torch_mover(dev, host, False), torch_mover(dev2, host2, True)], args.matmuls)
+        torch_gbps = sum(m for m, _ in res) / 1e9 / max(s for _, s in res)
+        print(f"  matmul alone {mm_alone:.0f} TFLOP/s, with torch pinned DMA both ways {mm_torch:.0f} TFLOP/s, "
+              f"torch moved {torch_gbps:.1f} GB/s", flush=True)
+        del dev, dev2, host, host2
+    del bufs
+    torch.cuda.empty_cache()
+    rows.append(dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both,
+                     mm_alone=mm_alone, mm=mm_torch, mm_gbps=torch_gbps))
+    first = True
     for kind in args.layouts.split(","):
         tensors = make_cache(kind, args.blocks)
         torch.cuda.synchronize()
+        if first:
+            # The first worker of the process has run its duplex steps at
+            # half speed in some runs (later ones never): measured apart.
+            r = bench_kvbm(kind, tensors, args.blocks, src, dst, "staged", 1, 0)
+            print(f"  first worker of the process (not in the table): offload {r['off']:.1f}, onboard {r['on']:.1f}, "
+                  f"both {r['both']:.1f} GB/s", flush=True)
+            first = False
         modes = args.modes.split(",") + (["direct"] if kind == "trtllm" else [])
+        if kind == args.layouts.split(",")[0]:
+            # Staged-mode tuning (MiB of staging per direction : slots : grid).
+            modes += [f"staged:{v}" for v in args.staged_variants.split(",") if v]
         for mode in modes:
-            off, on, g1, setup, got_bpb = bench_kvbm(kind, tensors, args.blocks, src, dst, mode, args.repeat)
-            assert got_bpb == bpb
-            rows.append((f"kvbm {kind}", mode, off, on))
-            print(f"  {kind}/{mode}: {g1}; worker setup (pin {nbytes / 2**30:.1f} GiB) {setup:.2f} s", flush=True)
-        n_off, n_on = bench_naive(kind, tensors, src, dst, bpb)
-        rows.append((f"(b) naive torch {kind}", "per block+layer", n_off, n_on))
+            knobs = dict(zip(("KVBM_CUDA_STAGING_MIB", "KVBM_CUDA_PIPELINE_DEPTH", "KVBM_CUDA_STAGED_CTAS"),
+                             mode.split(":")[1:]))
+            os.environ.update(knobs)
+            try:
+                r = bench_kvbm(kind, tensors, args.blocks, src, dst, mode.split(":")[0], args.repeat, args.matmuls)
+            finally:
+                for k in knobs:
+                    os.environ.pop(k)
+            rows.append(dict(name=f"kvbm {kind}", mode=mode, **r))
+            print(f"  {kind}/{mode}: {r['g1']}; worker setup (pin {2 * nbytes / 2**30:.1f} GiB) {r['setup']:.2f} s; "
+                  + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in r["bind"].items())
+                  + f"; offload {r['off']:.1f}, onboard {r['on']:.1f}, both {r['both']:.1f} GB/s"
+                  + (f"; matmul {r['mm']:.0f} TFLOP/s while moving {r['mm_gbps']:.1f} GB/s" if "mm" in r else ""),
+                  flush=True)
+        if not args.no_naive:
+            n_off, n_on = bench_naive(kind, tensors, src, dst, bpb)
+            rows.append(dict(name=f"(b) naive torch {kind}", mode="per block+layer", off=n_off, on=n_on))
         del tensors
         torch.cuda.empty_cache()
 
-    print(f"\n{args.moved} random blocks of {bpb // 1024} KiB ({nbytes / 1e9:.2f} GB) out of {args.blocks}; "
-          f"median of {args.repeat} (naive: 1 run)")
-    print(f"| {'path':32} | {'mode':15} | {'offload GB/s':>12} | {'% of (a)':>8} | {'onboard GB/s':>12} | {'% of (a)':>8} |")
-    print(f"|{'-' * 34}|{'-' * 17}|{'-' * 14}|{'-' * 10}|{'-' * 14}|{'-' * 10}|")
-    for name, mode, off, on in rows:
-        print(f"| {name:32} | {mode:15} | {off:12.1f} | {100 * off / a_off:7.0f}% | {on:12.1f} | {100 * on / a_on:7.0f}% |")
+    print(f"\n{args.moved} random blocks of {bpb // 1024} KiB ({nbytes / 1e9:.2f} GB each way) out of {args.blocks}; "
+          f"median of {args.repeat} (naive: 1 run); matmul: {args.matmuls} bf16 {MM_N}³ on the engine stream, "
+          f"alone {mm_alone or 0:.0f} TFLOP/s; slowdown against the alone-windows next to each row's")
+    hdr = ["path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "e2e off/on GB/s", "both ways GB/s",
+           "%(a)", "matmul TFLOP/s", "slowdown", "GB/s during matmul"]
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "|".join("---" for _ in hdr) + "|")
+
+    def f(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    for r in rows:
+        mm = r.get("mm")
+        cells = [r["name"], r["mode"], f(r["off"]), f(100 * r["off"] / a_off, "{:.0f}%"), f(r["on"]),
+                 f(100 * r["on"] / a_on, "{:.0f}%"),
+                 f"{r['off_e2e']:.1f} / {r['on_e2e']:.1f}" if "off_e2e" in r else "-",
+                 f(r.get("both")), f(100 * r["both"] / a_both, "{:.0f}%") if r.get("both") else "-",
+                 f(mm, "{:.0f}"), f(100 * (1 - mm / r["mm_alone"]), "{:.1f}%") if mm else "-",
+                 f(r.get("mm_gbps"))]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

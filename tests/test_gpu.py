@@ -156,6 +156,29 @@ def test_round_trip(tmp_path, kind, mode, via):
         w.close()
 
 
+@pytest.mark.parametrize("mode", ["", "auto"])
+def test_default_mode_uses_copy_engines(tmp_path, mode):
+    """The default copy path is `staged` (kernel gather/scatter on a small
+    fixed grid + DMA through the copy engines), not the zero-copy kernel that
+    holds the SMs while it waits on PCIe; and it round-trips."""
+    cache = Cache("flash_attn")
+    w = cache.worker(tmp_path, mode)
+    try:
+        assert w.info()["g1"].startswith("cuda:0 staged"), w.info()["g1"]
+        src, dst = list(range(10, 10 + N)), list(range(50, 50 + N))
+        want = [cache.block(b) for b in src]
+        w.bind(_plan.encode_map({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(src)]}))
+        w.wait_for_save()
+        w.bind(_plan.encode_map({"q": 2, "l": [{"r": f"r{i}", "c": [copy(2, i, 1, b)]} for i, b in enumerate(dst)]}))
+        w.start_load()
+        w.wait_loads()
+        assert len(w.finished()[0]) == N
+        for i, b in enumerate(dst):
+            assert torch.equal(cache.block(b), want[i])
+    finally:
+        w.close()
+
+
 def test_dropped_g2_block_fails_load(tmp_path):
     """A load from a G2 block that was dropped reports the G1 block as failed."""
     cache = Cache("flash_attn")

@@ -20,6 +20,7 @@ import (
 // blocks moved) through the copier alone, next to one contiguous DMA copy of
 // the same bytes to page-locked memory (registered mmap and cuMemHostAlloc).
 func BenchmarkCopier(b *testing.B) {
+	needGPU(b)
 	const layers, nblocks, moved = 32, 8192, 2048
 	shape := []int64{2, nblocks, 16, 8, 128}
 	per := int64(2 * nblocks * 16 * 8 * 128 * 2)
@@ -62,9 +63,10 @@ func BenchmarkCopier(b *testing.B) {
 		m    Mode
 		ctas int
 	}
-	for _, v := range []variant{{Kernel, 2}, {Kernel, 4}, {Kernel, 8}, {Kernel, 16}, {Staged, 4}} {
+	for _, v := range []variant{{Kernel, 4}, {Staged, 0}, {Staged, 4}, {Staged, 32}} {
 		m := v.m
-		c, err := New(eng, Options{Mode: m, CTAsPerSM: v.ctas})
+		// Staged: ctas is the fixed grid (0: the default).
+		c, err := New(eng, Options{Mode: m, CTAsPerSM: v.ctas, StagedCTAs: v.ctas})
 		require.NoError(b, err)
 		require.NoError(b, c.RegisterHost(host))
 		m2 := fmt.Sprintf("%s_ctas%d", m, v.ctas)

@@ -3,10 +3,13 @@
 package cuda
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,10 +38,12 @@ const (
 	Direct
 )
 
-// DefaultMode is what Auto picks. On an H200 (docs/cuda.md) the zero-copy
-// kernel beat staging (by 5%) for every layout, and beat one DMA copy per
-// block (by 2%) even for TensorRT-LLM's contiguous blocks.
-const DefaultMode = Kernel
+// DefaultMode is what Auto picks: Staged, whose PCIe traffic goes through
+// the copy engines. The zero-copy Kernel mode moves the same bytes about as
+// fast on an idle GPU, but its kernel holds every SM while it waits on PCIe:
+// on an H200 an engine's bf16 matmul ran 92% slower while kvbm moved KV in
+// Kernel mode, and a few percent slower in Staged mode (docs/cuda.md).
+const DefaultMode = Staged
 
 var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct"}
 
@@ -68,9 +73,19 @@ func ParseMode(s string) (Mode, error) {
 type Options struct {
 	Mode Mode
 	// StagingBytes is the device staging buffer per direction in Staged
-	// mode (default 64 MiB, at least one block).
+	// mode (default 128 MiB, at least one block per pipeline slot;
+	// KVBM_CUDA_STAGING_MIB).
 	StagingBytes int64
-	// CTAsPerSM sizes the kernel grid (default 4 thread blocks per SM).
+	// PipelineDepth splits the staging buffer into this many slots (default
+	// 2; KVBM_CUDA_PIPELINE_DEPTH): while one slot's DMA copy crosses PCIe,
+	// the next slot is gathered (offload) or scattered (onboard) by the kernel.
+	PipelineDepth int
+	// StagedCTAs is the fixed grid of the gather/scatter kernel in Staged
+	// mode (default: one thread block per SM; KVBM_CUDA_STAGED_CTAS). A
+	// device-to-device pass over a 64 MiB slot then takes tens of
+	// microseconds, so it slips in between the engine's kernels.
+	StagedCTAs int
+	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
 	MaxBatch int
@@ -86,15 +101,21 @@ type region struct {
 	owned     bool // allocated by us (cuMemHostAlloc), not registered
 }
 
-// lane is one direction's stream and scratch memory; its mutex serialises
+// lane is one direction's streams and scratch memory; its mutex serialises
 // the calls of that direction.
 type lane struct {
-	mu      sync.Mutex
-	stream  cu.Stream
-	descCap int     // entries the descriptor buffers hold
-	descH   uintptr // page-locked host descriptors: [ids n][addrs n] uint64
-	descD   cu.DevicePtr
-	staging cu.DevicePtr // Staged mode
+	mu     sync.Mutex
+	stream cu.Stream // DMA copies (and the Kernel/Direct modes' work)
+	// Staged mode: the gather/scatter kernels run on kstream (highest
+	// priority, so its few thread blocks get SMs ahead of the engine's
+	// queued work); kDone[s]/dDone[s] mark the kernel's and the DMA's last
+	// use of staging slot s.
+	kstream      cu.Stream
+	kDone, dDone []cu.Event
+	descCap      int     // entries the descriptor buffers hold
+	descH        uintptr // page-locked host descriptors: [ids n][addrs n] uint64
+	descD        cu.DevicePtr
+	staging      cu.DevicePtr // Staged mode
 }
 
 // Copier implements worker.G1Copier for GPU-resident engine tensors.
@@ -108,12 +129,14 @@ type Copier struct {
 	mod          cu.Module
 	fnVec, fnB1  cu.Function
 	grid         int
+	stagedGrid   int
 	bases        cu.DevicePtr // NumLayers uint64: G1 address of chunk (0, l, 0)
 	blockStride  int64
 	outerStride  int64
 	vecOK        bool // G1 addresses and chunk size are 16-byte multiples
 	bpb          int64
-	stagingSlots int
+	stagingSlots int // blocks per staging slot
+	depth        int // staging slots
 
 	fenceMu      sync.Mutex
 	fenceEv      cu.Event
@@ -144,11 +167,17 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, fmt.Errorf("cuda copier: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
+	envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20)
+	envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1)
+	envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1)
 	if opts.StagingBytes <= 0 {
-		opts.StagingBytes = 64 << 20
+		opts.StagingBytes = 128 << 20
 	}
 	if opts.CTAsPerSM <= 0 {
 		opts.CTAsPerSM = 4
+	}
+	if opts.PipelineDepth <= 0 {
+		opts.PipelineDepth = 2
 	}
 	if opts.MaxBatch <= 0 {
 		opts.MaxBatch = 8192
@@ -167,7 +196,8 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	default:
 		c.mode = opts.Mode
 	}
-	c.stagingSlots = int(max(1, opts.StagingBytes/c.bpb))
+	c.depth = opts.PipelineDepth
+	c.stagingSlots = int(max(1, opts.StagingBytes/int64(c.depth)/c.bpb))
 
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -193,15 +223,38 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		return nil, fmt.Errorf("cuda copier: multiprocessor count: %w", err)
 	}
 	c.grid = sms * opts.CTAsPerSM
+	c.stagedGrid = opts.StagedCTAs
+	if c.stagedGrid <= 0 {
+		c.stagedGrid = sms
+	}
+	_, greatest, err := cu.StreamPriorityRange()
+	if err != nil {
+		return nil, fmt.Errorf("cuda copier: stream priority range: %w", err)
+	}
 	if c.fenceEv, err = cu.MakeEvent(cu.DisableTiming); err != nil {
 		return nil, fmt.Errorf("cuda copier: create event: %w", err)
 	}
 	for i := range c.lanes {
 		l := &lane{}
+		c.lanes[i] = l
 		if l.stream, err = cu.MakeStream(cu.NonBlocking); err != nil {
 			return nil, fmt.Errorf("cuda copier: create stream: %w", err)
 		}
-		c.lanes[i] = l
+		if l.kstream, err = cu.MakeStreamWithPriority(greatest, cu.NonBlocking); err != nil {
+			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
+		}
+		for range c.depth {
+			var k, d cu.Event
+			if k, err = cu.MakeEvent(cu.DisableTiming); err == nil {
+				l.kDone = append(l.kDone, k)
+				if d, err = cu.MakeEvent(cu.DisableTiming); err == nil {
+					l.dDone = append(l.dDone, d)
+				}
+			}
+			if err != nil {
+				return nil, fmt.Errorf("cuda copier: create event: %w", err)
+			}
+		}
 	}
 	bases := make([]uint64, e.NumLayers)
 	for l := range bases {
@@ -214,6 +267,18 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		return nil, fmt.Errorf("cuda copier: upload layer addresses: %w", err)
 	}
 	return c, nil
+}
+
+// envInt sets *v to the environment variable's value × unit when *v is
+// zero and the variable holds a positive integer (tuning knobs for the
+// Staged mode, read where the C ABI gives no option for them).
+func envInt[T int | int64](v *T, name string, unit T) {
+	if *v != 0 {
+		return
+	}
+	if n, err := strconv.ParseInt(getenv(name), 10, 64); err == nil && n > 0 {
+		*v = T(n) * unit
+	}
 }
 
 // analyse derives the strides the kernel needs from the layout's chunk
@@ -251,7 +316,7 @@ func (c *Copier) loadKernels() error {
 	var images []string
 	src := "compiled-in kernels"
 	if c.opts.KernelsFile == "" {
-		c.opts.KernelsFile = os.Getenv("KVBM_CUDA_KERNELS")
+		c.opts.KernelsFile = getenv("KVBM_CUDA_KERNELS")
 	}
 	if c.opts.KernelsFile != "" {
 		b, err := os.ReadFile(c.opts.KernelsFile)
@@ -297,6 +362,9 @@ func (c *Copier) Mode() Mode { return c.mode }
 func (c *Copier) Device() int { return c.ordinal }
 
 func (c *Copier) String() string {
+	if c.mode == Staged {
+		return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d, %d×%d-block staging slots)", c.ordinal, c.mode, c.vecOK, c.stagedGrid, c.depth, c.stagingSlots)
+	}
 	return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d)", c.ordinal, c.mode, c.vecOK, c.grid)
 }
 
@@ -330,7 +398,9 @@ func (c *Copier) Fence() error {
 	c.fenceMu.Lock()
 	defer c.fenceMu.Unlock()
 	return c.with(func() error {
-		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(), rawStream(&c.lanes[0].stream), rawStream(&c.lanes[1].stream))
+		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(),
+			rawStream(&c.lanes[0].stream), rawStream(&c.lanes[1].stream),
+			rawStream(&c.lanes[0].kstream), rawStream(&c.lanes[1].kstream))
 	})
 }
 
@@ -404,7 +474,7 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		}
 		// Wait even after an enqueue error: work already queued may still
 		// touch the buffers the caller is about to reuse.
-		if serr := l.stream.Synchronize(); serr != nil {
+		if serr := errors.Join(l.stream.Synchronize(), l.kstream.Synchronize()); serr != nil {
 			err = errors.Join(err, fmt.Errorf("cuda copier: synchronize: %w", serr))
 		}
 		return err
@@ -412,20 +482,27 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 }
 
 func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	for i, b := range blocks {
-		g1 := cu.DevicePtr(c.eng.ChunkAddr(b, 0, 0))
-		p := unsafePtr(host[i])
-		var err error
-		if toG1 {
-			err = cu.MemcpyHtoDAsync(g1, p, c.bpb, l.stream)
-		} else {
-			err = cu.MemcpyDtoHAsync(p, g1, c.bpb, l.stream)
+	// Blocks adjacent in G1 and in host memory go as one copy.
+	for i := 0; i < len(blocks); {
+		j := i + 1
+		for j < len(blocks) && blocks[j] == blocks[j-1]+1 && c.blockStride == c.bpb && host[j] == host[j-1]+uintptr(c.bpb) {
+			j++
 		}
-		if err != nil {
-			return fmt.Errorf("cuda copier: copy G1 block %d: %w", b, err)
+		if err := c.dma(l.stream, toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
+			return fmt.Errorf("cuda copier: copy G1 block %d: %w", blocks[i], err)
 		}
+		i = j
 	}
 	return nil
+}
+
+// dma enqueues one copy of n bytes between device address d and page-locked
+// host address h on s.
+func (c *Copier) dma(s cu.Stream, toDev bool, d cu.DevicePtr, h uintptr, n int64) error {
+	if toDev {
+		return cu.MemcpyHtoDAsync(d, unsafePtr(h), n, s)
+	}
+	return cu.MemcpyDtoHAsync(unsafePtr(h), d, n, s)
 }
 
 func (c *Copier) runKernel(l *lane, toG1 bool, blocks []int, host []uintptr) error {
@@ -437,56 +514,100 @@ func (c *Copier) runKernel(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		}
 		addrs[i] = d
 	}
-	ids, dAddrs, err := c.upload(l, blocks, addrs)
+	ids, dAddrs, err := c.upload(l, l.stream, blocks, addrs)
 	if err != nil {
 		return err
 	}
-	return c.launch(l, toG1, ids, dAddrs, len(blocks), addrs)
+	return c.launch(l.stream, c.grid, toG1, ids, dAddrs, len(blocks), addrs)
 }
 
+// runStaged pipelines the batch through the lane's staging slots. Offload,
+// chunk j in slot s = j mod depth:
+//
+//	kstream: wait dDone[s] (the DMA of chunk j-depth left slot s) → gather chunk j into slot s → record kDone[s]
+//	stream:  wait kDone[s] → DMA slot s → host → record dDone[s]
+//
+// Onboard mirrors it (DMA host → slot first, then the scatter kernel). The
+// kernels use a small fixed grid; PCIe is crossed by the copy engines only,
+// with one DMA copy per run of blocks adjacent in host memory.
 func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) error {
+	// Host-address order: blocks adjacent in host memory then share one
+	// DMA copy (the worker orders a batch by G1 block, which leaves the host
+	// side scattered). Each entry is independent, so the order is free.
+	if !slices.IsSorted(host) {
+		idx := make([]int, len(host))
+		for i := range idx {
+			idx[i] = i
+		}
+		slices.SortStableFunc(idx, func(a, b int) int { return cmp.Compare(host[a], host[b]) })
+		b2, h2 := make([]int, len(idx)), make([]uintptr, len(idx))
+		for i, j := range idx {
+			b2[i], h2[i] = blocks[j], host[j]
+		}
+		blocks, host = b2, h2
+	}
+	per := c.stagingSlots
 	if l.staging == 0 {
-		p, err := cu.MemAlloc(int64(c.stagingSlots) * c.bpb)
+		p, err := cu.MemAlloc(int64(c.depth*per) * c.bpb)
 		if err != nil {
-			return fmt.Errorf("cuda copier: allocate %d-block staging buffer: %w", c.stagingSlots, err)
+			return fmt.Errorf("cuda copier: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
 		}
 		l.staging = p
 	}
-	// Staging addresses of every batch entry (entry i uses slot i % slots);
-	// the descriptors for all sub-batches go up in one copy.
+	// Staging address of every batch entry; the descriptors of all chunks
+	// go up in one copy, on the kernel stream.
 	addrs := make([]uintptr, len(blocks))
 	for i := range addrs {
-		addrs[i] = uintptr(l.staging) + uintptr(int64(i%c.stagingSlots)*c.bpb)
+		j := i / per
+		addrs[i] = uintptr(l.staging) + uintptr(int64((j%c.depth)*per+i%per)*c.bpb)
 	}
-	ids, dAddrs, err := c.upload(l, blocks, addrs)
+	ids, dAddrs, err := c.upload(l, l.kstream, blocks, addrs)
 	if err != nil {
 		return err
 	}
-	// One stream: each sub-batch's kernel and DMA copies run in order, so
-	// the next sub-batch cannot overwrite staging still being copied.
-	for lo := 0; lo < len(blocks); lo += c.stagingSlots {
-		hi := min(lo+c.stagingSlots, len(blocks))
+	for j, lo := 0, 0; lo < len(blocks); j, lo = j+1, lo+per {
+		hi := min(lo+per, len(blocks))
+		s := j % c.depth
 		off := cu.DevicePtr(8 * lo)
 		if !toG1 {
-			if err := c.launch(l, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
+			if j >= c.depth {
+				if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
+					return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+				}
+			}
+			if err := c.launch(l.kstream, c.stagedGrid, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
-		}
-		for i := lo; i < hi; i++ {
-			st := cu.DevicePtr(addrs[i])
-			var err error
-			if toG1 {
-				err = cu.MemcpyHtoDAsync(st, unsafePtr(host[i]), c.bpb, l.stream)
-			} else {
-				err = cu.MemcpyDtoHAsync(unsafePtr(host[i]), st, c.bpb, l.stream)
+			if err := errors.Join(l.kDone[s].Record(l.kstream), l.stream.Wait(l.kDone[s], 0)); err != nil {
+				return fmt.Errorf("cuda copier: order staging copies: %w", err)
 			}
-			if err != nil {
+		} else if j >= c.depth {
+			if err := l.stream.Wait(l.kDone[s], 0); err != nil {
+				return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+			}
+		}
+		for i := lo; i < hi; {
+			k := i + 1
+			for k < hi && host[k] == host[k-1]+uintptr(c.bpb) {
+				k++
+			}
+			if err := c.dma(l.stream, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
 				return fmt.Errorf("cuda copier: staging copy of G1 block %d: %w", blocks[i], err)
 			}
+			i = k
+		}
+		if err := l.dDone[s].Record(l.stream); err != nil {
+			return fmt.Errorf("cuda copier: record staging copy: %w", err)
 		}
 		if toG1 {
-			if err := c.launch(l, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
+			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
+				return fmt.Errorf("cuda copier: order staging copies: %w", err)
+			}
+			if err := c.launch(l.kstream, c.stagedGrid, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
+			}
+			if err := l.kDone[s].Record(l.kstream); err != nil {
+				return fmt.Errorf("cuda copier: record staging kernel: %w", err)
 			}
 		}
 	}
@@ -495,7 +616,7 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 
 // upload writes the batch's descriptors (G1 block ids, then copy addresses)
 // to the lane's device buffer with one copy and returns where each array starts.
-func (c *Copier) upload(l *lane, blocks []int, addrs []uintptr) (ids, dAddrs cu.DevicePtr, err error) {
+func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (ids, dAddrs cu.DevicePtr, err error) {
 	n := len(blocks)
 	if n > l.descCap {
 		if err := l.freeDesc(); err != nil {
@@ -517,15 +638,16 @@ func (c *Copier) upload(l *lane, blocks []int, addrs []uintptr) (ids, dAddrs cu.
 		d[i] = uint64(b)
 		d[n+i] = uint64(addrs[i])
 	}
-	if err := cu.MemcpyHtoDAsync(l.descD, unsafePtr(l.descH), int64(16*n), l.stream); err != nil {
+	if err := cu.MemcpyHtoDAsync(l.descD, unsafePtr(l.descH), int64(16*n), s); err != nil {
 		return 0, 0, fmt.Errorf("cuda copier: upload descriptors: %w", err)
 	}
 	return l.descD, l.descD + cu.DevicePtr(8*n), nil
 }
 
-// launch runs the copy kernel over n batch entries. addrs are the entries'
-// host-side (or staging) addresses, checked for 16-byte alignment.
-func (c *Copier) launch(l *lane, toG1 bool, ids, dAddrs cu.DevicePtr, n int, addrs []uintptr) error {
+// launch runs the copy kernel over n batch entries on s with at most maxGrid
+// thread blocks. addrs are the entries' host-side (or staging) addresses,
+// checked for 16-byte alignment.
+func (c *Copier) launch(s cu.Stream, maxGrid int, toG1 bool, ids, dAddrs cu.DevicePtr, n int, addrs []uintptr) error {
 	fn := c.fnVec
 	if !c.vecOK || c.bpb%16 != 0 {
 		fn = c.fnB1
@@ -538,7 +660,7 @@ func (c *Copier) launch(l *lane, toG1 bool, ids, dAddrs cu.DevicePtr, n int, add
 		}
 	}
 	chunks := int64(n) * int64(c.eng.NumLayers) * int64(c.eng.OuterDim)
-	grid := int(min(chunks, int64(c.grid)))
+	grid := int(min(chunks, int64(maxGrid)))
 	dir := int64(0)
 	if toG1 {
 		dir = 1
@@ -551,7 +673,7 @@ func (c *Copier) launch(l *lane, toG1 bool, ids, dAddrs cu.DevicePtr, n int, add
 	for i := range args {
 		params[i] = unsafe.Pointer(&args[i])
 	}
-	if err := fn.Launch(grid, 1, 1, 256, 1, 1, 0, l.stream, params); err != nil {
+	if err := fn.Launch(grid, 1, 1, 256, 1, 1, 0, s, params); err != nil {
 		return fmt.Errorf("cuda copier: launch copy kernel (%d blocks): %w", n, err)
 	}
 	return nil
@@ -579,12 +701,28 @@ func (c *Copier) release() error {
 			continue
 		}
 		l.mu.Lock()
-		errs = append(errs, l.stream.Synchronize(), l.freeDesc())
+		for _, st := range []*cu.Stream{&l.stream, &l.kstream} {
+			if *st != (cu.Stream{}) {
+				errs = append(errs, st.Synchronize())
+			}
+		}
+		errs = append(errs, l.freeDesc())
 		if l.staging != 0 {
 			errs = append(errs, cu.MemFree(l.staging))
 			l.staging = 0
 		}
-		errs = append(errs, l.stream.Destroy())
+		for _, st := range []*cu.Stream{&l.stream, &l.kstream} {
+			if *st != (cu.Stream{}) {
+				errs = append(errs, st.Destroy())
+			}
+		}
+		for i := range l.kDone {
+			errs = append(errs, cu.DestroyEvent(&l.kDone[i]))
+		}
+		for i := range l.dDone {
+			errs = append(errs, cu.DestroyEvent(&l.dDone[i]))
+		}
+		l.kDone, l.dDone = nil, nil
 		l.mu.Unlock()
 	}
 	c.regMu.Lock()

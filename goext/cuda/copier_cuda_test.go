@@ -18,28 +18,47 @@ import (
 
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/storage"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
-// These tests need a GPU: they build only with -tags cuda and skip when the
-// driver reports no device.
+// These tests need a GPU: they build only with -tags cuda and each one
+// skips (t.Skip, visible with -v, and counted at the end) when the driver
+// reports no device.
 
-var testCtx cu.CUContext
+var (
+	testCtx  cu.CUContext
+	noDevice string // why the tests skip; "" with a device
+	skipped  atomic.Int64
+)
 
 func TestMain(m *testing.M) {
 	if n, err := cu.NumDevices(); err != nil || n == 0 {
-		fmt.Println("no CUDA device: skipping goext/cuda tests")
-		os.Exit(0)
+		noDevice = fmt.Sprintf("no CUDA device (%d devices, err %v)", n, err)
+	} else {
+		dev, err := cu.GetDevice(0)
+		if err == nil {
+			testCtx, err = dev.RetainPrimaryCtx()
+		}
+		if err != nil {
+			fmt.Println("cuda:", err)
+			os.Exit(1)
+		}
 	}
-	dev, err := cu.GetDevice(0)
-	if err == nil {
-		testCtx, err = dev.RetainPrimaryCtx()
+	code := m.Run()
+	if n := skipped.Load(); n > 0 {
+		fmt.Printf("goext/cuda: %d tests/benchmarks SKIPPED: %s\n", n, noDevice)
 	}
-	if err != nil {
-		fmt.Println("cuda:", err)
-		os.Exit(1)
+	os.Exit(code)
+}
+
+// needGPU skips t when there is no CUDA device.
+func needGPU(t testing.TB) {
+	t.Helper()
+	if noDevice != "" {
+		skipped.Add(1)
+		t.Skip(noDevice)
 	}
-	os.Exit(m.Run())
 }
 
 // onCtx runs fn with device 0's primary context current.
@@ -146,6 +165,7 @@ func modesFor(c *Copier) []Mode {
 }
 
 func TestDeviceOf(t *testing.T) {
+	needGPU(t)
 	g := newCache(t, layout.FlashAttn, 1, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
 	ord, err := DeviceOf(uintptr(g.ptrs[0]) + 100)
 	require.NoError(t, err)
@@ -167,6 +187,7 @@ func TestParseMode(t *testing.T) {
 }
 
 func TestDirectNeedsContiguousBlocks(t *testing.T) {
+	needGPU(t)
 	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
 	_, err := New(g.eng, Options{Mode: Direct})
 	require.ErrorContains(t, err, "contiguous")
@@ -269,6 +290,7 @@ func roundTrip(t *testing.T, g *gpuCache, c *Copier, viaDisk bool) {
 }
 
 func TestRoundTrip(t *testing.T) {
+	needGPU(t)
 	for _, lc := range layouts {
 		for _, viaDisk := range []bool{false, true} {
 			g := newCache(t, lc.kind, lc.n, lc.shape, lc.blocks, lc.bs, lc.dtype)
@@ -282,17 +304,26 @@ func TestRoundTrip(t *testing.T) {
 					name = fmt.Sprintf("%s/%s/g3", lc.name, m)
 				}
 				t.Run(name, func(t *testing.T) {
-					// A small staging buffer forces several sub-batches.
+					// A small staging buffer forces several sub-batches
+					// (Staged: 4 one-block slots, each reused many times).
 					c, err := New(g.eng, Options{Mode: m, StagingBytes: 3 * g.eng.BytesPerBlock(), MaxBatch: 16})
 					require.NoError(t, err)
 					roundTrip(t, g, c, viaDisk)
 				})
+				if m == Staged {
+					t.Run(name+"/depth2x3", func(t *testing.T) {
+						c, err := New(g.eng, Options{Mode: m, PipelineDepth: 2, StagingBytes: 6 * g.eng.BytesPerBlock(), StagedCTAs: 1})
+						require.NoError(t, err)
+						roundTrip(t, g, c, viaDisk)
+					})
+				}
 			}
 		}
 	}
 }
 
 func TestUnregisteredHostBuffer(t *testing.T) {
+	needGPU(t)
 	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
 	c, err := New(g.eng, Options{Mode: Kernel})
 	require.NoError(t, err)
@@ -300,4 +331,49 @@ func TestUnregisteredHostBuffer(t *testing.T) {
 	buf := make([]byte, g.eng.BytesPerBlock())
 	require.ErrorContains(t, c.GatherBlocks([]int{1}, [][]byte{buf}), "not in a registered host region")
 	require.ErrorContains(t, c.GatherBlocks([]int{8}, [][]byte{buf}), "out of range")
+}
+
+// TestCoalescedCopies: runs of blocks adjacent in host memory (and, for
+// Direct, in G1) move as one DMA copy; the bytes must still land per block.
+func TestCoalescedCopies(t *testing.T) {
+	needGPU(t)
+	for _, lc := range layouts[:3] {
+		g := newCache(t, lc.kind, lc.n, lc.shape, lc.blocks, lc.bs, lc.dtype)
+		probe, err := New(g.eng, Options{})
+		require.NoError(t, err)
+		require.Equal(t, Staged, probe.Mode())
+		modes := modesFor(probe)
+		require.NoError(t, probe.Close())
+		for _, m := range modes {
+			t.Run(lc.name+"/"+m.String(), func(t *testing.T) {
+				c, err := New(g.eng, Options{Mode: m, StagingBytes: 8 * g.eng.BytesPerBlock(), PipelineDepth: 2})
+				require.NoError(t, err)
+				defer c.Close()
+				host, err := storage.NewHostRegion(24, g.eng.BytesPerBlock(), true)
+				require.NoError(t, err)
+				defer host.Close()
+				require.NoError(t, c.RegisterHost(host))
+				// Host slots: a run of 9, a gap, a run of 5 (crossing staging slots).
+				slots := []int{0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15, 16}
+				src := []int{10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 3, 4, 40, 41}
+				dst := []int{60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 80, 81}
+				bufs := make([][]byte, len(slots))
+				for i, s := range slots {
+					bufs[i] = host.Block(s)
+				}
+				want := make([][]byte, len(src))
+				for i, b := range src {
+					want[i] = g.block(t, b)
+				}
+				require.NoError(t, c.GatherBlocks(src, bufs))
+				for i := range bufs {
+					require.True(t, bytes.Equal(want[i], bufs[i][:len(want[i])]), "host slot %d", slots[i])
+				}
+				require.NoError(t, c.ScatterBlocks(dst, bufs))
+				for i, b := range dst {
+					require.True(t, bytes.Equal(want[i], g.block(t, b)), "G1 block %d", b)
+				}
+			})
+		}
+	}
 }

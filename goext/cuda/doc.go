@@ -10,10 +10,12 @@
 // orders itself after the engine's stream with an event (Fence).
 //
 // Copies never go one cudaMemcpy per layer per block. Per-layer layouts are
-// gathered/scattered by one kernel per batch (kernels/kvbm_copy.cu), which
-// either reads/writes the mapped host memory directly ("kernel", zero-copy)
-// or goes through a device staging buffer and one DMA copy per block
-// ("staged"). Layouts whose blocks are contiguous in G1 (TensorRT-LLM) can
-// also move as one DMA copy per block ("direct"). The default is "kernel",
-// the fastest on an H200 for every layout; docs/cuda.md has the numbers.
+// gathered/scattered by a kernel (kernels/kvbm_copy.cu), which either goes
+// through a device staging buffer whose slots cross PCIe as DMA copies on the
+// copy engines ("staged", the default: pipelined, fixed grid, one DMA copy
+// per run of blocks adjacent in host memory) or reads/writes the mapped host
+// memory directly ("kernel", zero-copy: as fast on an idle GPU, but it holds
+// every SM while it waits on PCIe, and an engine's matmul ran 92% slower
+// meanwhile). Layouts whose blocks are contiguous in G1 (TensorRT-LLM) can
+// also move as one DMA copy per block ("direct"). docs/cuda.md has the numbers.
 package cuda

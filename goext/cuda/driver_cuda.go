@@ -6,6 +6,7 @@ package cuda
 #cgo LDFLAGS: -lcuda
 #include <cuda.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 // What gorgonia.org/cu lacks: page-locking memory we did not allocate,
 // mapped pinned allocations, pointer attributes, and event/stream calls on
@@ -47,13 +48,11 @@ static int kvbm_pointer_device(uintptr_t p, int* ordinal) {
 	return cuPointerGetAttribute(ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)p);
 }
 
-// kvbm_fence: record ev on the engine's stream, make both of ours wait for it.
-static int kvbm_fence(uintptr_t ev, uintptr_t engine, uintptr_t s0, uintptr_t s1) {
+// kvbm_fence: record ev on the engine's stream, make n of ours wait for it.
+static int kvbm_fence(uintptr_t ev, uintptr_t engine, const uintptr_t* streams, int n) {
 	CUresult r = cuEventRecord((CUevent)ev, (CUstream)engine);
-	if (r != CUDA_SUCCESS) return r;
-	r = cuStreamWaitEvent((CUstream)s0, (CUevent)ev, 0);
-	if (r != CUDA_SUCCESS) return r;
-	return cuStreamWaitEvent((CUstream)s1, (CUevent)ev, 0);
+	for (int i = 0; r == CUDA_SUCCESS && i < n; i++) r = cuStreamWaitEvent((CUstream)streams[i], (CUevent)ev, 0);
+	return r;
 }
 
 static const char* kvbm_cu_error(int r) {
@@ -70,6 +69,18 @@ import (
 
 	"gorgonia.org/cu"
 )
+
+// getenv reads the process environment as C sees it: a Go c-shared library
+// keeps the copy it took at load time in os.Getenv, which misses variables
+// the host process (Python) set afterwards.
+func getenv(name string) string {
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	if v := C.getenv(cs); v != nil {
+		return C.GoString(v)
+	}
+	return ""
+}
 
 func cuErr(what string, r C.int) error {
 	if r == 0 {
@@ -114,6 +125,11 @@ func hostFree(p uintptr) error { return cuErr("cuMemFreeHost", C.kvbm_host_free(
 func rawStream(s *cu.Stream) uintptr { return *(*uintptr)(unsafe.Pointer(s)) }
 func rawEvent(e *cu.Event) uintptr   { return *(*uintptr)(unsafe.Pointer(e)) }
 
-func fence(ev, engine, s0, s1 uintptr) error {
-	return cuErr("fence on the engine stream", C.kvbm_fence(C.uintptr_t(ev), C.uintptr_t(engine), C.uintptr_t(s0), C.uintptr_t(s1)))
+// fence records ev on the engine stream and makes every one of streams wait for it.
+func fence(ev, engine uintptr, streams ...uintptr) error {
+	cs := make([]C.uintptr_t, len(streams))
+	for i, s := range streams {
+		cs[i] = C.uintptr_t(s)
+	}
+	return cuErr("fence on the engine stream", C.kvbm_fence(C.uintptr_t(ev), C.uintptr_t(engine), &cs[0], C.int(len(cs))))
 }

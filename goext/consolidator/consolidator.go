@@ -60,6 +60,10 @@ type Config struct {
 	// (default DefaultBufferLimit); beyond it new events are dropped,
 	// counted and logged.
 	BufferLimit int
+	// MaxTrackedBlocks caps the logical blocks the deduplication tracker
+	// holds (default DefaultMaxTrackedBlocks); beyond it the oldest is
+	// forgotten and a REMOVE of it published.
+	MaxTrackedBlocks int
 	// ReconnectMin/Max bound the exponential backoff of ZMQ and NATS
 	// reconnects (defaults DefaultReconnectMin, DefaultReconnectMax).
 	ReconnectMin, ReconnectMax time.Duration
@@ -76,6 +80,7 @@ type Stats struct {
 	Invalid        uint64 // engine messages or events skipped as malformed
 	Deduplicated   uint64 // stores/removes absorbed by deduplication
 	UnknownRemoves uint64 // removes of untracked blocks (warned)
+	Evicted        uint64 // tracked blocks forgotten at MaxTrackedBlocks (REMOVE published)
 	Tracked        int    // logical blocks tracked now
 	ZMQMessages    uint64 // consolidated messages sent
 	ZMQEvents      uint64 // consolidated events sent over ZMQ
@@ -139,7 +144,7 @@ func New(cfg Config) (*Consolidator, error) {
 		cfg:       cfg,
 		log:       log,
 		m:         cfg.Metrics,
-		tr:        NewTracker(cfg.Engine, log),
+		tr:        NewTracker(cfg.Engine, log, WithMaxBlocks(cfg.MaxTrackedBlocks)),
 		wake:      make(chan struct{}, 1),
 		stopFlush: make(chan struct{}),
 	}
@@ -242,6 +247,9 @@ func (cfg *Config) normalize() error {
 	if cfg.BufferLimit == 0 {
 		cfg.BufferLimit = DefaultBufferLimit
 	}
+	if cfg.MaxTrackedBlocks < 0 {
+		return fmt.Errorf("consolidator: max tracked blocks %d is negative", cfg.MaxTrackedBlocks)
+	}
 	if cfg.ReconnectMin <= 0 {
 		cfg.ReconnectMin = DefaultReconnectMin
 	}
@@ -321,6 +329,12 @@ func (c *Consolidator) noteTracker(d0, u0 uint64) {
 	c.stats.UnknownRemoves += c.tr.unknownRemoves - u0
 	if c.m != nil && d > 0 {
 		c.m.EventsDeduped.Add(float64(d))
+	}
+	if e := c.tr.evicted - c.stats.Evicted; e > 0 {
+		c.stats.Evicted = c.tr.evicted
+		if c.m != nil {
+			c.m.BlocksEvicted.Add(float64(e))
+		}
 	}
 }
 
@@ -484,6 +498,9 @@ func (c *Consolidator) Close() error {
 		c.subWG.Wait()
 		close(c.stopFlush)
 		c.flushWG.Wait()
+		c.mu.Lock()
+		c.tr.FlushWarnings()
+		c.mu.Unlock()
 		if c.nats != nil {
 			c.nats.close()
 		}

@@ -47,6 +47,7 @@ func checkRouter(t *testing.T, tr *Tracker, r *routerModel) {
 	t.Helper()
 	require.NoError(t, r.apply(tr.Drain(nil)))
 	require.Equal(t, tr.Len(), len(r.blocks), "router index and tracker disagree on the number of blocks")
+	checkTrackerInvariants(t, tr)
 }
 
 // TestTrackerRandomHolders drives the tracker with random stores and
@@ -55,11 +56,13 @@ func checkRouter(t *testing.T, tr *Tracker, r *routerModel) {
 // and the engine holds some blocks under two hashes, as with two cache
 // salts), then checks after every step that a router would accept the
 // output, and at the end that removing everything leaves nothing behind.
+// With a small cap, evictions interleave with all of it.
 func TestTrackerRandomHolders(t *testing.T) {
-	for seed := range uint64(20) {
-		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+	for i := range 40 {
+		seed, maxBlocks := uint64(i/2), []int{0, 7}[i%2]
+		t.Run(fmt.Sprintf("seed=%d,cap=%d", seed, maxBlocks), func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(seed, 7))
-			tr := NewTracker(EngineVllm, nil)
+			tr := NewTracker(EngineVllm, nil, WithMaxBlocks(maxBlocks))
 			r := newRouterModel()
 			hash := func(space string, salt int, prefix []int) uint64 {
 				f := fnv.New64a()

@@ -45,13 +45,33 @@ type extEntry struct {
 
 // block is one logical block, by dedup key.
 type block struct {
+	key   uint64 // its dedup key (in Tracker.blocks)
 	first uint64 // the external hash the router was told in the STORE
+	// exts are the external hashes whose extEntry names this block, so
+	// that evicting it can drop them. Usually one or two: the engine's
+	// hash and kvbm's.
+	exts []uint64
+	// older and newer link the blocks from Tracker.oldest to
+	// Tracker.newest, by the time a holder last stored them.
+	older, newer *block
 	// refs counts, per holder, the external hashes through which that
 	// holder holds the block. It is a count rather than a flag because an
 	// engine can cache identical content at the same position under two
 	// external hashes (e.g. two cache salts: vLLM's hashes differ, the
 	// router key does not); the block stays until the last one goes.
 	refs [numHolders]uint32
+}
+
+// dropExt removes x from b.exts.
+func (b *block) dropExt(x uint64) {
+	for i, y := range b.exts {
+		if y == x {
+			last := len(b.exts) - 1
+			b.exts[i] = b.exts[last]
+			b.exts = b.exts[:last]
+			return
+		}
+	}
 }
 
 func (b *block) holders() (set uint8) {
@@ -65,6 +85,11 @@ func (b *block) holders() (set uint8) {
 
 // Tracker is the deduplication state machine of SPEC §7.2. It is not safe
 // for concurrent use: the Consolidator serialises all calls under its lock.
+//
+// Its memory is bounded: beyond maxBlocks logical blocks it forgets the
+// one stored longest ago (queueing a REMOVE, so that the router forgets it
+// too). Without the bound, every REMOVE the engine or kvbm failed to
+// deliver would leak a block for the life of the process.
 //
 // Improvements over the reference: kvbm's host and disk tiers are separate
 // holders (evicting one tier's copy never removes a block the other still
@@ -81,25 +106,58 @@ type Tracker struct {
 	firsts map[uint64]uint64   // a live block's first hash → its key
 	queue  []events.ConsolidatedEvent
 
+	maxBlocks      int    // len(blocks) never exceeds it
+	oldest, newest *block // ends of the age list (nil when empty)
+
+	// warn rate-limits the warnings about input that names untracked
+	// blocks or unknown holders: after an eviction or a lost STORE, every
+	// later REMOVE of those blocks is one.
+	warn *warnLimiter
+
 	// Stats (monotonic).
 	stores, removes, clears uint64
 	deduped                 uint64 // stores and removes absorbed without an event
 	unknownRemoves          uint64 // removes of hashes or holders not tracked (warned)
+	evicted                 uint64 // blocks forgotten at maxBlocks (each with a REMOVE)
+}
+
+// DefaultMaxTrackedBlocks is the default cap on the logical blocks a
+// Tracker holds: at a few hundred bytes each, about a gigabyte; room for
+// the G1, host and disk tiers of a large deployment.
+const DefaultMaxTrackedBlocks = 4 << 20
+
+// TrackerOption configures NewTracker.
+type TrackerOption func(*Tracker)
+
+// WithMaxBlocks caps the logical blocks tracked (n > 0; otherwise
+// DefaultMaxTrackedBlocks).
+func WithMaxBlocks(n int) TrackerOption {
+	return func(t *Tracker) {
+		if n > 0 {
+			t.maxBlocks = n
+		}
+	}
 }
 
 // NewTracker returns an empty tracker. logger may be nil (discard).
-func NewTracker(engine Engine, logger *slog.Logger) *Tracker {
+func NewTracker(engine Engine, logger *slog.Logger, opts ...TrackerOption) *Tracker {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return &Tracker{
-		name:   engine,
-		log:    logger,
-		debug:  logger.Enabled(context.Background(), slog.LevelDebug),
-		blocks: make(map[uint64]*block),
-		ext:    make(map[uint64]extEntry),
-		firsts: make(map[uint64]uint64),
+	t := &Tracker{
+		name:      engine,
+		log:       logger,
+		debug:     logger.Enabled(context.Background(), slog.LevelDebug),
+		blocks:    make(map[uint64]*block),
+		ext:       make(map[uint64]extEntry),
+		firsts:    make(map[uint64]uint64),
+		maxBlocks: DefaultMaxTrackedBlocks,
 	}
+	t.warn = newWarnLimiter(logger, "untracked-block")
+	for _, o := range opts {
+		o(t)
+	}
+	return t
 }
 
 // holderName renders a holder as the log lines of SPEC §7.2 do: the engine
@@ -135,7 +193,7 @@ func (t *Tracker) Key(tokens []uint32, lora string, parentExt uint64, hasParent 
 func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt uint64, hasParent bool,
 	blockSize int, lora string) bool {
 	if !validHolder(h) {
-		t.log.Warn(fmt.Sprintf("Ignoring store of block %d from unknown holder %d", ext, uint8(h)))
+		t.warn.Warn(fmt.Sprintf("Ignoring store of block %d from unknown holder %d", ext, uint8(h)))
 		return false
 	}
 	bit := uint8(1) << h
@@ -166,14 +224,17 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 	// hash coming back names that block: publishing a second STORE of it
 	// would be a duplicate for the router, whatever the parent's state.
 	if key, ok := t.firsts[ext]; ok {
+		b := t.blocks[key]
 		t.ext[ext] = extEntry{key: key, holders: bit}
-		t.addRef(t.blocks[key], key, h, ext, len(tokens))
+		b.exts = append(b.exts, ext)
+		t.addRef(b, key, h, ext, len(tokens))
 		return false
 	}
 
 	key, local := t.Key(tokens, lora, parentExt, hasParent)
 	if b, ok := t.blocks[key]; ok {
 		t.ext[ext] = extEntry{key: key, holders: bit}
+		b.exts = append(b.exts, ext)
 		t.addRef(b, key, h, ext, len(tokens))
 		return false
 	}
@@ -190,18 +251,69 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 		}
 	}
 
-	b := &block{first: ext}
+	b := &block{key: key, first: ext, exts: []uint64{ext}}
 	b.refs[h] = 1
 	t.blocks[key] = b
 	t.firsts[ext] = key
 	t.ext[ext] = extEntry{key: key, holders: bit}
+	t.pushNewest(b)
 	t.queue = append(t.queue, ev)
 	t.stores++
 	if t.debug {
 		t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) stored in first source %s, will publish STORE event (total tracked: %d, hash_mapping: %d)",
 			ext, key, t.holderName(h), len(t.blocks), len(t.ext)))
 	}
+	if len(t.blocks) > t.maxBlocks {
+		t.evictOldest()
+	}
 	return true
+}
+
+// evictOldest forgets the block stored longest ago and every external hash
+// of it, and queues its REMOVE. Its holders may still have it; their later
+// REMOVEs are then unknown (warned, rate-limited), and a new STORE of it is
+// published as a new block.
+func (t *Tracker) evictOldest() {
+	b := t.oldest
+	t.unlink(b)
+	for _, x := range b.exts {
+		delete(t.ext, x)
+	}
+	delete(t.blocks, b.key)
+	delete(t.firsts, b.first)
+	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: b.first})
+	t.evicted++
+	if t.evicted == 1 {
+		t.log.Warn(fmt.Sprintf("KV event consolidator tracks %d blocks, its cap: forgetting the oldest (block %d) and "+
+			"publishing REMOVE for each block it forgets; further evictions are counted in kvbm_consolidator_blocks_evicted",
+			t.maxBlocks, b.first))
+	}
+}
+
+// pushNewest links b as the newest block.
+func (t *Tracker) pushNewest(b *block) {
+	b.older, b.newer = t.newest, nil
+	if t.newest != nil {
+		t.newest.newer = b
+	} else {
+		t.oldest = b
+	}
+	t.newest = b
+}
+
+// unlink takes b out of the age list.
+func (t *Tracker) unlink(b *block) {
+	if b.older != nil {
+		b.older.newer = b.newer
+	} else {
+		t.oldest = b.newer
+	}
+	if b.newer != nil {
+		b.newer.older = b.older
+	} else {
+		t.newest = b.older
+	}
+	b.older, b.newer = nil, nil
 }
 
 // addRef adds a reference from holder h to an existing block (a
@@ -209,6 +321,10 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 func (t *Tracker) addRef(b *block, key uint64, h events.Holder, ext uint64, ntok int) {
 	b.refs[h]++
 	t.deduped++
+	if b != t.newest { // a fresh store makes it the last to evict
+		t.unlink(b)
+		t.pushNewest(b)
+	}
 	if t.debug && b.refs[h] == 1 {
 		t.log.Debug(fmt.Sprintf("DEDUP: Block %d (seq_hash=%d) added to source %s (already exists in %d source(s), %d tokens, external_hash=%d)",
 			b.first, key, t.holderName(h), bits.OnesCount8(b.holders())-1, ntok, ext))
@@ -222,21 +338,22 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	e, ok := t.ext[ext]
 	if !ok {
 		t.unknownRemoves++
-		t.log.Warn(fmt.Sprintf("Attempted to remove unknown block %d from source %s (not in hash_mapping)", ext, t.holderName(h)))
+		t.warn.Warn(fmt.Sprintf("Attempted to remove unknown block %d from source %s (not in hash_mapping)", ext, t.holderName(h)))
 		return false
 	}
 	bit := uint8(1) << h
 	if !validHolder(h) || e.holders&bit == 0 {
 		t.unknownRemoves++
-		t.log.Warn(fmt.Sprintf("Attempted to remove source %s from block %d but it wasn't present", t.holderName(h), ext))
+		t.warn.Warn(fmt.Sprintf("Attempted to remove source %s from block %d but it wasn't present", t.holderName(h), ext))
 		return false
 	}
+	b := t.blocks[e.key]
 	if e.holders &^= bit; e.holders == 0 {
 		delete(t.ext, ext)
+		b.dropExt(ext)
 	} else {
 		t.ext[ext] = e
 	}
-	b := t.blocks[e.key]
 	b.refs[h]--
 	if set := b.holders(); set != 0 {
 		t.deduped++
@@ -250,6 +367,7 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	// left no mapping to the block remains: nothing stray to purge.
 	delete(t.blocks, e.key)
 	delete(t.firsts, b.first)
+	t.unlink(b)
 	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: b.first})
 	t.removes++
 	if t.debug {
@@ -266,6 +384,7 @@ func (t *Tracker) ClearAll() {
 	clear(t.blocks)
 	clear(t.ext)
 	clear(t.firsts)
+	t.oldest, t.newest = nil, nil
 	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindCleared})
 	t.clears++
 	if t.debug {
@@ -314,6 +433,12 @@ func (t *Tracker) Queued() int { return len(t.queue) }
 
 // Len is the number of logical blocks tracked.
 func (t *Tracker) Len() int { return len(t.blocks) }
+
+// Evicted is the number of blocks forgotten at the cap (monotonic).
+func (t *Tracker) Evicted() uint64 { return t.evicted }
+
+// FlushWarnings logs the summary of warnings suppressed so far (Close).
+func (t *Tracker) FlushWarnings() { t.warn.Flush() }
 
 // Holders returns the holders of the block with external hash ext (nil if
 // not tracked), for tests and diagnostics.

@@ -7,11 +7,14 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/metrics"
 )
 
 // logRecorder is a slog.Handler that keeps every record, so tests can grep
@@ -146,7 +149,56 @@ func TestTrackerRules(t *testing.T) {
 		logs   []string // substrings that must each appear in some line
 		noLogs []string // substrings that must not appear
 		blocks int      // tracked blocks at the end
+		cap    int      // WithMaxBlocks; 0: the default
 	}{
+		{
+			name:   "beyond the cap the oldest block is forgotten with a REMOVE",
+			cap:    2,
+			ops:    []op{st(100, eng, tokA), st(200, eng, tokB), st(300, eng, tokC)},
+			want:   []out{S(100, tokA), S(200, tokB), S(300, tokC), R(100)},
+			logs:   []string{"WARN KV event consolidator tracks 2 blocks, its cap: forgetting the oldest (block 100)"},
+			blocks: 2,
+		},
+		{
+			name: "a block stored again by another holder is the newest",
+			cap:  2,
+			ops:  []op{st(100, eng, tokA), st(200, eng, tokB), st(900, host, tokA), st(300, eng, tokC)},
+			want: []out{S(100, tokA), S(200, tokB), S(300, tokC), R(200)},
+			// 100 and 900 still name the one block.
+			blocks: 2,
+		},
+		{
+			name: "an evicted block's hashes are forgotten: its removes are unknown, its store is new",
+			cap:  1,
+			ops: []op{
+				st(100, eng, tokA), st(900, host, tokA), // one block, two hashes
+				st(200, eng, tokB), // evicts it
+				rm(100, eng), rm(900, host),
+				st(100, eng, tokA), // evicts 200
+			},
+			want: []out{S(100, tokA), S(200, tokB), R(100), S(100, tokA), R(200)},
+			logs: []string{
+				"WARN Attempted to remove unknown block 100 from source Vllm",
+				"WARN Attempted to remove unknown block 900 from source KvbmHost",
+			},
+			blocks: 1,
+		},
+		{
+			name: "a child whose parent was evicted is published as a first block",
+			cap:  1,
+			ops:  []op{st(100, eng, tokA), st(200, eng, tokC), stp(101, eng, tokB, 100)},
+			want: []out{S(100, tokA), S(200, tokC), R(100), S(101, tokB), R(200)},
+			// keyed as a first block: the parent's mapping went with it
+			blocks: 1,
+		},
+		{
+			name:   "removed blocks leave the age list: no eviction below the cap",
+			cap:    2,
+			ops:    []op{st(100, eng, tokA), st(200, eng, tokB), rm(100, eng), st(300, eng, tokC)},
+			want:   []out{S(100, tokA), S(200, tokB), R(100), S(300, tokC)},
+			noLogs: []string{"cap"},
+			blocks: 2,
+		},
 		{
 			name:   "first store publishes",
 			ops:    []op{st(100, eng, tokA)},
@@ -306,9 +358,10 @@ func TestTrackerRules(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec := &logRecorder{}
-			tr := NewTracker(tc.engine, slog.New(rec))
+			tr := NewTracker(tc.engine, slog.New(rec), WithMaxBlocks(tc.cap))
 			for _, o := range tc.ops {
 				o.apply(tr)
+				checkTrackerInvariants(t, tr)
 			}
 			got := tr.Drain(nil)
 			require.Len(t, got, len(tc.want), "events: %+v", got)
@@ -380,4 +433,112 @@ func TestTrackerApply(t *testing.T) {
 	tr.ApplyEngine(&events.EngineEvent{Kind: events.KindCleared})
 	require.Equal(t, 0, tr.Len())
 	require.Equal(t, []events.ConsolidatedEvent{{Kind: events.KindCleared}}, tr.Drain(nil))
+}
+
+// checkTrackerInvariants checks the indexes against each other: every
+// external hash is listed by the block it names, every block is in the age
+// list once, and the cap holds. (Plain comparisons: it runs after every
+// step of the property tests.)
+func checkTrackerInvariants(t *testing.T, tr *Tracker) {
+	t.Helper()
+	if len(tr.blocks) > tr.maxBlocks {
+		t.Fatalf("%d blocks tracked, cap %d", len(tr.blocks), tr.maxBlocks)
+	}
+	exts := 0
+	for key, b := range tr.blocks {
+		if b.key != key || tr.firsts[b.first] != key {
+			t.Fatalf("block %d: key %d, first %d maps to %d", key, b.key, b.first, tr.firsts[b.first])
+		}
+		for _, x := range b.exts {
+			if e, ok := tr.ext[x]; !ok || e.key != key {
+				t.Fatalf("external hash %d of block %d maps to %+v (%v)", x, key, e, ok)
+			}
+		}
+		exts += len(b.exts)
+	}
+	if exts != len(tr.ext) {
+		t.Fatalf("%d external hashes, %d listed by their blocks", len(tr.ext), exts)
+	}
+	n := 0
+	for b := tr.oldest; b != nil && n <= len(tr.blocks); b = b.newer {
+		if tr.blocks[b.key] != b {
+			t.Fatalf("age list holds block %d, not tracked", b.key)
+		}
+		n++
+	}
+	if n != len(tr.blocks) {
+		t.Fatalf("age list has %d blocks (or more), %d tracked", n, len(tr.blocks))
+	}
+}
+
+// TestTrackerCapBoundsMemory: a stream of stores whose REMOVEs never come
+// (lost, or an engine that never sends them) keeps the tracker at its cap,
+// publishing a REMOVE for every block it forgets.
+func TestTrackerCapBoundsMemory(t *testing.T) {
+	const maxBlocks, n = 100, 10_000
+	tr := NewTracker(EngineVllm, nil, WithMaxBlocks(maxBlocks))
+	r := newRouterModel()
+	for i := range uint64(n) {
+		tr.Store(i+1, eng, []uint32{uint32(i), 1, 2, 3}, i, i > 0, 4, "")
+		if i%1000 == 0 {
+			checkRouter(t, tr, r)
+		}
+	}
+	checkRouter(t, tr, r)
+	checkTrackerInvariants(t, tr)
+	require.Equal(t, maxBlocks, tr.Len())
+	require.Len(t, tr.ext, maxBlocks)
+	require.Len(t, tr.firsts, maxBlocks)
+	require.Equal(t, uint64(n-maxBlocks), tr.Evicted())
+	for i := range uint64(n - maxBlocks) {
+		require.Nil(t, tr.Holders(i+1), "block %d not evicted", i+1)
+	}
+	require.Equal(t, []events.Holder{eng}, tr.Holders(n))
+}
+
+// TestTrackerDefaultCap: without the option, the tracker is still bounded.
+func TestTrackerDefaultCap(t *testing.T) {
+	require.Equal(t, DefaultMaxTrackedBlocks, NewTracker(EngineVllm, nil).maxBlocks)
+	require.Equal(t, DefaultMaxTrackedBlocks, NewTracker(EngineVllm, nil, WithMaxBlocks(0)).maxBlocks)
+}
+
+// TestTrackerWarningsRateLimited: removes of untracked blocks (what follows
+// an eviction, or a flood of bogus input) log the first few in full, then
+// one summary per period.
+func TestTrackerWarningsRateLimited(t *testing.T) {
+	rec := &logRecorder{}
+	tr := NewTracker(EngineVllm, slog.New(rec))
+	clock := time.Unix(1000, 0)
+	tr.warn.now = func() time.Time { return clock }
+	for i := range uint64(50_000) {
+		tr.Remove(i, eng)
+	}
+	require.Equal(t, uint64(50_000), tr.unknownRemoves, "every unknown remove counted")
+	require.Len(t, rec.grep("WARN"), defaultWarnBurst)
+	clock = clock.Add(defaultWarnPeriod)
+	tr.Remove(1, eng)
+	summary := rec.grep("Suppressed")
+	require.Len(t, summary, 1)
+	require.Contains(t, summary[0], "Suppressed 49990 untracked-block warning(s) in the last 1m0s")
+	require.Len(t, rec.grep("WARN Attempted to remove unknown block"), defaultWarnBurst+1, "a new period logs in full again")
+	tr.FlushWarnings()
+	require.Len(t, rec.grep("Suppressed"), 1, "nothing suppressed since the summary")
+}
+
+// TestConsolidatorCountsEvictions: the Consolidator passes its cap to the
+// tracker and counts evictions in Stats and in the metrics.
+func TestConsolidatorCountsEvictions(t *testing.T) {
+	m := metrics.New()
+	c, err := New(Config{ZMQBind: "tcp://127.0.0.1:0", MaxTrackedBlocks: 2, Metrics: m})
+	require.NoError(t, err)
+	defer c.Close()
+	for i := range uint64(5) {
+		c.Publish(events.BlockEvent{Holder: host, SeqHash: i + 1, Tokens: []uint32{uint32(i), 0, 0, 0}, BlockSize: 4})
+	}
+	s := c.Stats()
+	require.Equal(t, 2, s.Tracked)
+	require.Equal(t, uint64(3), s.Evicted)
+	require.Equal(t, 3.0, testutil.ToFloat64(m.BlocksEvicted))
+	_, err = New(Config{ZMQBind: "tcp://127.0.0.1:0", MaxTrackedBlocks: -1})
+	require.ErrorContains(t, err, "max tracked blocks")
 }

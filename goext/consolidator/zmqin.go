@@ -23,6 +23,8 @@ import (
 func (c *Consolidator) subscribe(ep string) {
 	defer c.subWG.Done()
 	dec := events.NewDecoder()
+	warn := newWarnLimiter(c.log, "invalid engine input from "+ep)
+	defer warn.Flush()
 	zlog := slog.NewLogLogger(c.log.Handler(), slog.LevelDebug)
 	backoff := c.cfg.ReconnectMin
 	warned := false
@@ -59,7 +61,7 @@ func (c *Consolidator) subscribe(ep string) {
 				}
 				break
 			}
-			c.handleMessage(dec, ep, msg.Frames)
+			c.handleMessage(dec, warn, ep, msg.Frames)
 		}
 		_ = sub.Close()
 		if !c.sleep(backoff) {
@@ -81,11 +83,11 @@ func (c *Consolidator) sleep(d time.Duration) bool {
 }
 
 // handleMessage decodes one engine message and applies it. Malformed input
-// is logged and counted, never fatal.
-func (c *Consolidator) handleMessage(dec *events.Decoder, ep string, frames [][]byte) {
+// is counted and logged through warn (rate-limited), never fatal.
+func (c *Consolidator) handleMessage(dec *events.Decoder, warn *warnLimiter, ep string, frames [][]byte) {
 	b, err := dec.DecodeMessage(frames)
 	if err != nil {
-		c.log.Warn(fmt.Sprintf("Failed to deserialize event batch from %s: %v", ep, err))
+		warn.Warn(fmt.Sprintf("Failed to deserialize event batch from %s: %v", ep, err))
 		c.mu.Lock()
 		c.stats.Invalid++
 		c.mu.Unlock()
@@ -93,7 +95,7 @@ func (c *Consolidator) handleMessage(dec *events.Decoder, ep string, frames [][]
 		return
 	}
 	for _, sk := range b.Skipped {
-		c.log.Warn(fmt.Sprintf("Skipping engine KV event from %s (batch seq=%d): %v", ep, b.Seq, sk))
+		warn.Warn(fmt.Sprintf("Skipping engine KV event from %s (batch seq=%d): %v", ep, b.Seq, sk))
 	}
 	c.applyBatch(&b)
 }

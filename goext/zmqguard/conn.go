@@ -3,6 +3,7 @@ package zmqguard
 import (
 	"bytes"
 	"errors"
+	"math"
 	"net"
 	"os"
 	"sync"
@@ -28,8 +29,11 @@ var _ net.Error = (*peerError)(nil)
 // connection from one goroutine at a time (its handshake, then its reader).
 //
 // Writes: zmq4's greeting is checked against the one the guard sent and
-// dropped; every later write gets WriteTimeout. Writes may come from several
-// goroutines (a SUB's subscriptions and its socket's writer).
+// dropped. Later writes are gathered until a message ends and go out in one
+// system call: zmq4 hands a multipart message to net.Buffers, which is one
+// writev on a *net.TCPConn but one write per header and per frame on any
+// other net.Conn. Every system call gets WriteTimeout. Writes may come from
+// several goroutines (a SUB's subscriptions and its socket's writer).
 type Conn struct {
 	net.Conn
 	t *Transport
@@ -38,18 +42,30 @@ type Conn struct {
 	scan         frameScanner
 	readDeadline bool // the handshake's read deadline is still set
 
-	greeted  atomic.Bool  // zmq4's greeting has been written (and dropped)
-	greetMu  sync.Mutex   // guards greetGot
-	greetGot int          // bytes of zmq4's greeting seen
-	deadline atomic.Int64 // current write deadline, Unix nanoseconds
-	dropped  atomic.Bool  // the guard closed the connection
+	greeted  atomic.Bool // zmq4's greeting has been written (and dropped)
+	greetMu  sync.Mutex  // guards greetGot
+	greetGot int         // bytes of zmq4's greeting seen
+	dropped  atomic.Bool // the guard closed the connection
+
+	w struct {
+		sync.Mutex
+		out      frameScanner // the outgoing stream, for message ends
+		pending  []byte       // start of a message not yet sent
+		deadline time.Time    // current write deadline
+	}
 }
+
+// maxPending bounds the bytes gathered before a message's end; a larger
+// frame goes out in a system call of its own.
+const maxPending = 64 << 10
 
 // newConn wraps c. inHandshake: the peer's READY command is still to come,
 // under c's read deadline, which Read clears once the command is through.
 func newConn(t *Transport, c net.Conn, replay []byte, inHandshake bool) *Conn {
-	return &Conn{Conn: c, t: t, replay: replay, readDeadline: inHandshake,
+	gc := &Conn{Conn: c, t: t, replay: replay, readDeadline: inHandshake,
 		scan: frameScanner{max: t.limits.MaxMessageSize, handshake: inHandshake}}
+	gc.w.out = frameScanner{max: math.MaxUint64, between: true}
+	return gc
 }
 
 // Read implements net.Conn.
@@ -112,23 +128,58 @@ func (c *Conn) dropGreeting(p []byte) (int, []byte, error) {
 }
 
 func (c *Conn) write(p []byte) (int, error) {
+	c.w.Lock()
+	defer c.w.Unlock()
+	if err := c.w.out.scan(p); err != nil {
+		// zmq4 wrote something that is not ZMTP framing: nothing sane
+		// can follow on this connection.
+		return 0, c.drop("outgoing " + err.Error())
+	}
+	if len(c.w.pending)+len(p) > maxPending {
+		if err := c.send(c.w.pending); err != nil {
+			return 0, err
+		}
+		c.w.pending = c.w.pending[:0]
+		if len(p) > maxPending {
+			if err := c.send(p); err != nil {
+				return 0, err
+			}
+			return len(p), nil
+		}
+	}
+	c.w.pending = append(c.w.pending, p...)
+	if c.w.out.between {
+		err := c.send(c.w.pending)
+		c.w.pending = c.w.pending[:0]
+		if err != nil {
+			return 0, err
+		}
+	}
+	return len(p), nil
+}
+
+// send writes b to the peer, with w held.
+func (c *Conn) send(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
 	wt := c.t.limits.WriteTimeout
 	// Moving the deadline costs a timer update; do it only when less than
 	// half the timeout is left, so every write still gets at least wt/2.
-	now := time.Now()
-	if dl := c.deadline.Load(); dl-now.UnixNano() < int64(wt/2) {
-		next := now.Add(wt)
-		if err := c.Conn.SetWriteDeadline(next); err != nil {
-			return 0, err
+	if now := time.Now(); c.w.deadline.Sub(now) < wt/2 {
+		c.w.deadline = now.Add(wt)
+		if err := c.Conn.SetWriteDeadline(c.w.deadline); err != nil {
+			return err
 		}
-		c.deadline.Store(next.UnixNano())
 	}
-	n, err := c.Conn.Write(p)
-	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
-		c.t.slowDropped.Add(1)
-		return n, c.drop("peer did not take a write within " + wt.String())
+	if _, err := c.Conn.Write(b); err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			c.t.slowDropped.Add(1)
+			return c.drop("peer did not take a write within " + wt.String())
+		}
+		return err
 	}
-	return n, err
+	return nil
 }
 
 // drop closes the connection for a reason the guard found.

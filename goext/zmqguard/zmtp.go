@@ -116,9 +116,10 @@ func (t *Transport) handshake(c net.Conn, accepted bool) (*Conn, error) {
 	return newConn(t, c, buf, false), nil
 }
 
-// frameScanner follows the ZMTP frame headers of an incoming stream, one
-// chunk at a time, and refuses a frame or message over max before the
-// chunk holding the last byte of its size reaches zmq4.
+// frameScanner follows the ZMTP frame headers of a stream, one chunk at a
+// time. On the incoming stream it refuses a frame or message over max before
+// the chunk holding the last byte of its size reaches zmq4; on the outgoing
+// one it finds where messages end.
 type frameScanner struct {
 	max uint64
 	// handshake: the next frame is the peer's handshake command, of at most
@@ -131,6 +132,9 @@ type frameScanner struct {
 	sizeGot int    // size bytes seen of the current header
 	body    uint64 // body bytes left of the current frame
 	msg     uint64 // bytes declared so far by the current multipart message
+	more    bool   // the current frame has the MORE flag
+	// between: the stream is between two messages (or commands).
+	between bool
 }
 
 // scanError is a stream the guard refuses.
@@ -155,6 +159,7 @@ func (s *frameScanner) scan(p []byte) error {
 			if s.body == 0 {
 				s.inBody = false
 				s.handshake = false
+				s.between = !s.more
 			}
 			continue
 		}
@@ -170,6 +175,7 @@ func (s *frameScanner) scan(p []byte) error {
 				return &scanError{msg: fmt.Sprintf("handshake frame flags %#x; want a command", f)}
 			}
 			s.flags = f | 0x80 // 0x80: header started
+			s.between = false
 			continue
 		}
 		want := 1
@@ -193,13 +199,15 @@ func (s *frameScanner) scan(p []byte) error {
 			return &scanError{oversized: true, msg: fmt.Sprintf("frame of %d bytes (message so far %d) over the limit of %d bytes", size, s.msg, s.max)}
 		}
 		s.msg += size
-		if s.flags&flagMore == 0 {
+		s.more = s.flags&flagMore != 0
+		if !s.more {
 			s.msg = 0
 		}
 		s.flags, s.sizeGot = 0, 0
 		s.body, s.inBody = size, size > 0
 		if size == 0 {
 			s.handshake = false
+			s.between = !s.more
 		}
 	}
 	return nil

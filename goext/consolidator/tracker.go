@@ -41,16 +41,21 @@ type extEntry struct {
 	// their external hash (kvbm's sequence hash), so one entry can serve
 	// both; it is deleted when its last holder removes it.
 	holders uint8
+	// next is the block's next external hash (see block.exts); the chain
+	// lives in the map so that it costs no allocation.
+	next uint64
 }
 
 // block is one logical block, by dedup key.
 type block struct {
 	key   uint64 // its dedup key (in Tracker.blocks)
 	first uint64 // the external hash the router was told in the STORE
-	// exts are the external hashes whose extEntry names this block, so
-	// that evicting it can drop them. Usually one or two: the engine's
-	// hash and kvbm's.
-	exts []uint64
+	// exts is the number of external hashes whose extEntry names this
+	// block, chained from extHead through extEntry.next, so that evicting
+	// the block can drop them. Usually one or two: the engine's hash and
+	// kvbm's.
+	extHead uint64
+	exts    uint32
 	// older and newer link the blocks from Tracker.oldest to
 	// Tracker.newest, by the time a holder last stored them.
 	older, newer *block
@@ -60,18 +65,6 @@ type block struct {
 	// external hashes (e.g. two cache salts: vLLM's hashes differ, the
 	// router key does not); the block stays until the last one goes.
 	refs [numHolders]uint32
-}
-
-// dropExt removes x from b.exts.
-func (b *block) dropExt(x uint64) {
-	for i, y := range b.exts {
-		if y == x {
-			last := len(b.exts) - 1
-			b.exts[i] = b.exts[last]
-			b.exts = b.exts[:last]
-			return
-		}
-	}
 }
 
 func (b *block) holders() (set uint8) {
@@ -213,7 +206,8 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 			}
 			return false
 		}
-		t.ext[ext] = extEntry{key: e.key, holders: e.holders | bit}
+		e.holders |= bit
+		t.ext[ext] = e
 		t.addRef(b, e.key, h, ext, len(tokens))
 		return false
 	}
@@ -225,16 +219,14 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 	// would be a duplicate for the router, whatever the parent's state.
 	if key, ok := t.firsts[ext]; ok {
 		b := t.blocks[key]
-		t.ext[ext] = extEntry{key: key, holders: bit}
-		b.exts = append(b.exts, ext)
+		t.addExt(b, key, ext, bit)
 		t.addRef(b, key, h, ext, len(tokens))
 		return false
 	}
 
 	key, local := t.Key(tokens, lora, parentExt, hasParent)
 	if b, ok := t.blocks[key]; ok {
-		t.ext[ext] = extEntry{key: key, holders: bit}
-		b.exts = append(b.exts, ext)
+		t.addExt(b, key, ext, bit)
 		t.addRef(b, key, h, ext, len(tokens))
 		return false
 	}
@@ -251,11 +243,11 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 		}
 	}
 
-	b := &block{key: key, first: ext, exts: []uint64{ext}}
+	b := &block{key: key, first: ext}
 	b.refs[h] = 1
 	t.blocks[key] = b
 	t.firsts[ext] = key
-	t.ext[ext] = extEntry{key: key, holders: bit}
+	t.addExt(b, key, ext, bit)
 	t.pushNewest(b)
 	t.queue = append(t.queue, ev)
 	t.stores++
@@ -276,8 +268,10 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 func (t *Tracker) evictOldest() {
 	b := t.oldest
 	t.unlink(b)
-	for _, x := range b.exts {
+	for x, n := b.extHead, b.exts; n > 0; n-- {
+		next := t.ext[x].next
 		delete(t.ext, x)
+		x = next
 	}
 	delete(t.blocks, b.key)
 	delete(t.firsts, b.first)
@@ -287,6 +281,33 @@ func (t *Tracker) evictOldest() {
 		t.log.Warn(fmt.Sprintf("KV event consolidator tracks %d blocks, its cap: forgetting the oldest (block %d) and "+
 			"publishing REMOVE for each block it forgets; further evictions are counted in kvbm_consolidator_blocks_evicted",
 			t.maxBlocks, b.first))
+	}
+}
+
+// addExt maps the new external hash x to block b (dedup key key).
+func (t *Tracker) addExt(b *block, key, x uint64, holders uint8) {
+	t.ext[x] = extEntry{key: key, holders: holders, next: b.extHead}
+	b.extHead = x
+	b.exts++
+}
+
+// dropExt deletes the mapping of external hash x, one of b's.
+func (t *Tracker) dropExt(b *block, x uint64) {
+	next := t.ext[x].next
+	delete(t.ext, x)
+	b.exts--
+	if b.extHead == x {
+		b.extHead = next
+		return
+	}
+	for p, n := b.extHead, b.exts; n > 0; n-- {
+		e := t.ext[p]
+		if e.next == x {
+			e.next = next
+			t.ext[p] = e
+			return
+		}
+		p = e.next
 	}
 }
 
@@ -349,8 +370,7 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	}
 	b := t.blocks[e.key]
 	if e.holders &^= bit; e.holders == 0 {
-		delete(t.ext, ext)
-		b.dropExt(ext)
+		t.dropExt(b, ext)
 	} else {
 		t.ext[ext] = e
 	}

@@ -449,12 +449,15 @@ func checkTrackerInvariants(t *testing.T, tr *Tracker) {
 		if b.key != key || tr.firsts[b.first] != key {
 			t.Fatalf("block %d: key %d, first %d maps to %d", key, b.key, b.first, tr.firsts[b.first])
 		}
-		for _, x := range b.exts {
-			if e, ok := tr.ext[x]; !ok || e.key != key {
+		x := b.extHead
+		for range b.exts {
+			e, ok := tr.ext[x]
+			if !ok || e.key != key {
 				t.Fatalf("external hash %d of block %d maps to %+v (%v)", x, key, e, ok)
 			}
+			x = e.next
 		}
-		exts += len(b.exts)
+		exts += int(b.exts)
 	}
 	if exts != len(tr.ext) {
 		t.Fatalf("%d external hashes, %d listed by their blocks", len(tr.ext), exts)

@@ -117,3 +117,29 @@ func TestServerDefaults(t *testing.T) {
 		WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout,
 	}, o)
 }
+
+// TestServerClosesTricklingClients: a client that sends its request headers
+// a byte at a time (slowloris) is cut off when ReadHeaderTimeout expires,
+// however steadily it trickles.
+func TestServerClosesTricklingClients(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	s, err := New().ServeWith("127.0.0.1:0", ServerOptions{ReadHeaderTimeout: timeout})
+	require.NoError(t, err)
+	defer s.Close()
+	c, err := net.Dial("tcp", s.Addr)
+	require.NoError(t, err)
+	defer c.Close()
+	start := time.Now()
+	header := []byte("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + strings.Repeat("a", 1000))
+	for _, b := range header {
+		if _, err := c.Write([]byte{b}); err != nil {
+			break // closed by the server
+		}
+		if time.Since(start) > 10*timeout {
+			t.Fatalf("still accepting header bytes after %s", time.Since(start))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.Less(t, time.Since(start), 10*timeout)
+	require.NoError(t, scrape(s.Addr))
+}

@@ -96,3 +96,27 @@ func TestWritesGatheredPerMessage(t *testing.T) {
 	}
 	require.Equal(t, [][]byte{header(0, uint64(len(big))), big}, rec.writes)
 }
+
+// However a stream is cut into reads, the scanner reaches the same verdict
+// (and never panics).
+func FuzzScanner(f *testing.F) {
+	f.Add(append(header(flagMore, 3), "abc"...), uint8(1))
+	f.Add(header(0, 1<<62), uint8(3))
+	f.Add([]byte{flagCommand, 5, 'R', 'E', 'A', 'D', 'Y'}, uint8(2))
+	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
+		whole := frameScanner{max: 1000}
+		errWhole := whole.scan(stream)
+		parts := frameScanner{max: 1000}
+		step := int(cut%16) + 1
+		var errParts error
+		for p := stream; len(p) > 0 && errParts == nil; {
+			n := min(step, len(p))
+			errParts = parts.scan(p[:n])
+			p = p[n:]
+		}
+		require.Equal(t, errWhole == nil, errParts == nil, "cut every %d bytes", step)
+		if errWhole == nil {
+			require.Equal(t, whole.between, parts.between)
+		}
+	})
+}

@@ -42,13 +42,11 @@ type Conn struct {
 	scan         frameScanner
 	readDeadline bool // the handshake's read deadline is still set
 
-	greeted  atomic.Bool // zmq4's greeting has been written (and dropped)
-	greetMu  sync.Mutex  // guards greetGot
-	greetGot int         // bytes of zmq4's greeting seen
-	dropped  atomic.Bool // the guard closed the connection
+	dropped atomic.Bool // the guard closed the connection
 
 	w struct {
 		sync.Mutex
+		greetGot int          // bytes of zmq4's greeting seen (and dropped)
 		out      frameScanner // the outgoing stream, for message ends
 		pending  []byte       // start of a message not yet sent
 		deadline time.Time    // current write deadline
@@ -96,40 +94,27 @@ func (c *Conn) Read(p []byte) (int, error) {
 
 // Write implements net.Conn.
 func (c *Conn) Write(p []byte) (int, error) {
-	if !c.greeted.Load() {
-		n, rest, err := c.dropGreeting(p)
-		if err != nil || len(rest) == 0 {
-			return n, err
-		}
-		m, err := c.write(rest)
-		return n + m, err
-	}
-	return c.write(p)
-}
-
-// dropGreeting consumes the part of p that is zmq4's greeting.
-func (c *Conn) dropGreeting(p []byte) (int, []byte, error) {
-	c.greetMu.Lock()
-	defer c.greetMu.Unlock()
-	if c.greetGot == greetingLen {
-		return 0, p, nil
-	}
-	k := min(len(p), greetingLen-c.greetGot)
-	if !bytes.Equal(p[:k], greeting[c.greetGot:c.greetGot+k]) {
-		// Another mechanism than NULL: the peer already has the guard's
-		// greeting, so the handshake cannot go on.
-		return 0, nil, c.drop("zmq4 greeting differs from the guard's (only NULL security is supported)")
-	}
-	c.greetGot += k
-	if c.greetGot == greetingLen {
-		c.greeted.Store(true)
-	}
-	return k, p[k:], nil
-}
-
-func (c *Conn) write(p []byte) (int, error) {
 	c.w.Lock()
 	defer c.w.Unlock()
+	greet := 0
+	if c.w.greetGot < greetingLen {
+		greet = min(len(p), greetingLen-c.w.greetGot)
+		if !bytes.Equal(p[:greet], greeting[c.w.greetGot:c.w.greetGot+greet]) {
+			// Another mechanism than NULL: the peer already has the
+			// guard's greeting, so the handshake cannot go on.
+			return 0, c.drop("zmq4 greeting differs from the guard's (only NULL security is supported)")
+		}
+		c.w.greetGot += greet
+	}
+	n, err := c.write(p[greet:])
+	return greet + n, err
+}
+
+// write gathers p, with w held.
+func (c *Conn) write(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
 	if err := c.w.out.scan(p); err != nil {
 		// zmq4 wrote something that is not ZMTP framing: nothing sane
 		// can follow on this connection.

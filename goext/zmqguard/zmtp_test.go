@@ -46,10 +46,10 @@ func TestScannerRules(t *testing.T) {
 		ok     bool
 	}{
 		"multipart within the limit": {append(append(header(flagMore, 10), make([]byte, 10)...), header(0, 90)...), true},
-		"multipart over the limit":    {append(append(header(flagMore, 60), make([]byte, 60)...), header(0, 60)...), false},
-		"limits reset per message":    {append(append(header(0, 60), make([]byte, 60)...), header(0, 60)...), true},
-		"reserved flag bit":           {[]byte{0x08, 0}, false},
-		"command with MORE":           {[]byte{flagCommand | flagMore, 0}, false},
+		"multipart over the limit":   {append(append(header(flagMore, 60), make([]byte, 60)...), header(0, 60)...), false},
+		"limits reset per message":   {append(append(header(0, 60), make([]byte, 60)...), header(0, 60)...), true},
+		"reserved flag bit":          {[]byte{0x08, 0}, false},
+		"command with MORE":          {[]byte{flagCommand | flagMore, 0}, false},
 	} {
 		s := frameScanner{max: 100}
 		err := s.scan(tc.stream)

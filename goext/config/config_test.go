@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -356,6 +357,7 @@ func TestSummaryAndLogOnce(t *testing.T) {
 
 	var logged []string
 	logf := func(format string, args ...any) { logged = append(logged, format) }
+	logOnce = sync.Once{} // once per process: start this test's process afresh (-count=N)
 	c.LogOnce(logf)
 	def.LogOnce(logf)
 	c.LogOnce(logf)

@@ -9,20 +9,27 @@ import (
 	"encoding/json"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // loadConfig parses kvbm's configuration from env, the variables as the
 // caller's runtime sees them (Python's os.environ). A Go library loaded with
 // dlopen sees the process environment as of its load, which can miss
 // variables set later; a nil env falls back to the process environment.
-func loadConfig(env map[string]string) (*config.Config, error) {
+func loadConfig(env map[string]string) (cfg *config.Config, err error) {
 	if env == nil {
-		return config.Load()
+		cfg, err = config.Load()
+	} else {
+		cfg, err = config.FromLookup(func(k string) (string, bool) {
+			v, ok := env[k]
+			return v, ok
+		})
 	}
-	return config.FromLookup(func(k string) (string, bool) {
-		v, ok := env[k]
-		return v, ok
-	})
+	if err == nil {
+		// The ZeroMQ guard is process-wide: the last configuration loaded wins.
+		zmqguard.Default().SetMaxMessageSize(uint64(cfg.ZMQMaxMessageMB) << 20)
+	}
+	return cfg, err
 }
 
 // parseOptions decodes an export's JSON options into v.

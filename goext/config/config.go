@@ -46,6 +46,7 @@ const (
 	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
 	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
+	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
 )
 
@@ -69,6 +70,10 @@ const (
 	DefaultCacheStatsMaxRequests  = 1000
 	DefaultCacheStatsLogInterval  = 5 * time.Second
 	DefaultNatsServer             = "nats://localhost:4222"
+	// DefaultZMQMaxMessageMB: a ZeroMQ peer that declares a bigger message
+	// is disconnected (goext/zmqguard). Well above the largest legitimate
+	// one: a plan takes 18 bytes per block copy, an event batch one step.
+	DefaultZMQMaxMessageMB = 64
 )
 
 // Config is the parsed, validated process configuration. Zero values of the
@@ -104,6 +109,8 @@ type Config struct {
 	EnableConsolidator bool // run the KV event consolidator
 	TrtllmZMQPort      int  // TensorRT-LLM engine event port; 0 = unset
 	NatsServer         string
+
+	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
 }
 
 // Load reads the configuration from the process environment.
@@ -147,6 +154,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		EnableConsolidator: p.boolean(EnvEnableConsolidator, true),
 		TrtllmZMQPort:      p.port(EnvTrtllmZMQPort, 0),
 		NatsServer:         p.natsURLs(EnvNatsServer, DefaultNatsServer),
+
+		ZMQMaxMessageMB: p.count(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 	}
 
 	// Cross-variable rules, only when the inputs themselves parsed (an error
@@ -254,6 +263,7 @@ func (c *Config) Summary() string {
 		c.MaxConcurrentTransfers, c.MaxTransferBatchSize)
 	fmt.Fprintf(&b, "  leader: zmq %s pub %d ack %d, worker init timeout %s, liveness timeout %s\n",
 		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout, c.LeaderWorkerLiveness)
+	fmt.Fprintf(&b, "  zmq: messages up to %d MiB\n", c.ZMQMaxMessageMB)
 	if c.Metrics {
 		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics\n", c.MetricsPort)
 	} else {

@@ -41,6 +41,7 @@ func TestDefaults(t *testing.T) {
 		CacheStatsLogInterval:   5 * time.Second,
 		EnableConsolidator:      true,
 		NatsServer:              "nats://localhost:4222",
+		ZMQMaxMessageMB:         64,
 	}, c)
 	require.False(t, c.HostEnabled())
 	require.False(t, c.DiskEnabled())
@@ -99,6 +100,7 @@ func TestVariables(t *testing.T) {
 		EnvMaxConcurrentTransfers: func(c *Config) any { return c.MaxConcurrentTransfers },
 		EnvMaxTransferBatchSize:   func(c *Config) any { return c.MaxTransferBatchSize },
 		EnvCacheStatsMaxRequests:  func(c *Config) any { return c.CacheStatsMaxRequests },
+		EnvZMQMaxMessageMB:        func(c *Config) any { return c.ZMQMaxMessageMB },
 	} {
 		add(env,
 			tc{name: "valid", value: "8", check: num(get, 8)},

@@ -61,7 +61,7 @@ const maxPending = 64 << 10
 // under c's read deadline, which Read clears once the command is through.
 func newConn(t *Transport, c net.Conn, replay []byte, inHandshake bool) *Conn {
 	gc := &Conn{Conn: c, t: t, replay: replay, readDeadline: inHandshake,
-		scan: frameScanner{max: t.limits.MaxMessageSize, handshake: inHandshake}}
+		scan: frameScanner{max: t.maxMessage.Load(), handshake: inHandshake}}
 	gc.w.out = frameScanner{max: math.MaxUint64, between: true}
 	return gc
 }

@@ -93,8 +93,9 @@ type Stats struct {
 // Transport is a zmq4 transport over TCP that enforces Limits on every
 // connection it listens for or dials.
 type Transport struct {
-	limits Limits
-	tcp    transport.Transport
+	limits     Limits
+	maxMessage atomic.Uint64 // Limits.MaxMessageSize, as SetMaxMessageSize left it
+	tcp        transport.Transport
 
 	handshakeFailures atomic.Uint64
 	oversized         atomic.Uint64
@@ -117,7 +118,9 @@ func New(l Limits) *Transport {
 	if l.MaxPendingHandshakes <= 0 {
 		l.MaxPendingHandshakes = DefaultLimits.MaxPendingHandshakes
 	}
-	return &Transport{limits: l, tcp: transport.New("tcp")}
+	t := &Transport{limits: l, tcp: transport.New("tcp")}
+	t.maxMessage.Store(l.MaxMessageSize)
+	return t
 }
 
 // Register registers a guarded TCP transport with zmq4 under name (endpoints
@@ -153,7 +156,21 @@ func Endpoint(ep string) string {
 }
 
 // Limits returns the transport's limits.
-func (t *Transport) Limits() Limits { return t.limits }
+func (t *Transport) Limits() Limits {
+	l := t.limits
+	l.MaxMessageSize = t.maxMessage.Load()
+	return l
+}
+
+// SetMaxMessageSize changes Limits.MaxMessageSize for connections made from
+// now on (n = 0: DefaultLimits'). kvbm applies DYN_KVBM_ZMQ_MAX_MESSAGE_MB
+// to the Default transport this way.
+func (t *Transport) SetMaxMessageSize(n uint64) {
+	if n == 0 {
+		n = DefaultLimits.MaxMessageSize
+	}
+	t.maxMessage.Store(n)
+}
 
 // Stats returns the transport's counters.
 func (t *Transport) Stats() Stats {

@@ -141,6 +141,15 @@ func ready(sockType string) []byte {
 // everything; what it does next is up to the test.
 func rawSubscriber(t *testing.T, addr string) net.Conn {
 	t.Helper()
+	c := rawPeer(t, addr, "SUB")
+	_, err := c.Write(append(frameHeader(0, 1), 1)) // subscribe to ""
+	require.NoError(t, err)
+	return c
+}
+
+// rawPeer completes a handshake by hand as a sockType socket.
+func rawPeer(t *testing.T, addr, sockType string) net.Conn {
+	t.Helper()
 	c, err := net.Dial("tcp", addr)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
@@ -151,14 +160,12 @@ func rawSubscriber(t *testing.T, addr string) net.Conn {
 	_, err = io.ReadFull(c, peer)
 	require.NoError(t, err)
 	require.Equal(t, byte(0xFF), peer[0])
-	_, err = c.Write(ready("SUB"))
+	_, err = c.Write(ready(sockType))
 	require.NoError(t, err)
 	hdr := make([]byte, 2)
 	_, err = io.ReadFull(c, hdr)
 	require.NoError(t, err)
 	_, err = io.CopyN(io.Discard, c, int64(hdr[1]))
-	require.NoError(t, err)
-	_, err = c.Write(append(frameHeader(0, 1), 1)) // subscribe to ""
 	require.NoError(t, err)
 	require.NoError(t, c.SetDeadline(time.Time{}))
 	return c
@@ -307,4 +314,34 @@ func TestPushPullThroughGuard(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, [][]byte{[]byte("a"), big, {}}, msg.Frames)
 	}
+}
+
+// The maximum message size can be changed at run time (kvbm applies
+// DYN_KVBM_ZMQ_MAX_MESSAGE_MB so); it holds for connections made after.
+func TestSetMaxMessageSize(t *testing.T) {
+	tr, err := zmqguard.Register("kvbm+tcp-setmax", zmqguard.Limits{})
+	require.NoError(t, err)
+	tr.SetMaxMessageSize(1000)
+	require.Equal(t, uint64(1000), tr.Limits().MaxMessageSize)
+
+	pull := zmq4.NewPull(context.Background())
+	defer pull.Close()
+	require.NoError(t, pull.Listen("kvbm+tcp-setmax://127.0.0.1:0"))
+	addr := pull.Addr().String()
+
+	c := rawPeer(t, addr, "PUSH")
+	_, _ = c.Write(append(frameHeader(0, 1001), make([]byte, 1001)...))
+	requireClosedByPeer(t, c)
+	require.Equal(t, uint64(1), tr.Stats().OversizedMessages)
+
+	c = rawPeer(t, addr, "PUSH")
+	_, err = c.Write(append(frameHeader(0, 1000), bytes.Repeat([]byte{'k'}, 1000)...))
+	require.NoError(t, err)
+	// zmq4's PULL reports the dropped peer's read error first.
+	msg, err := pull.Recv()
+	for err != nil {
+		require.ErrorContains(t, err, "over the limit of 1000 bytes")
+		msg, err = pull.Recv()
+	}
+	require.Equal(t, [][]byte{bytes.Repeat([]byte{'k'}, 1000)}, msg.Frames)
 }

@@ -103,6 +103,9 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	}
 	h.l = l
 	if cfg.Metrics {
+		// Transfer bytes and latency are measured by the workers of this
+		// process (TP=1: the engine's only worker shares it).
+		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
 		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.
@@ -115,6 +118,10 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	*out = newHandle(h)
 	return statusOK
 }
+
+// workerMetrics is the metric set every worker of this process records
+// into; the leader's endpoint serves its transfer families.
+var workerMetrics = sync.OnceValue(metrics.New)
 
 //export kvbm_leader_free
 func kvbm_leader_free(hd C.uint64_t) {

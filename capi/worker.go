@@ -89,7 +89,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		diskBlocks = cfg.DiskBlocks(total)
 	}
 	log := kvbmLogger()
-	m := metrics.New()
+	m := workerMetrics()
 	var g1c worker.G1Copier
 	if newDeviceCopier != nil {
 		if g1c, err = newDeviceCopier(eng, o.Env); err != nil {

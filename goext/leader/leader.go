@@ -209,6 +209,7 @@ func New(opts Options) (*Leader, error) {
 	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
 		l.filter = newFreqFilter(l.now)
 	}
+	l.m.BlockBytes.Set(float64(total))
 	l.log.Info("kvbm leader sized",
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
 		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),

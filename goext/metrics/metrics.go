@@ -10,10 +10,12 @@ import (
 	"log"
 	"net"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvbm/kvbm/goext/zmqguard"
 )
@@ -22,6 +24,10 @@ import (
 // registry so that several instances in one process (tests) do not collide.
 type Metrics struct {
 	Registry *prometheus.Registry
+	// Also is gathered with Registry on the endpoint when set: the
+	// transfer families of the workers that share this process
+	// (Families), whose sets are their own.
+	Also prometheus.Gatherer
 
 	OffloadD2H    prometheus.Counter // G1 → G2 blocks
 	OffloadH2D    prometheus.Counter // G2 → G3 blocks
@@ -35,6 +41,7 @@ type Metrics struct {
 
 	HostBlocksUsed prometheus.Gauge
 	DiskBlocksUsed prometheus.Gauge
+	BlockBytes     prometheus.Gauge // one block, all ranks: blocks/s × this = bytes/s
 	LoadErrors     prometheus.Counter
 	BytesMoved     *prometheus.CounterVec // label: direction (d2h, h2d, ...)
 	TransferSecs   *prometheus.HistogramVec
@@ -74,6 +81,7 @@ func New() *Metrics {
 		DiskHitRate:    g("kvbm_disk_cache_hit_rate", "Disk (G3) hit rate over recent requests, 0..1"),
 		HostBlocksUsed: g("kvbm_host_blocks_registered", "Registered blocks in the host tier"),
 		DiskBlocksUsed: g("kvbm_disk_blocks_registered", "Registered blocks in the disk tier"),
+		BlockBytes:     g("kvbm_block_bytes", "Bytes of one KV block across all tensor-parallel ranks (block counters × this = bytes)"),
 		LoadErrors:     c("kvbm_load_errors", "Block loads that failed or did not verify (recomputed by the engine)"),
 		BytesMoved: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbm_transfer_bytes", Help: "Bytes moved between tiers"}, []string{"direction"}),
@@ -174,7 +182,11 @@ func (m *Metrics) ServeWith(addr string, o ServerOptions) (*Server, error) {
 		return nil, fmt.Errorf("metrics endpoint %s (set DYN_KVBM_METRICS_PORT to a free port): %w", addr, err)
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	g := prometheus.Gatherers{m.Registry}
+	if m.Also != nil {
+		g = append(g, m.Also)
+	}
+	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
 	s := &Server{
 		srv: &http.Server{
 			Handler:           mux,
@@ -199,4 +211,20 @@ func (s *Server) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	return s.srv.Shutdown(ctx)
+}
+
+// Families is a Gatherer of only the named metric families of m: another
+// set's endpoint can serve them (Metrics.Also) without duplicating the
+// families both sets have.
+func (m *Metrics) Families(names ...string) prometheus.Gatherer {
+	return prometheus.GathererFunc(func() ([]*dto.MetricFamily, error) {
+		all, err := m.Registry.Gather()
+		out := all[:0]
+		for _, mf := range all {
+			if slices.Contains(names, mf.GetName()) {
+				out = append(out, mf)
+			}
+		}
+		return out, err
+	})
 }

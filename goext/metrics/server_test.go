@@ -143,3 +143,27 @@ func TestServerClosesTricklingClients(t *testing.T) {
 	require.Less(t, time.Since(start), 10*timeout)
 	require.NoError(t, scrape(s.Addr))
 }
+
+// TestEndpointServesAnotherSetsFamilies: a leader's endpoint also serves the
+// transfer families of a worker's set (Also = Families(...)), once each,
+// without the families both sets have.
+func TestEndpointServesAnotherSetsFamilies(t *testing.T) {
+	leader, worker := New(), New()
+	worker.BytesMoved.WithLabelValues("g1_to_g2").Add(4096)
+	worker.OffloadD2H.Add(7) // not selected: the leader's own counter is served
+	leader.OffloadD2H.Add(3)
+	leader.Also = worker.Families("kvbm_transfer_bytes")
+	srv, err := leader.Serve("127.0.0.1:0")
+	require.NoError(t, err)
+	defer srv.Close()
+	resp, err := http.Get("http://" + srv.Addr + "/metrics")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	text := string(body)
+	require.Equal(t, http.StatusOK, resp.StatusCode, text)
+	require.Contains(t, text, `kvbm_transfer_bytes{direction="g1_to_g2"} 4096`)
+	require.Contains(t, text, "kvbm_offload_blocks_d2h 3")
+	require.Equal(t, 1, strings.Count(text, "\nkvbm_offload_blocks_d2h "))
+}

@@ -6,6 +6,7 @@ TP=1, CPU tensors standing in for the KV cache."""
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -162,9 +163,8 @@ def test_promised_load_completes(engine):
     assert got == 4 * BS
     meta, recving, invalid = engine.step(scheduler_output(), forward=False)
     assert plan_summary(meta.plan)["loads"] == {"b": [10, 11, 12, 13]}
-    for _ in range(50):
-        if recving:
-            break
+    deadline = time.monotonic() + 60  # loads are asynchronous: wait by wall clock, not by step count
+    while not recving and time.monotonic() < deadline:
         _, recving, invalid = engine.step(scheduler_output(), forward=False)
     assert recving == {"b"} and invalid == set()
     for i in range(4):
@@ -237,9 +237,8 @@ def test_failure_after_the_load_is_planned_leaves_it_to_the_worker(engine):
     meta, recving, _ = engine.step(scheduler_output(), forward=False)
     assert plan_summary(meta.plan)["loads"] == {"b": [20, 21]}
     engine.sched._leader.step = _raise
-    for _ in range(50):
-        if recving:
-            break
+    deadline = time.monotonic() + 60  # loads are asynchronous: wait by wall clock, not by step count
+    while not recving and time.monotonic() < deadline:
         meta, recving, invalid = engine.step(scheduler_output(), forward=False)
         assert meta.failed_loads == {}, "a planned load is not reported twice"
     assert recving == {"b"}

@@ -2,6 +2,18 @@
 // benchmarks in package worker and bench/transfer): a vLLM FlashAttention G1
 // in host memory, a worker with G2 and G3 sized for the working set, and the
 // baselines each number is compared with in the same run.
+//
+// Baselines have kvbm's parallelism, so a ratio says how close kvbm is to
+// what the machine does with the same means: memcopy.go (G2: the same bytes
+// copied by MaxConcurrent goroutines, and the machine's copy ceiling),
+// diskio.go (G3: the same O_DIRECT I/Os at the same queue depth over the same
+// file region, no fsync on either side), fs.go (which filesystem the bench
+// directory is on; tmpfs is not a disk). Memcpy, PlainWrite and PlainRead are
+// the older single-threaded baselines, kept for the Go benchmarks of package
+// worker.
+//
+// Every method runs on the caller's goroutine and returns when its
+// goroutines have ended; a Fixture is not safe for concurrent use.
 package workerbench
 
 import (
@@ -38,9 +50,10 @@ const (
 type Options struct {
 	Blocks   int    // blocks moved per operation (the issue asks for 2,048)
 	G1Blocks int    // engine blocks (≥ 2 × Blocks so sources and targets scatter); 0: 2 × Blocks
-	Disk     bool   // also create a G3 tier and a baseline file
-	DiskDir  string // a directory on a real disk (not tmpfs); "": os.TempDir()
-	// MaxConcurrent and BatchSize go to the worker; 0: its defaults.
+	Disk     bool   // also create a G3 tier and the baselines' file
+	DiskDir  string // a directory on a real disk (not tmpfs); "": DefaultDir()
+	// MaxConcurrent and BatchSize go to the worker; 0: its defaults (New
+	// fills them in, the baselines use the same values).
 	MaxConcurrent, BatchSize int
 	Logger                   *slog.Logger
 }
@@ -51,14 +64,25 @@ type Fixture struct {
 	Engine *layout.Engine
 	Worker *worker.Worker
 	Bytes  int64 // bytes moved by one operation (Blocks × bytes per block)
+	// DiskDepth is the number of G3 batches kvbm keeps in flight, and the
+	// number of goroutines of the O_DIRECT baselines.
+	DiskDepth int
+	FS        FS // the filesystem of DiskDir (with Disk)
 
 	g1      []byte // one mapping holding every layer's tensor back to back
 	srcs    []int64
 	dsts    []int64
 	seq     uint64
-	dir     string // temp dir for the disk tier and the baseline file
-	plain   string // baseline file
+	dir     string // temp dir for the disk tier and the baseline files
+	plain   string // single-threaded baseline file (PlainWrite, PlainRead)
 	scratch []byte // aligned buffer for the baseline file I/O
+
+	// The O_DIRECT baselines (diskio.go).
+	lanes     []byte // DiskDepth aligned buffers of one stride each
+	writeFD   int    // DirectWrite's file, O_DIRECT
+	readFD    int    // kvbm's tier file, O_DIRECT
+	bufFD     int    // kvbm's tier file, buffered (BufferedRead, fadvise, mincore)
+	directErr error  // why the O_DIRECT baselines cannot run (ErrNoDirect), or nil
 }
 
 // New maps G1, fills it, and starts a worker with G2 (and G3) of Blocks blocks.
@@ -72,7 +96,16 @@ func New(o Options) (*Fixture, error) {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	f := &Fixture{Opts: o}
+	if o.MaxConcurrent <= 0 {
+		o.MaxConcurrent = worker.DefaultMaxConcurrent
+	}
+	if o.BatchSize <= 0 {
+		o.BatchSize = worker.DefaultBatchSize
+	}
+	if o.DiskDir == "" {
+		o.DiskDir = DefaultDir()
+	}
+	f := &Fixture{Opts: o, DiskDepth: DiskDepth(o.MaxConcurrent), writeFD: -1, readFD: -1, bufFD: -1}
 	chunk := int64(BlockSize * KVHeads * HeadDim * Dtype)
 	perLayer := 2 * int64(o.G1Blocks) * chunk
 	var err error
@@ -107,6 +140,10 @@ func New(o Options) (*Fixture, error) {
 	wo := worker.Options{HostBlocks: o.Blocks, Logger: o.Logger, Metrics: metrics.New(),
 		MaxConcurrent: o.MaxConcurrent, BatchSize: o.BatchSize}
 	if o.Disk {
+		if f.FS, err = StatFS(o.DiskDir); err != nil {
+			f.Close()
+			return nil, err
+		}
 		if f.dir, err = os.MkdirTemp(o.DiskDir, "kvbm-bench-"); err != nil {
 			f.Close()
 			return nil, fmt.Errorf("workerbench: temp dir: %w", err)
@@ -122,6 +159,9 @@ func New(o Options) (*Fixture, error) {
 	if f.Worker, err = worker.New(wo); err == nil {
 		err = f.Worker.RegisterG1(f.Engine)
 	}
+	if err == nil && o.Disk {
+		err = f.openDiskBaselines()
+	}
 	if err != nil {
 		f.Close()
 		return nil, err
@@ -131,10 +171,11 @@ func New(o Options) (*Fixture, error) {
 
 // Close releases everything.
 func (f *Fixture) Close() {
+	f.closeDiskBaselines()
 	if f.Worker != nil {
 		_ = f.Worker.Close()
 	}
-	for _, m := range [][]byte{f.g1, f.scratch} {
+	for _, m := range [][]byte{f.g1, f.scratch, f.lanes} {
 		if m != nil {
 			_ = unix.Munmap(m)
 		}
@@ -197,7 +238,9 @@ func (f *Fixture) Onboard() (time.Duration, error) {
 	return f.load(&plan.Step{Loads: []plan.Load{{ReqID: "bench", Copies: f.copies(plan.G2, f.seqIdx(), plan.G1, f.dsts)}}})
 }
 
-// Memcpy is the baseline: one contiguous copy of Bytes bytes inside G1 memory.
+// Memcpy is the single-threaded baseline: one contiguous copy of Bytes bytes
+// inside G1 memory. kvbm runs up to MaxConcurrent batches at once; compare it
+// with ParallelCopy(MaxConcurrent, …) instead (bench/transfer does).
 func (f *Fixture) Memcpy() time.Duration {
 	n := f.Bytes
 	if 2*n > int64(len(f.g1)) {
@@ -221,8 +264,9 @@ func (f *Fixture) DiskRead() (time.Duration, error) {
 	return f.load(&plan.Step{Loads: []plan.Load{{ReqID: "bench", Copies: f.copies(plan.G3, f.seqIdx(), plan.G1, f.dsts)}}})
 }
 
-// PlainWrite is the disk baseline: write a fresh file of Bytes bytes
-// sequentially (buffered, block-sized writes) and fsync it.
+// PlainWrite is the old single-threaded disk baseline: write a fresh file of
+// Bytes bytes sequentially (buffered, block-sized writes) and fsync it. kvbm's
+// G3 write does not fsync; DirectWrite is its equal baseline.
 func (f *Fixture) PlainWrite() (time.Duration, error) {
 	_ = os.Remove(f.plain)
 	start := time.Now()
@@ -246,7 +290,8 @@ func (f *Fixture) PlainWrite() (time.Duration, error) {
 	return d, fh.Close()
 }
 
-// PlainRead reads the baseline file sequentially from a cold page cache. Run PlainWrite first.
+// PlainRead reads PlainWrite's file sequentially from a cold page cache. Run
+// PlainWrite first. DirectRead (same queue depth) is kvbm's equal baseline.
 func (f *Fixture) PlainRead() (time.Duration, error) {
 	fh, err := os.Open(f.plain)
 	if err != nil {

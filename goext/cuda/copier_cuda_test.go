@@ -158,10 +158,14 @@ var layouts = []layoutCase{
 }
 
 func modesFor(c *Copier) []Mode {
+	ms := []Mode{Kernel, Staged}
 	if c.contiguousBlocks() {
-		return []Mode{Kernel, Staged, Direct}
+		ms = append(ms, Direct)
 	}
-	return []Mode{Kernel, Staged}
+	if batchInit() == nil {
+		ms = append(ms, Batch)
+	}
+	return ms
 }
 
 func TestDeviceOf(t *testing.T) {
@@ -177,13 +181,28 @@ func TestDeviceOf(t *testing.T) {
 }
 
 func TestParseMode(t *testing.T) {
-	for s, want := range map[string]Mode{"": Auto, "auto": Auto, "kernel": Kernel, "STAGED": Staged, "direct": Direct} {
+	for s, want := range map[string]Mode{"": Auto, "auto": Auto, "kernel": Kernel, "STAGED": Staged, "direct": Direct, "batch": Batch} {
 		got, err := ParseMode(s)
 		require.NoError(t, err)
 		require.Equal(t, want, got)
 	}
 	_, err := ParseMode("memcpy")
 	require.ErrorContains(t, err, "DYN_KVBM_CUDA_COPY")
+}
+
+// TestAutoMode: Batch for long contiguous pieces when the driver has it.
+func TestAutoMode(t *testing.T) {
+	needGPU(t)
+	// TensorRT-LLM, 2 layers × K/V × 16 KiB chunks: one 64 KiB piece a block.
+	g := newCache(t, layout.TRTLLM, 1, []int64{8, 2, 2, 16 * 8 * 64}, 8, 16, 2)
+	c, err := New(g.eng, Options{})
+	require.NoError(t, err)
+	defer c.Close()
+	want := Staged
+	if batchInit() == nil {
+		want = Batch
+	}
+	require.Equal(t, want, c.Mode(), c.String())
 }
 
 func TestDirectNeedsContiguousBlocks(t *testing.T) {
@@ -341,7 +360,7 @@ func TestCoalescedCopies(t *testing.T) {
 		g := newCache(t, lc.kind, lc.n, lc.shape, lc.blocks, lc.bs, lc.dtype)
 		probe, err := New(g.eng, Options{})
 		require.NoError(t, err)
-		require.Equal(t, Staged, probe.Mode())
+		require.Equal(t, Staged, probe.Mode(), "small test blocks have short contiguous pieces")
 		modes := modesFor(probe)
 		require.NoError(t, probe.Close())
 		for _, m := range modes {

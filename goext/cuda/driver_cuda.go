@@ -7,6 +7,7 @@ package cuda
 #include <cuda.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 // What gorgonia.org/cu lacks: page-locking memory we did not allocate,
 // mapped pinned allocations, pointer attributes, and event/stream calls on
@@ -52,6 +53,54 @@ static int kvbm_pointer_device(uintptr_t p, int* ordinal) {
 static int kvbm_fence(uintptr_t ev, uintptr_t engine, const uintptr_t* streams, int n) {
 	CUresult r = cuEventRecord((CUevent)ev, (CUstream)engine);
 	for (int i = 0; r == CUDA_SUCCESS && i < n; i++) r = cuStreamWaitEvent((CUstream)streams[i], (CUevent)ev, 0);
+	return r;
+}
+
+// The driver's batched copy (CUDA >= 12.8), looked up at run time so that
+// this file still builds against CUDA 11 headers and loads on older drivers.
+// Types as in CUDA 12.8's cuda.h (cuMemcpyBatchAsync, 12.8 ABI with failIdx).
+typedef struct { int type; int id; } kvbm_memloc;
+typedef struct {
+	int srcAccessOrder;     // CUmemcpySrcAccessOrder
+	kvbm_memloc srcLocHint; // CUmemLocation
+	kvbm_memloc dstLocHint;
+	unsigned int flags;
+} kvbm_memcpy_attrs;
+typedef CUresult (*kvbm_batch_fn)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, kvbm_memcpy_attrs*, size_t*, size_t, size_t*, CUstream);
+static kvbm_batch_fn kvbm_batch = 0;
+static int kvbm_batch_hints = 1;
+
+static int kvbm_batch_init(void) {
+	if (kvbm_batch) return CUDA_SUCCESS;
+	int v = 0;
+	CUresult r = cuDriverGetVersion(&v);
+	if (r != CUDA_SUCCESS) return r;
+	if (v < 12080) return CUDA_ERROR_NOT_SUPPORTED;
+	void* p = 0;
+	r = cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, 0);
+	if (r != CUDA_SUCCESS) return r;
+	if (!p) return CUDA_ERROR_NOT_FOUND;
+	kvbm_batch = (kvbm_batch_fn)p;
+	return CUDA_SUCCESS;
+}
+
+// kvbm_memcpy_batch: n copies in stream order; to_dev: host → device.
+static int kvbm_memcpy_batch(uint64_t* dsts, uint64_t* srcs, uint64_t* sizes, size_t n, int to_dev, int ordinal, uintptr_t stream) {
+	kvbm_memcpy_attrs a;
+	memset(&a, 0, sizeof a);
+	a.srcAccessOrder = 1; // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+	a.flags = 1;          // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+	if (kvbm_batch_hints) {
+		kvbm_memloc dev = {1, ordinal}, host = {2, 0}; // CU_MEM_LOCATION_TYPE_DEVICE, _HOST
+		a.srcLocHint = to_dev ? host : dev;
+		a.dstLocHint = to_dev ? dev : host;
+	}
+	size_t idx = 0, fail = 0;
+	CUresult r = kvbm_batch((CUdeviceptr*)dsts, (CUdeviceptr*)srcs, (size_t*)sizes, n, &a, &idx, 1, &fail, (CUstream)stream);
+	if (r == CUDA_ERROR_INVALID_VALUE && kvbm_batch_hints) {
+		kvbm_batch_hints = 0; // a driver that rejects the hints: go without
+		return kvbm_memcpy_batch(dsts, srcs, sizes, n, to_dev, ordinal, stream);
+	}
 	return r;
 }
 
@@ -132,4 +181,21 @@ func fence(ev, engine uintptr, streams ...uintptr) error {
 		cs[i] = C.uintptr_t(s)
 	}
 	return cuErr("fence on the engine stream", C.kvbm_fence(C.uintptr_t(ev), C.uintptr_t(engine), &cs[0], C.int(len(cs))))
+}
+
+// batchInit looks up cuMemcpyBatchAsync; an error means the driver has none.
+func batchInit() error {
+	return cuErr("cuMemcpyBatchAsync (CUDA >= 12.8 driver)", C.kvbm_batch_init())
+}
+
+// memcpyBatch enqueues len(sizes) copies on stream s (host addresses are
+// page-locked, addressed through unified addressing).
+func memcpyBatch(dsts, srcs []uint64, sizes []uint64, toDev bool, ordinal int, s uintptr) error {
+	td := C.int(0)
+	if toDev {
+		td = 1
+	}
+	return cuErr("cuMemcpyBatchAsync", C.kvbm_memcpy_batch((*C.uint64_t)(unsafe.Pointer(&dsts[0])),
+		(*C.uint64_t)(unsafe.Pointer(&srcs[0])), (*C.uint64_t)(unsafe.Pointer(&sizes[0])),
+		C.size_t(len(sizes)), td, C.int(ordinal), C.uintptr_t(s)))
 }

@@ -412,6 +412,66 @@ func (t *Tracker) ClearAll() {
 	}
 }
 
+// ClearHolder drops holder h as a holder of every block (the engine's
+// AllBlocksCleared, or a reset of one of kvbm's tiers), SPEC §7.2: blocks
+// no other holder keeps are removed, each with a REMOVE under its first
+// hash, so the router keeps the blocks kvbm can still onboard. When no other
+// holder keeps anything, it is ClearAll: one CLEAR.
+func (t *Tracker) ClearHolder(h events.Holder) {
+	if !validHolder(h) {
+		return
+	}
+	bit := uint8(1) << h
+	others := false
+	for _, b := range t.blocks {
+		if b.holders()&^bit != 0 {
+			others = true
+			break
+		}
+	}
+	if !others {
+		t.ClearAll()
+		return
+	}
+	removed := 0
+	for key, b := range t.blocks {
+		if b.refs[h] == 0 {
+			continue
+		}
+		for x, n := b.extHead, b.exts; n > 0; n-- {
+			e := t.ext[x]
+			next := e.next
+			if e.holders&bit != 0 {
+				if e.holders &^= bit; e.holders == 0 {
+					t.dropExt(b, x)
+				} else {
+					t.ext[x] = e
+				}
+			}
+			x = next
+		}
+		b.refs[h] = 0
+		if b.holders() != 0 {
+			t.deduped++
+			continue
+		}
+		delete(t.blocks, key)
+		delete(t.firsts, b.first)
+		t.unlink(b)
+		t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: b.first})
+		t.removes++
+		removed++
+		if t.debug {
+			t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) removed from last source %s, will publish REMOVE event (cleared)",
+				b.first, key, t.holderName(h)))
+		}
+	}
+	if t.debug {
+		t.log.Debug(fmt.Sprintf("Source %s cleared all its blocks: %d removed from their last source (REMOVE events), "+
+			"%d still held by other sources (no CLEAR)", t.holderName(h), removed, len(t.blocks)))
+	}
+}
+
 // ApplyEngine feeds one decoded engine event (holder: the engine).
 func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
 	switch ev.Kind {
@@ -425,7 +485,7 @@ func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
 			t.Remove(h, events.HolderEngine)
 		}
 	case events.KindCleared:
-		t.ClearAll()
+		t.ClearHolder(events.HolderEngine)
 	}
 }
 

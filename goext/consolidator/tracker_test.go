@@ -78,6 +78,7 @@ type op struct {
 	parent    uint64
 	hasParent bool
 	lora      string
+	hasHolder bool // a clear by holder h (ClearHolder), not ClearAll
 }
 
 func st(ext uint64, h events.Holder, tokens []uint32) op {
@@ -94,6 +95,9 @@ func rm(ext uint64, h events.Holder) op { return op{kind: events.KindRemoved, ex
 
 var clr = op{kind: events.KindCleared}
 
+// clrBy is holder h clearing all its blocks (the engine's AllBlocksCleared).
+func clrBy(h events.Holder) op { return op{kind: events.KindCleared, h: h, hasHolder: true} }
+
 func (o op) apply(t *Tracker) {
 	switch o.kind {
 	case events.KindStored:
@@ -101,7 +105,11 @@ func (o op) apply(t *Tracker) {
 	case events.KindRemoved:
 		t.Remove(o.ext, o.h)
 	default:
-		t.ClearAll()
+		if o.hasHolder {
+			t.ClearHolder(o.h)
+		} else {
+			t.ClearAll()
+		}
 	}
 }
 
@@ -284,6 +292,34 @@ func TestTrackerRules(t *testing.T) {
 			blocks: 1,
 		},
 		{
+			name: "engine clear keeps what kvbm holds",
+			ops: []op{
+				st(100, eng, tokA), stp(101, eng, tokB, 100), // the engine holds A and A+B
+				st(900, host, tokA), st(950, disk, tokC), // kvbm's host tier holds A, its disk C
+				clrBy(eng),
+				rm(101, eng),             // forgotten with the clear: warned, no event
+				st(100, eng, tokA),       // the engine computes A again: kvbm still has it
+				stp(101, eng, tokB, 100), // and A+B: published again
+				rm(900, host),            // A stays: the engine holds it again
+			},
+			// A+B was engine-only: REMOVE; A (host) and C (disk) stay; no CLEAR.
+			want:   []out{S(100, tokA), SP(101, tokB, 100), S(950, tokC), R(101), SP(101, tokB, 100)},
+			logs:   []string{"WARN Attempted to remove unknown block 101 from source Vllm (not in hash_mapping)"},
+			blocks: 3,
+		},
+		{
+			name:   "engine clear with nothing else held is one CLEAR",
+			ops:    []op{st(100, eng, tokA), stp(101, eng, tokB, 100), clrBy(eng)},
+			want:   []out{S(100, tokA), SP(101, tokB, 100), C},
+			blocks: 0,
+		},
+		{
+			name:   "kvbm tier reset removes only its own blocks",
+			ops:    []op{st(100, eng, tokA), st(900, host, tokA), st(950, host, tokC), clrBy(host)},
+			want:   []out{S(100, tokA), S(950, tokC), R(950)},
+			blocks: 1,
+		},
+		{
 			name: "unknown removes warn",
 			ops:  []op{rm(5, eng), st(100, eng, tokA), rm(100, host), rm(100, disk)},
 			want: []out{S(100, tokA)},
@@ -430,7 +466,12 @@ func TestTrackerApply(t *testing.T) {
 	require.Equal(t, []events.Holder{host}, tr.Holders(90))
 	require.Nil(t, tr.Holders(10))
 
+	// The engine's clear leaves kvbm's block (host, seq hash 90): no CLEAR.
 	tr.ApplyEngine(&events.EngineEvent{Kind: events.KindCleared})
+	require.Equal(t, 1, tr.Len())
+	require.Empty(t, tr.Drain(nil))
+	require.Equal(t, []events.Holder{host}, tr.Holders(90))
+	tr.ClearHolder(host) // then kvbm's host tier is reset: nothing is held, one CLEAR
 	require.Equal(t, 0, tr.Len())
 	require.Equal(t, []events.ConsolidatedEvent{{Kind: events.KindCleared}}, tr.Drain(nil))
 }

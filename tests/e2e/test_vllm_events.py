@@ -78,6 +78,12 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
     assert first > 0 and stores == first, (stores, first)
     assert dedup > 0, "kvbm stores of blocks vLLM already announced must be deduplicated"
     assert removes == last, (removes, last)
+    # vLLM's reset_prefix_cache() clears G1 only; kvbm still holds blocks, so
+    # the engine's AllBlocksCleared becomes REMOVEs of engine-only blocks, not a CLEAR.
+    assert clears == 0, "an engine-only reset must not make the router forget kvbm's blocks"
+    engine_kinds = [ev[0] if isinstance(ev, list) else ev.get("type") for b in res["collected"]["engine"] for ev in b[1]]
+    assert "AllBlocksCleared" in engine_kinds, "vLLM announced its reset"
+    assert "Source Vllm cleared all its blocks" in log
     assert partial > 0, "removal from one of several holders must stay silent"
     # Both kvbm tiers were used and evicted from.
     assert "source KvbmDisk" in log and "source KvbmHost" in log

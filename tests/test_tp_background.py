@@ -94,8 +94,13 @@ def _worker_main(rank: int, env: dict, cmds, out):
                     mismatches.append((src, dst))
             pending = []
         out.put(("step", rank, sorted(loaded), sorted(errors), verified, mismatches))
+    import faulthandler
+
+    # Should a close hang, the captured stderr shows where (the leader gives up after TIMEOUT).
+    faulthandler.dump_traceback_later(TIMEOUT / 2, exit=False)
     wire.close()  # must not hang on an operation waiting for a step that never came
     worker.close()
+    faulthandler.cancel_dump_traceback_later()
     out.put(("closed", rank))
 
 

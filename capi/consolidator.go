@@ -41,6 +41,8 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 		LegacySubject: o.LegacySubject,
 		Logger:        log,
 		Metrics:       m,
+		// 0: consolidator.DefaultMaxTrackedBlocks.
+		MaxTrackedBlocks: cfg.ConsolidatorMaxBlocks,
 	}
 	switch strings.ToLower(o.Engine) {
 	case "", "vllm":

@@ -45,6 +45,7 @@ const (
 	EnvCacheStatsMaxRequests        = "DYN_KVBM_CACHE_STATS_MAX_REQUESTS"
 	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
 	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
+	EnvConsolidatorMaxBlocks        = "DYN_KVBM_KV_EVENTS_MAX_TRACKED_BLOCKS"
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
 	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
@@ -107,8 +108,11 @@ type Config struct {
 	CacheStatsLogInterval time.Duration // hit-rate log period
 
 	EnableConsolidator bool // run the KV event consolidator
-	TrtllmZMQPort      int  // TensorRT-LLM engine event port; 0 = unset
-	NatsServer         string
+	// ConsolidatorMaxBlocks caps the blocks the consolidator tracks (0: its
+	// default); beyond it the oldest is forgotten with a REMOVE.
+	ConsolidatorMaxBlocks int
+	TrtllmZMQPort         int // TensorRT-LLM engine event port; 0 = unset
+	NatsServer            string
 
 	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
 }
@@ -151,9 +155,10 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		CacheStatsMaxRequests: p.count(EnvCacheStatsMaxRequests, DefaultCacheStatsMaxRequests, 1),
 		CacheStatsLogInterval: p.seconds(EnvCacheStatsLogIntervalSecs, DefaultCacheStatsLogInterval),
 
-		EnableConsolidator: p.boolean(EnvEnableConsolidator, true),
-		TrtllmZMQPort:      p.port(EnvTrtllmZMQPort, 0),
-		NatsServer:         p.natsURLs(EnvNatsServer, DefaultNatsServer),
+		EnableConsolidator:    p.boolean(EnvEnableConsolidator, true),
+		ConsolidatorMaxBlocks: p.count(EnvConsolidatorMaxBlocks, 0, 1),
+		TrtllmZMQPort:         p.port(EnvTrtllmZMQPort, 0),
+		NatsServer:            p.natsURLs(EnvNatsServer, DefaultNatsServer),
 
 		ZMQMaxMessageMB: p.count(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 	}

@@ -99,6 +99,7 @@ func TestVariables(t *testing.T) {
 	for env, get := range map[string]func(*Config) any{
 		EnvMaxConcurrentTransfers: func(c *Config) any { return c.MaxConcurrentTransfers },
 		EnvMaxTransferBatchSize:   func(c *Config) any { return c.MaxTransferBatchSize },
+		EnvConsolidatorMaxBlocks:  func(c *Config) any { return c.ConsolidatorMaxBlocks },
 		EnvCacheStatsMaxRequests:  func(c *Config) any { return c.CacheStatsMaxRequests },
 		EnvZMQMaxMessageMB:        func(c *Config) any { return c.ZMQMaxMessageMB },
 	} {

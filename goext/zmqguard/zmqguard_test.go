@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -318,15 +320,19 @@ func TestPushPullThroughGuard(t *testing.T) {
 
 // The maximum message size can be changed at run time (kvbm applies
 // DYN_KVBM_ZMQ_MAX_MESSAGE_MB so); it holds for connections made after.
+var setMaxRuns atomic.Int64
+
 func TestSetMaxMessageSize(t *testing.T) {
-	tr, err := zmqguard.Register("kvbm+tcp-setmax", zmqguard.Limits{})
+	// A name per run: transports stay registered for the process (-count=N).
+	name := fmt.Sprintf("kvbm+tcp-setmax%d", setMaxRuns.Add(1))
+	tr, err := zmqguard.Register(name, zmqguard.Limits{})
 	require.NoError(t, err)
 	tr.SetMaxMessageSize(1000)
 	require.Equal(t, uint64(1000), tr.Limits().MaxMessageSize)
 
 	pull := zmq4.NewPull(context.Background())
 	defer pull.Close()
-	require.NoError(t, pull.Listen("kvbm+tcp-setmax://127.0.0.1:0"))
+	require.NoError(t, pull.Listen(name+"://127.0.0.1:0"))
 	addr := pull.Addr().String()
 
 	c := rawPeer(t, addr, "PUSH")

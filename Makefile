@@ -59,6 +59,7 @@ bench: build
 	@echo "== hashing and C-ABI call cost"; $(PY) bench/hashing_abi.py
 	@echo "== leader: match of a 32K-token prompt against 100K registered blocks"
 	$(GO) test -run '^$$' -bench 'Match32K' -benchmem ./goext/leader
+	@echo "== leader: the same match from Python (vLLM's get_num_new_matched_tokens with a token list)"; $(PY) bench/match_path.py
 	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer
 	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator
 	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire; fi

@@ -157,3 +157,113 @@ def test_step_row_priority_forms(env, priority, saved):
         assert [c[1] for c in _plan.decode(plan)["saves"]] == [4, 5, 6][:saved]
     finally:
         leader.close()
+
+
+class _ConstantList:
+    """vLLM's ConstantList: a read-only view over the request's token list."""
+
+    def __init__(self, x):
+        self._x = x
+
+    def __len__(self):
+        return len(self._x)
+
+    def __getitem__(self, i):
+        return self._x[i]
+
+    def __iter__(self):
+        return iter(self._x)
+
+
+def test_match_token_cache_gives_the_uncached_result(env):
+    """Leader.match keeps a request's converted tokens across calls (vLLM asks
+    again on every step a request waits): every answer equals the one of a
+    fresh request given the same tokens, as the tokens grow, shrink, change
+    in place or come as another list, and as the salt changes."""
+    import array
+
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    prompt = list(range(100, 100 + 6 * BS + 3))
+    run_step(leader, worker, [["a", prompt, [0, 1, 2, 3, 4, 5, 6], 0, len(prompt), None, 0, False]])
+    leader.request_finished("a")
+    default, tenant = _native.salt_hash(), _native.salt_hash("tenant-b")
+    fresh = iter(range(10**6))
+
+    def uncached(tokens, salt):
+        rid = f"u{next(fresh)}"
+        got = leader.match(rid, np.array(tokens, dtype=np.uint32), salt, 0)
+        leader.request_finished(rid)
+        return got
+
+    toks = prompt[: 2 * BS + 1]
+    steps = [
+        ("first call", lambda: None, default, 2 * BS),
+        ("same again", lambda: None, default, 2 * BS),
+        ("grown", lambda: toks.extend(prompt[2 * BS + 1: 5 * BS + 1]), default, 5 * BS),
+        ("other salt", lambda: None, tenant, 0),
+        ("salt back", lambda: None, default, 5 * BS),
+        ("first token changed in place", lambda: toks.__setitem__(0, 7), default, 0),
+        ("restored", lambda: toks.__setitem__(0, 100), default, 5 * BS),
+        ("shrunk in place", lambda: toks.__delitem__(slice(3 * BS + 1, None)), default, 3 * BS),
+        ("grown to the whole prompt", lambda: toks.extend(prompt[3 * BS + 1:]), default, 6 * BS),
+    ]
+    for name, change, salt, want in steps:
+        change()
+        got = leader.match("w", _ConstantList(toks), salt, 0)
+        assert got == uncached(toks, salt) == (want, want > 0), name
+    other = list(prompt[:4 * BS])
+    other[BS + 3] += 1  # another list object, differing in block 1
+    assert leader.match("w", other, default, 0) == uncached(other, default) == (BS, True)
+    # numpy arrays and uint32 buffers are used in place, lists converted.
+    for form in (np.array(prompt, dtype=np.uint32), np.array(prompt, dtype=np.int64),
+                 array.array("I", prompt), memoryview(array.array("I", prompt))):
+        assert leader.match("w", form, default, 0) == (6 * BS, True), type(form)
+    leader.request_finished("w")
+    worker.close()
+    leader.close()
+
+
+def test_match_token_cache_converts_only_new_tokens(env, monkeypatch):
+    leader = Leader(block_size=BS, bytes_per_block=1024)
+    try:
+        fromlist_lengths = []
+        real_array = _native.array.array
+
+        class Spy(real_array):
+            def fromlist(self, lst):
+                fromlist_lengths.append(len(lst))
+                return super().fromlist(lst)
+
+        monkeypatch.setattr(_native.array, "array", Spy)
+        toks = list(range(5 * BS))
+        leader.match("r", toks, 0, 0)
+        leader.match("r", toks, 0, 0)
+        toks.extend(range(3))
+        leader.match("r", toks, 0, 0)
+        assert fromlist_lengths == [5 * BS, 3]
+        leader.match("r", list(toks), 0, 0)  # another object: converted again
+        assert fromlist_lengths == [5 * BS, 3, 5 * BS + 3]
+    finally:
+        leader.close()
+
+
+def test_match_token_cache_freed_on_finish_and_bounded(env, monkeypatch):
+    leader = Leader(block_size=BS, bytes_per_block=1024)
+    try:
+        toks = list(range(4 * BS))
+        for i in range(3):
+            leader.match(f"r{i}", toks, 0, 0)
+        assert set(leader._token_cache) == {"r0", "r1", "r2"}
+        leader.request_finished("r1")
+        leader.request_finished("never-matched")
+        assert set(leader._token_cache) == {"r0", "r2"}
+        monkeypatch.setattr(Leader, "MAX_TOKEN_CACHE", 2)
+        leader.match("r3", toks, 0, 0)
+        assert set(leader._token_cache) == {"r2", "r3"}  # the oldest dropped
+        assert leader.match("r0", toks, 0, 0) == (0, False)  # still answers, converts again
+        for rid in ("r0", "r2", "r3"):
+            leader.request_finished(rid)
+        assert leader._token_cache == {}
+    finally:
+        leader.close()

@@ -242,3 +242,22 @@ def test_failure_after_the_load_is_planned_leaves_it_to_the_worker(engine):
         meta, recving, invalid = engine.step(scheduler_output(), forward=False)
         assert meta.failed_loads == {}, "a planned load is not reported twice"
     assert recving == {"b"}
+
+
+def test_repeated_matching_of_a_waiting_request_is_cached_and_freed(engine):
+    """vLLM asks again on every step a request waits: the same answer each
+    time, its tokens converted once, the conversion dropped when the request
+    finishes (also one that never got scheduled)."""
+    tokens = list(range(300, 300 + 4 * BS + 2))
+    offload_prompt(engine, tokens, [1, 2, 3, 4, 5])
+    leader = engine.sched._leader
+    w = request("w", tokens)
+    answers = {engine.sched.get_num_new_matched_tokens(w, 0) for _ in range(3)}
+    assert answers == {(4 * BS, True)}
+    assert "w" in leader._token_cache
+    other = request("o", [t + 1 for t in tokens])
+    assert engine.sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    engine.sched.request_finished(other, [])
+    assert engine.sched.request_finished(w, []) == (False, None)
+    assert leader._token_cache == {}
+    engine.step(scheduler_output(finished=["w", "o"]), forward=False)

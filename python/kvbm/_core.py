@@ -70,6 +70,8 @@ class Leader(_native.Handle):
 
     def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
                  consolidator: dict | None = None, background: bool = False):
+        # request id → its tokens converted for kvbm_leader_match (see match).
+        self._token_cache: dict[str, _native.TokenArray] = {}
         opts = {
             "block_size": int(block_size),
             "bytes_per_block": int(bytes_per_block),
@@ -90,8 +92,24 @@ class Leader(_native.Handle):
     def info(self) -> dict:
         return json.loads(_buffer_call("kvbm_leader_info", self._h))
 
+    # Requests whose converted tokens are kept (between a first match and
+    # request_finished). A bound, not a working limit: an engine finishes every
+    # request it matched; past it the oldest entry is dropped (only its next
+    # match converts again).
+    MAX_TOKEN_CACHE = 4096
+
     def match(self, req_id: str, tokens, salt_hash: int, num_computed: int) -> tuple[int, bool]:
-        ptr, n, _keep = _native._u32_array(tokens)
+        """Engine's get_num_new_matched_tokens. ``tokens``: a list (converted
+        once per request and kept until :meth:`request_finished`; later calls
+        convert only appended tokens), a numpy array or a uint32 buffer (used
+        in place)."""
+        cache = self._token_cache
+        buf = cache.get(req_id)
+        if buf is None:
+            if len(cache) >= self.MAX_TOKEN_CACHE:
+                del cache[next(iter(cache))]
+            buf = cache[req_id] = _native.TokenArray()
+        ptr, n, _keep = buf.view(tokens)
         got = c_int64()
         is_async = c_int32()
         _native.call("kvbm_leader_match", self._h, req_id.encode(), ptr, n, salt_hash, num_computed,
@@ -112,12 +130,17 @@ class Leader(_native.Handle):
         return _buffer_call("kvbm_leader_step", self._h, payload, len(payload))
 
     def request_finished(self, req_id: str) -> bool:
+        self._token_cache.pop(req_id, None)
         pending = c_int32()
         _native.call("kvbm_leader_request_finished", self._h, req_id.encode(), byref(pending))
         return bool(pending.value)
 
     def reset(self) -> None:
         _native.call("kvbm_leader_reset", self._h)
+
+    def close(self) -> None:
+        self._token_cache.clear()
+        super().close()
 
     def plan_background(self) -> tuple[bytes, int]:
         """(plan, ticket) of the next background operation (G2->G3 moves for

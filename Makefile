@@ -11,7 +11,7 @@
 PY ?= $(shell [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
 GO ?= go
 LIB := python/kvbm/lib/libkvbm.so
-GO_SOURCES := $(shell find goext capi -name '*.go' -not -name '*_test.go') go.mod go.sum
+GO_SOURCES := $(shell find goext capi -name '*.go' -not -name '*_test.go') $(wildcard capi/*.c) go.mod go.sum
 FUZZTIME ?= 5s
 # Only kvbm_* symbols leave the library (ADBC-style version script).
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map

@@ -267,3 +267,30 @@ def test_match_token_cache_freed_on_finish_and_bounded(env, monkeypatch):
         assert leader._token_cache == {}
     finally:
         leader.close()
+
+
+def test_list_reader_matches_fromlist_and_falls_back():
+    """capi/pylist.c reads CPython lists in place; every list converts as
+    array.array.fromlist would, items it cannot read (not exactly an int,
+    negative, >= 2**32) go through fromlist, which raises as before."""
+    import array
+
+    assert _native._pylist_reader(), f"in-place reader not enabled (layout {_native.pylist_layout()})"
+    rng = np.random.default_rng(1)
+    base = [int(x) for x in rng.integers(0, 2**32, size=3000)] + [0, 1, 2**30 - 1, 2**30, 2**32 - 1]
+    for lst in (base, base[:_native._PYLIST_MIN], base[:10], [],
+                base[:700] + [True, np.uint32(9), 2**31] + base[:700]):
+        want = array.array("I")
+        want.fromlist([int(x) for x in lst])
+        assert _native._list_to_u32(list(lst)) == want
+    for bad in (-1, 2**32, 2**70):
+        with pytest.raises(OverflowError):
+            _native._list_to_u32(base[:600] + [bad])
+
+
+def test_list_reader_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(_native, "_pylist_fn", None)
+    monkeypatch.setenv("KVBM_DISABLE_PYLIST_READER", "1")
+    assert _native._pylist_reader() is False
+    lst = list(range(2000))
+    assert _native._list_to_u32(lst).tolist() == lst

@@ -46,6 +46,20 @@ def test_endpoints(monkeypatch):
     assert cc.get_consolidator_endpoints() == ("tcp://*:20081", "tcp://0.0.0.0:57100", "tcp://127.0.0.1:57100")
 
 
+def test_output_bind_host(monkeypatch):
+    """Events carry prompt token ids: the bind host is the operator's choice."""
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_BIND_HOST", "127.0.0.1")
+    assert cc.get_consolidator_endpoints()[1:] == ("tcp://127.0.0.1:57001", "tcp://127.0.0.1:57001")
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_BIND_HOST", "10.1.2.3")
+    assert cc.get_consolidator_endpoints()[1:] == ("tcp://10.1.2.3:57001", "tcp://10.1.2.3:57001")
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_BIND_HOST", "::1")
+    assert cc.get_consolidator_endpoints()[1:] == ("tcp://[::1]:57001", "tcp://[::1]:57001")
+    for bad in ("tcp://1.2.3.4", "host:5", "-x"):
+        monkeypatch.setenv("DYN_KVBM_KV_EVENTS_BIND_HOST", bad)
+        with pytest.raises(ValueError, match="DYN_KVBM_KV_EVENTS_BIND_HOST"):
+            cc.get_consolidator_endpoints()
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "70000"])
 def test_invalid_port_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", value)

@@ -1,7 +1,9 @@
 """Environment helpers shared by the engine integrations (pure Python: usable
 before the native library is loaded, e.g. in an engine's front-end process)."""
 
+import ipaddress
 import os
+import re
 
 TRUTHY = ("1", "true", "on", "yes")
 FALSY = ("0", "false", "off", "no")
@@ -44,3 +46,36 @@ def consolidator_enabled() -> bool:
 def consolidator_output_port() -> int:
     pub = env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
     return check_port(pub + 1000, "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 (consolidator output port)")
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def consolidator_output_host() -> str:
+    """DYN_KVBM_KV_EVENTS_BIND_HOST: where the consolidated event stream is
+    published (default 0.0.0.0, Dynamo's, for routers on other machines).
+    Events carry prompt token ids: anyone who can reach the port can read
+    prompts, so set 127.0.0.1 when the router runs on this host."""
+    raw = os.environ.get("DYN_KVBM_KV_EVENTS_BIND_HOST")
+    if raw is None or raw.strip() == "":
+        return "0.0.0.0"
+    host = raw.strip()
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if len(host) <= 253 and all(_HOST_LABEL.match(lbl) for lbl in host.rstrip(".").split(".")):
+        return host
+    raise ValueError(f"invalid DYN_KVBM_KV_EVENTS_BIND_HOST={raw!r}: expected an IP address or a host name")
+
+
+def consolidator_output_endpoints() -> tuple[str, str]:
+    """(bind endpoint, local connect endpoint) of the consolidated event stream."""
+    host, port = consolidator_output_host(), consolidator_output_port()
+    local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    if ":" in host:
+        host = f"[{host}]"
+    if ":" in local:
+        local = f"[{local}]"
+    return f"tcp://{host}:{port}", f"tcp://{local}:{port}"

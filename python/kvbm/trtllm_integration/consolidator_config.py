@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvbm._envs import consolidator_enabled, consolidator_output_port, env_port
+from kvbm._envs import consolidator_enabled, consolidator_output_endpoints, env_port
 
 log = logging.getLogger("kvbm")
 
@@ -40,8 +40,8 @@ def engine_events_port():
 def get_consolidator_endpoints() -> tuple[str, str, str]:
     """(engine publisher bind endpoint, output bind endpoint, output connect endpoint)."""
     engine = env_port("DYN_KVBM_TRTLLM_ZMQ_PORT") or env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
-    out = consolidator_output_port()
-    return f"tcp://*:{engine}", f"tcp://0.0.0.0:{out}", f"tcp://127.0.0.1:{out}"
+    bind, local = consolidator_output_endpoints()
+    return f"tcp://*:{engine}", bind, local
 
 
 def consolidator_options(arg_map):

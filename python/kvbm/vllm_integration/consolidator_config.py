@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
-from kvbm._envs import check_port, consolidator_enabled, consolidator_output_port
+from kvbm._envs import check_port, consolidator_enabled, consolidator_output_endpoints
 
 log = logging.getLogger("kvbm")
 
@@ -66,5 +66,5 @@ def get_consolidator_endpoints(vllm_config) -> tuple[str, str, str]:
     host = m.group("host").replace("*", "127.0.0.1")
     if host == "0.0.0.0":
         host = "127.0.0.1"
-    out = consolidator_output_port()
-    return f"{m.group('scheme')}://{host}:{port}", f"tcp://0.0.0.0:{out}", f"tcp://127.0.0.1:{out}"
+    bind, local = consolidator_output_endpoints()
+    return f"{m.group('scheme')}://{host}:{port}", bind, local

@@ -34,6 +34,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/transfer"
 	"github.com/kvbm/kvbm/goext/worker"
 	"github.com/kvbm/kvbm/goext/worker/workerbench"
 )
@@ -157,7 +158,7 @@ func g2(f *workerbench.Fixture, reps int) error {
 	}
 	bases := []baseline{{goroutines(conc, "goroutine") + ", copy()", par(false)}}
 	stores := "plain stores"
-	if workerbench.HaveNT {
+	if transfer.HaveNonTemporal {
 		stores = "non-temporal stores"
 		bases = append(bases, baseline{goroutines(conc, "goroutine") + ", non-temporal stores", par(true)})
 	}

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/kvbm/kvbm/goext/transfer"
 )
 
 // The G2 baselines copy the operation's bytes contiguously inside G1 memory
@@ -23,7 +25,7 @@ func (f *Fixture) ParallelCopy(threads int, nt bool) time.Duration {
 	share := (n/int64(threads) + 4095) &^ 4095
 	cp := func(dst, src []byte) { copy(dst, src) }
 	if nt {
-		cp = ntCopy
+		cp = transfer.CopyNonTemporal
 	}
 	var wg sync.WaitGroup
 	start := time.Now()
@@ -60,12 +62,12 @@ func (f *Fixture) CeilingThreads() []int {
 }
 
 // CopyCeiling measures the ceiling: every thread count of CeilingThreads,
-// with copy() and (where HaveNT) non-temporal stores, best of `rounds` each.
+// with copy() and (where transfer.HaveNonTemporal) non-temporal stores, best of `rounds` each.
 func (f *Fixture) CopyCeiling(rounds int) Ceiling {
 	var best Ceiling
 	for _, t := range f.CeilingThreads() {
 		for _, nt := range []bool{false, true} {
-			if nt && !HaveNT {
+			if nt && !transfer.HaveNonTemporal {
 				continue
 			}
 			for range max(rounds, 1) {

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/transfer"
 )
 
 // TestEveryRowRuns runs each operation and baseline of bench/transfer once
@@ -54,7 +56,7 @@ func TestNTCopyCopiesEveryByte(t *testing.T) {
 	}
 	for _, r := range []struct{ off, n int }{{0, 0}, {0, 1000}, {1, 999}, {3, 130}, {15, 256}} {
 		dst := make([]byte, 1024)
-		ntCopy(dst[r.off:r.off+r.n], src[:r.n])
+		transfer.CopyNonTemporal(dst[r.off:r.off+r.n], src[:r.n])
 		require.Equal(t, src[:r.n], dst[r.off:r.off+r.n], "offset %d, %d bytes", r.off, r.n)
 	}
 }

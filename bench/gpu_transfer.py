@@ -101,39 +101,6 @@ def gbps(nbytes, secs):
     return nbytes / 1e9 / statistics.median(secs)
 
 
-def bench_pinned(nbytes, repeat):
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.random_(0, 256)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = timed(lambda: host.copy_(dev, non_blocking=True), repeat)
-    h2d = timed(lambda: dev.copy_(host, non_blocking=True), repeat)
-    del dev, host
-    return gbps(nbytes, d2h), gbps(nbytes, h2d)
-
-
-def bench_naive(kind, tensors, src, dst, bpb):
-    """One torch copy per block per layer (K and V together where adjacent)."""
-    n = len(src)
-    refill(tensors)
-    host = torch.empty((n, LAYERS, bpb // LAYERS // 2), dtype=torch.int16, pin_memory=True)
-
-    def off():
-        for i, b in enumerate(src):
-            for l, v in enumerate(block_views(kind, tensors, b)):
-                host[i, l].view(v.shape).view(torch.bfloat16).copy_(v, non_blocking=True)
-
-    def on():
-        for i, b in enumerate(dst):
-            for l, v in enumerate(block_views(kind, tensors, b)):
-                v.copy_(host[i, l].view(torch.bfloat16).view(v.shape), non_blocking=True)
-
-    t_off, t_on = timed(off, 1), timed(on, 1)
-    for k in random.Random(3).sample(range(n), 16):
-        assert torch.equal(block_bytes(kind, tensors, src[k]), block_bytes(kind, tensors, dst[k])), "naive copy mismatch"
-    del host
-    return gbps(n * bpb, t_off), gbps(n * bpb, t_on)
-
-
 MM_N = 8192
 
 

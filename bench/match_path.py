@@ -33,26 +33,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from kvbm.testing.vllm_fakes import ConstantList, vllm_config
+
 BS = 16
 REGISTERED = 100_000
 SIZES = (4 * 1024, 32 * 1024)
 TARGET_US = 200.0  # issue 14 item 5: a 32K-token prompt, end to end
-
-
-class ConstantList:
-    """vLLM's ``vllm.v1.utils.ConstantList``: a read-only view of ``_x``."""
-
-    def __init__(self, x):
-        self._x = x
-
-    def __len__(self):
-        return len(self._x)
-
-    def __getitem__(self, i):
-        return self._x[i]
-
-    def __iter__(self):
-        return iter(self._x)
 
 
 def fake_request(rid, tokens):
@@ -67,14 +53,7 @@ def scheduler_connector(bytes_per_block):
     (one layer, one KV cache group), as vLLM builds it."""
     from kvbm.vllm_integration.connector import DynamoConnector
 
-    cfg = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=BS, enable_prefix_caching=True),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        kv_transfer_config=SimpleNamespace(kv_connector="DynamoConnector", kv_role="kv_both",
-                                           kv_connector_module_path="kvbm.vllm_integration.connector",
-                                           kv_connector_extra_config={}),
-        kv_events_config=None,
-    )
+    cfg = vllm_config(BS)
     spec = SimpleNamespace(page_size_bytes=bytes_per_block)
     kvc = SimpleNamespace(num_blocks=1, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
                                                                          layer_names=["model.layers.0.attn"])])

@@ -6,6 +6,7 @@ import pytest
 
 from kvbm import KvbmConfigError, KvbmError, _native
 from kvbm._core import Leader, Worker
+from kvbm.testing.vllm_fakes import ConstantList
 
 BS = 16
 
@@ -159,22 +160,6 @@ def test_step_row_priority_forms(env, priority, saved):
         leader.close()
 
 
-class _ConstantList:
-    """vLLM's ConstantList: a read-only view over the request's token list."""
-
-    def __init__(self, x):
-        self._x = x
-
-    def __len__(self):
-        return len(self._x)
-
-    def __getitem__(self, i):
-        return self._x[i]
-
-    def __iter__(self):
-        return iter(self._x)
-
-
 def test_match_token_cache_gives_the_uncached_result(env):
     """Leader.match keeps a request's converted tokens across calls (vLLM asks
     again on every step a request waits): every answer equals the one of a
@@ -210,7 +195,7 @@ def test_match_token_cache_gives_the_uncached_result(env):
     ]
     for name, change, salt, want in steps:
         change()
-        got = leader.match("w", _ConstantList(toks), salt, 0)
+        got = leader.match("w", ConstantList(toks), salt, 0)
         assert got == uncached(toks, salt) == (want, want > 0), name
     other = list(prompt[:4 * BS])
     other[BS + 3] += 1  # another list object, differing in block 1

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvbm._adapter_common import plan_summary
+from kvbm.testing.vllm_fakes import vllm_config
 
 BS = 4
 LAYERS = 2
@@ -28,17 +29,6 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
     monkeypatch.setenv("DYN_KVBM_DISK_CACHE_DIR", str(tmp_path))
     return monkeypatch
-
-
-def vllm_config():
-    return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=BS, enable_prefix_caching=True),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        kv_transfer_config=SimpleNamespace(kv_connector="DynamoConnector", kv_role="kv_both",
-                                           kv_connector_module_path="kvbm.vllm_integration.connector",
-                                           kv_connector_extra_config={}),
-        kv_events_config=None,
-    )
 
 
 def kv_cache_config():
@@ -83,7 +73,7 @@ class Engine:
     def __init__(self):
         from kvbm.vllm_integration.connector import DynamoConnector
 
-        cfg, kvc = vllm_config(), kv_cache_config()
+        cfg, kvc = vllm_config(BS), kv_cache_config()
         self.sched = DynamoConnector(cfg, SimpleNamespace(name="SCHEDULER"), kvc)
         self.worker = DynamoConnector(cfg, SimpleNamespace(name="WORKER"), kvc)
         g = torch.Generator().manual_seed(0)

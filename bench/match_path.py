@@ -38,7 +38,7 @@ from kvbm.testing.vllm_fakes import ConstantList, vllm_config
 BS = 16
 REGISTERED = 100_000
 SIZES = (4 * 1024, 32 * 1024)
-TARGET_US = 200.0  # issue 14 item 5: a 32K-token prompt, end to end
+TARGET_US = 200.0  # a 32K-token prompt, end to end
 
 
 def fake_request(rid, tokens):

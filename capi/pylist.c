@@ -1,6 +1,6 @@
 // kvbm_tokens_from_pylist: a CPython list of token ids read in place into a
 // uint32 array — the first conversion of a prompt on the engine's match path
-// (issue 14 item 5: array.array('I').fromlist takes ~4 ns a token, so a
+// (array.array('I').fromlist takes ~4 ns a token, so a
 // 32K-token prompt spent more in conversion than in matching).
 //
 // It reads CPython's object layout directly (no Python headers, no libpython

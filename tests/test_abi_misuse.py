@@ -1,4 +1,4 @@
-"""Misuse of the C ABI (issue 13, finding 8): every bad handle or argument is
+"""Misuse of the C ABI: every bad handle or argument is
 an error for the caller; the library stays healthy. Each case runs in its own
 interpreter, so a regression that poisons the library fails that case alone."""
 

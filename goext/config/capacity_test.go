@@ -37,7 +37,7 @@ func requireVarError(t *testing.T, err error, name, reason string) {
 	t.Fatalf("no error for %s in %v", name, err)
 }
 
-// Finding 6 of issue 13: sizes the machine cannot hold passed validation and
+// Sizes the machine cannot hold passed validation and
 // then crashed the engine (DYN_KVBM_CPU_CACHE_GB=1e9 panicked in the pool).
 func TestSizesBeyondTheMachineFailAtLoad(t *testing.T) {
 	machine(t, 16e9, 100e9)
@@ -91,7 +91,7 @@ func TestCheckBlocks(t *testing.T) {
 	}
 }
 
-// Finding 12 of issue 13: a directory name that is not UTF-8 reached Go as
+// A directory name that is not UTF-8 reached Go as
 // U+FFFD (through JSON from Python) and the tier landed in another directory.
 func TestDiskCacheDirMustBeUTF8(t *testing.T) {
 	base := t.TempDir()

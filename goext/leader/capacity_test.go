@@ -8,7 +8,7 @@ import (
 	"github.com/kvbm/kvbm/goext/config"
 )
 
-// Finding 6 of issue 13: DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=2147483647
+// DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=2147483647
 // passed validation and the leader then allocated its index for 2³¹ blocks
 // (154 GB of 72-byte blocks) and aborted. It must be a start-up error naming
 // the variable.

@@ -163,7 +163,7 @@ func TestPriorityFilter(t *testing.T) {
 }
 
 func TestPriorityFilterIsPerBlock(t *testing.T) {
-	// Issue 14: one step computing blocks with priorities [80, 80, 10] and a
+	// One step computing blocks with priorities [80, 80, 10] and a
 	// threshold of 35 offloads the two 80s (it used to offload none: the
 	// filter took one priority per step, the minimum).
 	tests := []struct {

@@ -38,7 +38,7 @@ func TestDecodeGarbage(t *testing.T) {
 	}
 }
 
-// Finding 4 of issue 13: 9 bytes declaring 2^32 loads, or a bin32 declaring
+// 9 bytes declaring 2^32 loads, or a bin32 declaring
 // 4 GiB of copies, made Decode reserve that much before failing.
 func TestDecodeRefusesLengthsBeyondInput(t *testing.T) {
 	for name, b := range map[string][]byte{

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Finding 4 of issue 13, side-channel payloads: anyone who reaches the side
+// Side-channel payloads: anyone who reaches the side
 // channel can send worker metadata whose pid_ns declares a 4 GiB string;
 // msgpack reserved memory for it before finding the payload short.
 func TestUnmarshalRefusesLengthsBeyondPayload(t *testing.T) {

@@ -10,7 +10,7 @@ import (
 	"github.com/kvbm/kvbm/goext/plan"
 )
 
-// Finding 8 of issue 13: an engine calling WaitLoads on one thread while the
+// An engine calling WaitLoads on one thread while the
 // next step's StartLoad ran on another hit "WaitGroup is reused before
 // previous Wait has returned" (a panic that poisoned the library).
 func TestWaitLoadsConcurrentWithStartLoad(t *testing.T) {

@@ -19,7 +19,7 @@ import (
 )
 
 // The attack tests below crash or hang the test binary when the sockets use
-// zmq4's plain tcp:// transport: each is a finding of issue 13.
+// zmq4's plain tcp:// transport: each is a defect this package guards against.
 
 // slowNetwork is a guarded transport with short timeouts, so the tests that
 // wait for a timeout stay quick.
@@ -184,7 +184,7 @@ func requireClosedByPeer(t *testing.T, c net.Conn) {
 	}
 }
 
-// Finding 1: a frame header declaring a huge body made zmq4 allocate it and
+// A frame header declaring a huge body made zmq4 allocate it and
 // abort the process. Every variant must leave the process up, the peer
 // disconnected, and honest subscribers served.
 func TestOversizedFrameDisconnectsPeer(t *testing.T) {
@@ -243,7 +243,7 @@ func TestOversizedFrameDisconnectsPeer(t *testing.T) {
 	require.Equal(t, 10, receiveWhilePublishing(t, pub, sub, 10, []byte("ok"), 10*time.Second))
 }
 
-// Finding 2: zmq4 ran each handshake in its accept loop without a deadline,
+// zmq4 ran each handshake in its accept loop without a deadline,
 // so one silent connection kept every later subscriber out.
 func TestIdlePeerDoesNotBlockSubscriber(t *testing.T) {
 	pub, addr := bindPub(t, zmqguard.Network)
@@ -284,7 +284,7 @@ func TestDialTimesOutOnSilentServer(t *testing.T) {
 	require.Less(t, time.Since(start), 3*time.Second)
 }
 
-// Finding 3: zmq4's PUB writes to each subscriber in turn, so one that stops
+// zmq4's PUB writes to each subscriber in turn, so one that stops
 // reading stopped delivery to all. The guard drops it after WriteTimeout.
 func TestStalledSubscriberIsDropped(t *testing.T) {
 	before := slowTransport.Stats()

@@ -56,6 +56,12 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
     }
     res = harness(spec)
     assert res["actions"][-1]["quiesced"], "kvbm's counters kept changing"
+    # This run (both tiers, the consolidator) exports every series the
+    # dashboard in deploy/grafana queries.
+    scraped = set(res["actions"][-1]["metrics"])
+    wanted = dashboard_metrics()
+    assert len(wanted) >= 20, wanted
+    assert not wanted - scraped, f"queried by the dashboard but not exported: {sorted(wanted - scraped)}"
     log = res["log"]
     batches = res["collected"]["consolidated"]
     assert batches, "no consolidated events received"
@@ -102,30 +108,3 @@ def dashboard_metrics():
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dash["templating"]["list"]]
     return {m for e in exprs for m in re.findall(r"kvbm_[a-z0-9_]+", e)}
-
-
-def test_dashboard_queries_only_exported_metrics(harness, tmp_path):
-    """A running kvbm (both tiers, the consolidator) exports every series the
-    dashboard in deploy/grafana queries."""
-    engine_port, out_port = free_port(), free_port()
-    while out_port <= 1000:
-        out_port = free_port()
-    A, B = (prompt(s, 9 * BS + 5) for s in (21, 22))
-    spec = {
-        "env": {
-            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 12,
-            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 24,
-            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
-            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
-            "DYN_KVBM_LEADER_ZMQ_PUB_PORT": out_port - 1000,  # the consolidator publishes on this + 1000
-        },
-        "engine": {"num_gpu_blocks_override": 16},
-        "events": {"endpoint": f"tcp://*:{engine_port}"},
-        "actions": [gen("a", A), gen("b", B), {"reset": True, "tag": "reset"}, gen("a2", A),
-                    {"quiesce": True, "tag": "settle"}],
-    }
-    res = harness(spec)
-    scraped = set(res["actions"][-1]["metrics"])
-    wanted = dashboard_metrics()
-    assert len(wanted) >= 20, wanted
-    assert not wanted - scraped, f"queried by the dashboard but not exported: {sorted(wanted - scraped)}"

@@ -6,6 +6,8 @@ package main
 import "C"
 
 import (
+	"github.com/kvbm/kvbm/goext/fingerprint"
+
 	"encoding/json"
 	"fmt"
 	"unsafe"
@@ -28,6 +30,11 @@ type workerOptions struct {
 	BlockSize  int            `json:"block_size"`
 	DtypeBytes int            `json:"dtype_bytes"`
 	Tensors    []tensorOption `json:"tensors"`
+	// Model and DType identify the weights and element type (the engine's
+	// model name or path and revision; e.g. "torch.bfloat16"): with the
+	// layout they form the fingerprint of blocks kept beyond this process.
+	Model string `json:"model"`
+	DType string `json:"dtype"`
 	// Env holds kvbm's variables as the caller sees them (see loadConfig).
 	Env map[string]string `json:"env"`
 }
@@ -96,8 +103,10 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 			return finish(withCode(statusIO, err), errOut)
 		}
 	}
+	fp := fingerprint.FromEngine(o.Model, o.DType, eng, nw, o.Rank)
 	w, err := worker.New(worker.Options{
-		Rank: o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		Fingerprint: fp,
+		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
@@ -112,7 +121,8 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(withCode(statusIO, err), errOut)
 	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
-		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath())
+		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
+		"fingerprint", fp.Sum().String(), "fingerprint_of", fp.Describe())
 	g1desc := "host"
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
@@ -121,6 +131,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
+		"fingerprint": fp.Sum().String(),
 	}}
 	*out = newHandle(h)
 	return statusOK

@@ -16,3 +16,8 @@
 // prompt is re-hashed when it arrives), so the bulk entry points allocate
 // nothing when the caller supplies a destination slice with capacity.
 package hashing
+
+// SchemeVersion numbers the hash construction above. Anything that keeps
+// blocks beyond one process (a persistent disk tier, object storage) records
+// it, so a change to the construction never matches blocks hashed the old way.
+const SchemeVersion = 1

@@ -31,6 +31,8 @@
 package worker
 
 import (
+	"github.com/kvbm/kvbm/goext/fingerprint"
+
 	"cmp"
 	"errors"
 	"fmt"
@@ -79,10 +81,14 @@ func diskSlots(maxConcurrent int) int {
 
 // Options configure a Worker.
 type Options struct {
-	Rank       int // tensor-parallel rank (disk file name, logs)
-	HostBlocks int // G2 blocks on this rank (0: no host tier)
-	DiskBlocks int // G3 blocks on this rank (0: no disk tier)
-	DiskDir    string
+	// Fingerprint describes what makes this rank's blocks interchangeable
+	// with another process's (see package fingerprint): tiers that outlive
+	// the process key their blocks by it.
+	Fingerprint fingerprint.Inputs
+	Rank        int // tensor-parallel rank (disk file name, logs)
+	HostBlocks  int // G2 blocks on this rank (0: no host tier)
+	DiskBlocks  int // G3 blocks on this rank (0: no disk tier)
+	DiskDir     string
 	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
 	DisableODirect bool
 	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight

@@ -172,8 +172,10 @@ class Worker(_native.Handle):
     _free = "kvbm_worker_free"
 
     def __init__(self, *, tensors, kind: str, num_blocks: int, block_size: int, dtype_bytes: int,
-                 rank: int = 0, num_workers: int = 1):
+                 rank: int = 0, num_workers: int = 1, model: str = "", dtype: str = ""):
         opts = {
+            "model": str(model),
+            "dtype": str(dtype),
             "rank": int(rank),
             "num_workers": int(num_workers),
             "kind": kind,

@@ -125,6 +125,18 @@ def parallel_sizes(llm_args) -> dict:
     }
 
 
+def model_identity(llm_args) -> str:
+    """The model's name or path (and revision when set): blocks kept beyond
+    this process (persistent disk tier, object storage) only match the same
+    weights."""
+    model = _get(llm_args, "model")
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    name = str(model) if isinstance(model, str) else ""
+    rev = _get(llm_args, "revision")
+    return f"{name}@{rev}" if rev else name
+
+
 def this_rank(llm_args) -> int:
     """This process's rank: TensorRT-LLM's MPI rank when available, else the
     mapping's rank, else the usual launcher variables, else 0."""

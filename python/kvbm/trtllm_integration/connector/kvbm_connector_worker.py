@@ -35,6 +35,7 @@ from kvbm.trtllm_integration.connector._common import (
     check_supported,
     log,
     parallel_sizes,
+    model_identity,
     this_rank,
     tokens_per_block,
 )
@@ -58,6 +59,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._block_size = tokens_per_block(llm_args)
         self._tp = parallel_sizes(llm_args)["tp"]
         self._rank = this_rank(llm_args)
+        self._model = model_identity(llm_args)
         self._worker = None
         self._kv = None
         self._cuda = False
@@ -105,7 +107,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._worker = Worker(
             tensors=[(t.data_ptr(), list(t.shape), list(t.stride()))], kind="trtllm",
             num_blocks=int(t.shape[0]), block_size=self._block_size, dtype_bytes=t.element_size(),
-            rank=self._rank, num_workers=self._tp,
+            rank=self._rank, num_workers=self._tp, model=self._model, dtype=str(t.dtype),
         )
         info = self._worker.info()
         LOCAL.worker_ready(info["bytes_per_block"])

@@ -88,6 +88,17 @@ def _lora_name(request) -> str | None:
     return getattr(lr, "lora_name", None) if lr is not None else None
 
 
+def _model_identity(vllm_config) -> str:
+    """The model's name or path and revision: blocks kept beyond this process
+    (persistent disk tier, object storage) only match the same weights."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return ""
+    model = str(getattr(mc, "model", "") or "")
+    rev = getattr(mc, "revision", None)
+    return f"{model}@{rev}" if rev else model
+
+
 def _tp(vllm_config) -> tuple[int, int]:
     """(rank, size) of this tensor-parallel group; (0, 1) outside vLLM's groups."""
     size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
@@ -462,6 +473,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._worker = Worker(
             tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
             dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
+            model=_model_identity(self._vllm_config), dtype=str(next(iter(kv_caches.values())).dtype),
         )
         if tp_size > 1:
             # The scheduler's leader handshakes with every rank over the side

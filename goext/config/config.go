@@ -115,6 +115,8 @@ type Config struct {
 	NatsServer            string
 
 	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
+
+	Object Object // G4 (object.go)
 }
 
 // Load reads the configuration from the process environment.
@@ -161,6 +163,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		NatsServer:            p.natsURLs(EnvNatsServer, DefaultNatsServer),
 
 		ZMQMaxMessageMB: p.count(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
+
+		Object: p.object(),
 	}
 
 	// Cross-variable rules, only when the inputs themselves parsed (an error
@@ -263,6 +267,7 @@ func (c *Config) Summary() string {
 		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s)\n",
 			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter))
 	}
+	b.WriteString(c.Object.summary())
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
 	fmt.Fprintf(&b, "  transfers: %d concurrent batches of up to %d blocks\n",
 		c.MaxConcurrentTransfers, c.MaxTransferBatchSize)

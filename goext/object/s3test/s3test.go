@@ -1,0 +1,128 @@
+// Package s3test starts a real S3-compatible server for tests: versitygw
+// serving a temporary directory (installed by .ci/s3-server.sh).
+package s3test
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Credentials the server is started with.
+const (
+	AccessKey = "kvbmtest"
+	SecretKey = "kvbmtestsecret"
+)
+
+// Server is a running versitygw.
+type Server struct {
+	t    testing.TB
+	bin  string
+	dir  string
+	Addr string // 127.0.0.1:port
+	cmd  *exec.Cmd
+	log  *os.File
+}
+
+// Binary finds versitygw: $KVBM_VERSITYGW, then PATH, then $(go env GOPATH)/bin.
+func Binary() (string, error) {
+	if p := os.Getenv("KVBM_VERSITYGW"); p != "" {
+		return p, nil
+	}
+	if p, err := exec.LookPath("versitygw"); err == nil {
+		return p, nil
+	}
+	gopath := os.Getenv("GOPATH")
+	if gopath == "" {
+		if out, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
+			gopath = strings.TrimSpace(string(out))
+		}
+	}
+	for _, d := range filepath.SplitList(gopath) {
+		p := filepath.Join(d, "bin", "versitygw")
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("versitygw not found: run .ci/s3-server.sh")
+}
+
+// Start starts a server on a free port; it is stopped when the test ends.
+// Without the binary the test is skipped, except under CI (CI set), where
+// .ci/run installs it and its absence is a failure.
+func Start(t testing.TB) *Server {
+	t.Helper()
+	bin, err := Binary()
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	s := &Server{t: t, bin: bin, dir: t.TempDir()}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Addr = l.Addr().String()
+	_ = l.Close()
+	s.Restart()
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// Endpoint is the server's http:// URL.
+func (s *Server) Endpoint() string { return "http://" + s.Addr }
+
+// Stop kills the server (an outage: nothing is flushed); data stays on disk.
+func (s *Server) Stop() {
+	if s.cmd == nil {
+		return
+	}
+	_ = s.cmd.Process.Kill()
+	_ = s.cmd.Wait()
+	s.cmd = nil
+	if s.log != nil {
+		_ = s.log.Close()
+	}
+}
+
+// Restart starts the server again on the same address and directory and
+// waits until it accepts connections.
+func (s *Server) Restart() {
+	s.t.Helper()
+	s.Stop()
+	log, err := os.CreateTemp(s.dir, "versitygw-*.log")
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	data := filepath.Join(s.dir, "data")
+	if err := os.MkdirAll(data, 0o755); err != nil {
+		s.t.Fatal(err)
+	}
+	cmd := exec.Command(s.bin, "--port", s.Addr, "--quiet", "posix", data)
+	cmd.Env = append(os.Environ(), "ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	s.cmd, s.log = cmd, log
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", s.Addr, time.Second)
+		if err == nil {
+			_ = c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(log.Name())
+			s.t.Fatalf("versitygw did not listen on %s within 30 s: %v\n%s", s.Addr, err, b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -1,0 +1,79 @@
+package object
+
+import (
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Counters of this process's G4 activity (leader and workers together;
+// Dynamo's names where Dynamo has one).
+type counters struct {
+	uploaded      atomic.Uint64 // kvbm_offload_blocks_h2obj
+	alreadyStored atomic.Uint64 // conditional PUT found the object (another writer)
+	downloaded    atomic.Uint64 // kvbm_onboard_blocks_obj2h
+	lookupHits    atomic.Uint64 // kvbm_g4_lookup_hits
+	lookupMisses  atomic.Uint64 // kvbm_g4_lookup_misses
+	dropped       atomic.Uint64 // uploads dropped: queue full or breaker open
+	errors        atomic.Uint64 // failed requests (PUT, GET, HEAD)
+	corrupt       atomic.Uint64 // downloads that did not verify
+	queued        atomic.Int64  // uploads waiting or running
+	breakerOpen   atomic.Int64  // stores whose breaker is open
+}
+
+var stats counters
+
+// Stats is a snapshot of the process's G4 counters.
+type Stats struct {
+	Uploaded, AlreadyStored, Downloaded, LookupHits, LookupMisses uint64
+	Dropped, Errors, Corrupt                                      uint64
+	QueueDepth, BreakersOpen                                      int64
+}
+
+// Snapshot returns the process's G4 counters.
+func Snapshot() Stats {
+	return Stats{
+		Uploaded: stats.uploaded.Load(), AlreadyStored: stats.alreadyStored.Load(),
+		Downloaded: stats.downloaded.Load(), LookupHits: stats.lookupHits.Load(),
+		LookupMisses: stats.lookupMisses.Load(), Dropped: stats.dropped.Load(), Errors: stats.errors.Load(),
+		Corrupt: stats.corrupt.Load(), QueueDepth: stats.queued.Load(), BreakersOpen: stats.breakerOpen.Load(),
+	}
+}
+
+// CountLookup records a G4 match: hits blocks found, misses not.
+func CountLookup(hits, misses int) {
+	stats.lookupHits.Add(uint64(hits))
+	stats.lookupMisses.Add(uint64(misses))
+}
+
+// RegisterMetrics exports the G4 counters into r.
+func RegisterMetrics(r prometheus.Registerer) error {
+	for _, x := range []struct {
+		name, help string
+		get        func(Stats) float64
+		gauge      bool
+	}{
+		{"kvbm_offload_blocks_h2obj", "Blocks uploaded from host (G2) to object storage (G4)", func(s Stats) float64 { return float64(s.Uploaded) }, false},
+		{"kvbm_onboard_blocks_obj2h", "Blocks downloaded from object storage (G4) to host (G2)", func(s Stats) float64 { return float64(s.Downloaded) }, false},
+		{"kvbm_g4_lookup_hits", "Blocks matched in object storage (G4)", func(s Stats) float64 { return float64(s.LookupHits) }, false},
+		{"kvbm_g4_lookup_misses", "Blocks looked up in object storage (G4) and not found", func(s Stats) float64 { return float64(s.LookupMisses) }, false},
+		{"kvbm_g4_already_stored", "Uploads skipped: the object was already stored (another instance)", func(s Stats) float64 { return float64(s.AlreadyStored) }, false},
+		{"kvbm_g4_upload_drops", "Uploads dropped: queue full or store unavailable (circuit breaker open)", func(s Stats) float64 { return float64(s.Dropped) }, false},
+		{"kvbm_g4_errors", "Failed object storage requests", func(s Stats) float64 { return float64(s.Errors) }, false},
+		{"kvbm_g4_corrupt_objects", "Downloaded objects that did not verify (deleted, recomputed)", func(s Stats) float64 { return float64(s.Corrupt) }, false},
+		{"kvbm_g4_upload_queue_depth", "Uploads queued or in flight", func(s Stats) float64 { return float64(s.QueueDepth) }, true},
+		{"kvbm_g4_breaker_open", "Object stores currently refused by their circuit breaker", func(s Stats) float64 { return float64(s.BreakersOpen) }, true},
+	} {
+		get := x.get
+		var c prometheus.Collector
+		if x.gauge {
+			c = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: x.name, Help: x.help}, func() float64 { return get(Snapshot()) })
+		} else {
+			c = prometheus.NewCounterFunc(prometheus.CounterOpts{Name: x.name, Help: x.help}, func() float64 { return get(Snapshot()) })
+		}
+		if err := r.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -7,10 +7,13 @@
 //
 //  0. Drops, when the step is bound: a dropped block may be reused by this
 //     same step's saves, so forgetting it afterwards would lose their data.
-//  1. Loads (G2/G3 → G1) at start_load_kv, before the forward pass reads G1.
+//  1. Loads (G2/G3 → G1) at start_load_kv, before the forward pass reads G1;
+//     a G4 block comes down into a G2 block first (G4 → G2, then G2 → G1).
 //  2. Moves (G2 → G3) at wait_for_save, before any save can overwrite their source.
 //  3. Saves (G1 → G2, or G1 → G3 in disk-only mode) at wait_for_save, after the
 //     forward pass wrote the step's KV.
+//  4. Uploads (G2 → G4) right after the Saves: each block is copied into the
+//     upload queue before the next step can overwrite it.
 //
 // A worker executes steps strictly in order, so a block saved in step N can be
 // loaded in step N+1 or later.
@@ -32,6 +35,10 @@ const (
 	G1 Tier = 1 // the engine's own KV cache (device memory, or host memory on CPU engines)
 	G2 Tier = 2 // kvbm host memory
 	G3 Tier = 3 // kvbm local disk
+	// G4 is object storage shared by every engine instance. A copy from or
+	// to G4 names the block by its sequence hash (the uint64 as int64), not
+	// by an index: G4 → G2 downloads one object into a G2 (bounce) block.
+	G4 Tier = 4
 )
 
 func (t Tier) String() string {
@@ -42,6 +49,8 @@ func (t Tier) String() string {
 		return "G2"
 	case G3:
 		return "G3"
+	case G4:
+		return "G4"
 	}
 	return fmt.Sprintf("Tier(%d)", uint8(t))
 }
@@ -74,15 +83,30 @@ type Step struct {
 	// Drops lists G2/G3 blocks whose contents are no longer valid (evicted
 	// or failed verification); workers forget their checksums.
 	Drops []Copy `msgpack:"x,omitempty"`
+	// Uploads are G2 blocks to upload to G4 after the step's Saves (the
+	// worker copies each into its upload queue at once; the network part
+	// runs in the background).
+	Uploads []Upload `msgpack:"u,omitempty"`
 }
+
+// Upload is one G2 block to store in G4 under its sequence hash.
+type Upload struct {
+	Block  int64  // G2 block
+	Hash   uint64 // sequence hash (the object key)
+	Parent uint64 // the parent block's sequence hash, 0 for a first block
+}
+
+// Wire format of Uploads: a msgpack bin of uploadBytes-sized little-endian
+// records (block i64, hash u64, parent u64).
+const uploadBytes = 24
 
 // Empty reports whether the step carries no work.
 func (s *Step) Empty() bool {
-	return len(s.Loads) == 0 && len(s.Moves) == 0 && len(s.Saves) == 0 && len(s.Drops) == 0
+	return len(s.Loads) == 0 && len(s.Moves) == 0 && len(s.Saves) == 0 && len(s.Drops) == 0 && len(s.Uploads) == 0
 }
 
 // Wire format: a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
-// "m": copies, "v": copies, "x": copies} where copies is a msgpack bin of
+// "m": copies, "v": copies, "x": copies, "u": uploads} where copies is a msgpack bin of
 // copyBytes-sized little-endian records (src tier u8, src block i64, dst tier
 // u8, dst block i64). A 2,048-block onboard decodes in microseconds instead of
 // a map per copy. Python reads it too (kvbm.vllm_integration.connector).
@@ -138,7 +162,7 @@ func parseCopies(b []byte) ([]Copy, error) {
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
-	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0} {
+	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0, len(s.Uploads) > 0} {
 		if present {
 			n++
 		}
@@ -182,7 +206,37 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 			return err
 		}
 	}
+	if len(s.Uploads) > 0 {
+		buf = buf[:0]
+		for _, u := range s.Uploads {
+			buf = binary.LittleEndian.AppendUint64(buf, uint64(u.Block))
+			buf = binary.LittleEndian.AppendUint64(buf, u.Hash)
+			buf = binary.LittleEndian.AppendUint64(buf, u.Parent)
+		}
+		if err := enc.EncodeString("u"); err != nil {
+			return err
+		}
+		if err := enc.EncodeBytes(buf); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+func parseUploads(b []byte) ([]Upload, error) {
+	if len(b)%uploadBytes != 0 {
+		return nil, fmt.Errorf("upload list of %d bytes is not a multiple of %d", len(b), uploadBytes)
+	}
+	if len(b) == 0 {
+		return nil, nil
+	}
+	us := make([]Upload, len(b)/uploadBytes)
+	for i := range us {
+		r := b[i*uploadBytes:]
+		us[i] = Upload{Block: int64(binary.LittleEndian.Uint64(r[0:8])),
+			Hash: binary.LittleEndian.Uint64(r[8:16]), Parent: binary.LittleEndian.Uint64(r[16:24])}
+	}
+	return us, nil
 }
 
 func encodeFields(enc *msgpack.Encoder, k1, v1 string, k2 string, v2 []byte) error {
@@ -256,6 +310,14 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				s.Saves = cs
 			default:
 				s.Drops = cs
+			}
+		case "u":
+			b, err := dec.DecodeBytes()
+			if err != nil {
+				return err
+			}
+			if s.Uploads, err = parseUploads(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err)
 			}
 		default:
 			if err := dec.Skip(); err != nil {

@@ -47,6 +47,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/storage"
 	"github.com/kvbm/kvbm/goext/transfer"
@@ -103,6 +104,9 @@ type Options struct {
 	// GPU-resident KV caches). nil: the CPU copies of package transfer.
 	// The worker owns it from New on and closes it in Close.
 	G1 G1Copier
+	// G4 is this rank's object-storage tier (nil: none); see object.go. The
+	// caller owns it.
+	G4 *object.Store
 }
 
 // G1Copier moves whole blocks between the engine's G1 tensors and kvbm host
@@ -435,6 +439,10 @@ func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
 			}
 		}
 	}
+	downloads, staging := splitDownloads(staging)
+	if errs := w.runDownloads(downloads); countErrs(errs) > 0 {
+		w.logFailures("G4 download", downloads, errs)
+	}
 	if errs := w.runOps(staging); countErrs(errs) > 0 {
 		w.logFailures("staging load", staging, errs)
 	}
@@ -476,6 +484,7 @@ func (w *Worker) WaitForSave() {
 	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
 	}
+	w.queueUploads(s.Uploads)
 	w.mu.Lock()
 	if s.Seq > w.savedSeq {
 		w.savedSeq = s.Seq
@@ -557,6 +566,7 @@ func (w *Worker) Run(s *plan.Step) (loadErrors []int64, err error) {
 		w.logFailures("save", s.Saves, errs)
 		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs)))
 	}
+	w.queueUploads(s.Uploads)
 	if len(failed) > 0 {
 		return loadErrors, fmt.Errorf("worker rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
 	}

@@ -3,7 +3,8 @@
 Format (goext/plan): a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
 "m": copies, "v": copies, "x": copies}; ``copies`` is a bin of little-endian
 18-byte records (src tier u8, src block i64, dst tier u8, dst block i64).
-Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk).
+Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk), 4 = G4 (object storage;
+its block is the sequence hash). "u" (G2 → G4 uploads) is for the workers only.
 """
 
 from __future__ import annotations
@@ -65,5 +66,6 @@ def encode_map(m: dict) -> bytes:
 
 
 def load_targets(plan: bytes) -> dict[str, list[int]]:
-    """request id → the G1 blocks its loads write."""
-    return {r: [c[3] for c in cs] for r, cs in decode(plan)["loads"].items()}
+    """request id → the G1 blocks its loads write (staging copies into G2,
+    such as G4 downloads, are not G1 blocks)."""
+    return {r: [c[3] for c in cs if c[2] == 1] for r, cs in decode(plan)["loads"].items()}

@@ -72,6 +72,8 @@ type Options struct {
 	// executed them (tensor parallelism over the side channel; see
 	// background.go). Default off: moves ride in the step plans.
 	Background bool
+	// G4 enables the object-storage tier (g4.go); nil: none. Needs G2.
+	G4 *G4Options
 }
 
 // Leader is one engine instance's block manager. See the package comment.
@@ -105,6 +107,8 @@ type Leader struct {
 	gen       uint64              // bumped by ResetCache
 	degraded  bool
 	deadRanks []int
+
+	g4 *g4State // nil: no G4 tier (g4.go)
 
 	hits     *hitWindow
 	statsLog statsLogger
@@ -206,6 +210,9 @@ func New(opts Options) (*Leader, error) {
 			l.saveTo = l.disk
 		}
 	}
+	if l.g4 = newG4State(opts.G4); l.g4 != nil && l.host == nil {
+		return nil, fmt.Errorf("leader: %w", cfg.CheckObject())
+	}
 	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
 		l.filter = newFreqFilter(l.now)
 	}
@@ -213,7 +220,8 @@ func New(opts Options) (*Leader, error) {
 	l.log.Info("kvbm leader sized",
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
 		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),
-		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio, "background_moves", l.bgMode)
+		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio, "background_moves", l.bgMode,
+		"g4", l.g4 != nil)
 	return l, nil
 }
 
@@ -251,7 +259,7 @@ func (l *Leader) HitRates() (host, disk float64, hostBlocks, diskBlocks, queried
 
 func (l *Leader) poolOf(t plan.Tier) *pool.Pool {
 	switch t {
-	case plan.G2:
+	case plan.G2, plan.G4: // a G4 source holds a G2 bounce block
 		return l.host
 	case plan.G3:
 		return l.disk

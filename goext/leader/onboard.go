@@ -105,24 +105,46 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 			srcs = append(srcs, source{tier: plan.G3, idx: idx, hash: rest[k]})
 		}
 	}
+	if l.g4 != nil {
+		rest := query[len(srcs):]
+		n, pending := l.g4Match(reqID, rest)
+		if pending {
+			return Pending, false // nothing pinned; the engine asks again
+		}
+		for _, h := range rest[:n] {
+			srcs = append(srcs, source{tier: plan.G4, idx: -1, hash: h}) // bounce allocated when planned
+		}
+	}
 	if numComputed+len(srcs)*bs == len(tokens) {
 		// Full-prompt hit; the sources are ordered host then disk, so the last
 		// one is from the deepest tier used.
 		srcs = srcs[:len(srcs)-1]
 	}
 	for _, src := range srcs {
-		if src.tier == plan.G2 {
+		if src.tier != plan.G4 {
+			l.poolOf(src.tier).Pin(src.idx)
+		}
+	}
+	for k := range srcs {
+		// A G4 block downloads into a G2 bounce block, taken now (after the
+		// G2 sources are pinned, so it cannot evict one of them); without
+		// one the match stops there.
+		if srcs[k].tier == plan.G4 && !l.g4Bounce(&srcs[k]) {
+			srcs = srcs[:k]
+			break
+		}
+	}
+	for _, src := range srcs {
+		switch src.tier {
+		case plan.G2:
 			s.hits.host++
-		} else {
+		case plan.G3:
 			s.hits.disk++
 		}
 	}
 	s.staged = srcs
 	if len(srcs) == 0 {
 		return 0, false
-	}
-	for _, src := range srcs {
-		l.poolOf(src.tier).Pin(src.idx)
 	}
 	s.load = loadStaged
 	s.computedAt = numComputed
@@ -135,7 +157,7 @@ func (l *Leader) unstage(s *slot) {
 		return
 	}
 	for _, src := range s.staged {
-		l.poolOf(src.tier).Unpin(src.idx)
+		l.releaseSource(src)
 	}
 	s.staged = s.staged[:0]
 	s.plannedLoad = plan.Load{}
@@ -178,19 +200,24 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 		n = max(avail, 0)
 	}
 	for _, src := range s.staged[n:] {
-		l.poolOf(src.tier).Unpin(src.idx)
+		l.releaseSource(src)
 	}
 	s.staged = s.staged[:n]
 	if n == 0 {
 		s.load = loadNone
 		return
 	}
-	copies := make([]plan.Copy, n)
+	copies := make([]plan.Copy, n, n+n/4)
 	var fromHost, fromDisk int
 	for k := range s.staged {
 		src := &s.staged[k]
 		src.g1 = g1BlockIDs[first+k]
 		copies[k] = plan.Copy{Src: src.tier, SrcBlock: int64(src.idx), Dst: plan.G1, DstBlock: src.g1}
+		if src.tier == plan.G4 {
+			copies[k].Src = plan.G2 // from the bounce block, after its download
+			copies = append(copies, plan.Copy{Src: plan.G4, SrcBlock: int64(src.hash), Dst: plan.G2, DstBlock: int64(src.idx)})
+			continue
+		}
 		if src.tier == plan.G2 {
 			fromHost++
 			// A G2 hit that is used counts like a re-registration for the
@@ -222,7 +249,7 @@ func (l *Leader) LoadsFinished(reqIDs []string) {
 		}
 		for k, src := range il.sources {
 			if !il.done[k] {
-				l.poolOf(src.tier).Unpin(src.idx)
+				l.releaseSource(src)
 			}
 		}
 		delete(l.inflight, id)
@@ -252,7 +279,9 @@ func (l *Leader) LoadErrors(g1BlockIDs []int64) {
 			il.done[ref.k] = true
 			p.Unpin(ref.src.idx)
 		}
-		if p.Holds(ref.src.idx, ref.src.hash) {
+		if ref.src.tier == plan.G4 {
+			l.g4LoadFailed(ref.src.hash)
+		} else if p.Holds(ref.src.idx, ref.src.hash) {
 			idx, _ := p.Invalidate(ref.src.hash)
 			l.dropIfFree(p, idx)
 			l.log.Warn("kvbm: load failed; dropped the source block", "tier", ref.src.tier,
@@ -281,6 +310,7 @@ func (l *Leader) RequestFinished(reqID string) bool {
 		l.hits.add(s.hits)
 	}
 	l.unstage(s)
+	l.g4Forget(reqID)
 	delete(l.slots, reqID)
 	if len(l.spare) < maxSpareSlots && cap(s.tokens) <= maxSpareTokens {
 		s.recycle()

@@ -66,6 +66,7 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 	l.seq++
 	st := plan.Step{Seq: l.seq}
 
+	l.g4ReleaseUploaded()
 	l.emitLoads(&st)
 	l.planMoves(&st)
 	for i := range updates {
@@ -248,6 +249,7 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 		if tier == plan.G2 {
 			l.m.OffloadD2H.Inc()
 			l.noteHostRegistration(dst, h)
+			l.planUpload(st, dst, h, parent)
 		} else {
 			l.m.OffloadD2D.Inc()
 		}

@@ -1,0 +1,188 @@
+package leader
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/object"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// G4 (object storage shared by every engine instance, package object).
+//
+// Matching continues G2 prefix → G3 continuation → G4 continuation. What is
+// in G4 comes from a registry of known stored blocks (filled by this
+// process's workers' uploads when they share it, and by lookups) and, for
+// blocks other instances stored, from the store itself: a background lookup
+// (parallel HEAD requests with a deadline) per request. The scheduler never
+// waits on the network:
+//
+//   - With G4Options.Async (vLLM: get_num_new_matched_tokens may answer
+//     "not ready yet"), GetNumNewMatchedTokens returns Pending while the
+//     request's lookup runs, and the engine asks again on a later step.
+//   - Without it, matching uses what the registry knows now; the lookup
+//     fills it for the next request with the same prefix.
+//
+// A request is looked up once: after its lookup finished, the registry
+// alone answers for it. With the store unavailable (its circuit breaker
+// open), no lookup starts and nothing is pending.
+//
+// Loads: each matched G4 block gets a G2 bounce block at
+// UpdateStateAfterAlloc (allocated and pinned like a load source, never
+// registered), and the load carries G4 → G2 then G2 → G1; the bounce goes
+// back to the free list when the load finished. A failed download fails
+// that G1 block (LoadErrors), which also forgets the hash in the registry.
+//
+// Uploads: every block saved into G2 that the registry does not know is
+// uploaded after the step's saves (plan.Step.Uploads). With write-through
+// off, the G2 copy is released in the next step, once the upload was
+// queued.
+
+// Pending is what GetNumNewMatchedTokens returns, with async false, while a
+// G4 lookup for the request runs (only with G4Options.Async).
+const Pending = -1
+
+// G4Options enable the G4 tier in the leader.
+type G4Options struct {
+	// Store is rank 0's store: its registry and its lookups (uploads and
+	// downloads are the workers').
+	Store *object.Store
+	// Async: the engine asks again when told Pending.
+	Async bool
+	// WriteThrough keeps uploaded blocks in G2 (DYN_KVBM_OBJECT_WRITE_THROUGH).
+	WriteThrough bool
+	// LookupTimeout bounds one request's lookup (0: 2 s); MaxLookupBlocks
+	// bounds the blocks it asks about (0: 2,048).
+	LookupTimeout   time.Duration
+	MaxLookupBlocks int
+}
+
+type g4State struct {
+	opts    G4Options
+	reg     *object.Registry
+	probes  map[string]*g4Probe
+	release []tierHash // G2 blocks to release next step (write-through off)
+}
+
+type g4Probe struct{ done bool }
+
+type tierHash struct {
+	idx  int
+	hash uint64
+}
+
+func newG4State(o *G4Options) *g4State {
+	if o == nil || o.Store == nil {
+		return nil
+	}
+	opts := *o
+	if opts.LookupTimeout <= 0 {
+		opts.LookupTimeout = 2 * time.Second
+	}
+	if opts.MaxLookupBlocks <= 0 {
+		opts.MaxLookupBlocks = 2048
+	}
+	return &g4State{opts: opts, reg: opts.Store.Registry(), probes: make(map[string]*g4Probe)}
+}
+
+// G4Enabled reports whether the leader matches and uploads G4 blocks.
+func (l *Leader) G4Enabled() bool { return l.g4 != nil }
+
+// g4Match returns how many leading hashes of rest are in G4, or pending.
+// Called with l.mu held.
+func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
+	g := l.g4
+	if g == nil || len(rest) == 0 {
+		return 0, false
+	}
+	n = g.reg.PrefixLen(rest)
+	if n < len(rest) {
+		p := g.probes[reqID]
+		switch {
+		case p == nil && g.opts.Store.Available():
+			p = &g4Probe{}
+			g.probes[reqID] = p
+			ask := append([]uint64(nil), rest[n:min(len(rest), n+g.opts.MaxLookupBlocks)]...)
+			go l.g4Lookup(reqID, p, ask)
+			if g.opts.Async {
+				return 0, true
+			}
+		case p != nil && !p.done && g.opts.Async:
+			return 0, true
+		}
+	}
+	object.CountLookup(n, len(rest)-n)
+	return n, false
+}
+
+// g4Lookup runs one request's lookup off the scheduler's thread.
+func (l *Leader) g4Lookup(reqID string, p *g4Probe, hashes []uint64) {
+	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
+	defer cancel()
+	l.g4.opts.Store.Lookup(ctx, hashes) // found hashes join the registry
+	l.mu.Lock()
+	p.done = true
+	l.mu.Unlock()
+}
+
+// g4Forget drops a finished request's lookup state. l.mu held.
+func (l *Leader) g4Forget(reqID string) {
+	if l.g4 != nil {
+		delete(l.g4.probes, reqID)
+	}
+}
+
+// g4Bounce allocates the G2 block a G4 source downloads into; false when
+// every G2 block is pinned. l.mu held.
+func (l *Leader) g4Bounce(src *source) bool {
+	idx, ok := l.allocate(l.host)
+	if !ok {
+		return false
+	}
+	src.idx = idx
+	return true
+}
+
+// releaseSource drops the reference a staged or loading source holds (a G4
+// source holds its bounce block once allocated). l.mu held.
+func (l *Leader) releaseSource(src source) {
+	if src.tier == plan.G4 && src.idx < 0 {
+		return
+	}
+	l.poolOf(src.tier).Unpin(src.idx)
+}
+
+// planUpload queues G2 block idx (just saved under h) for G4. l.mu held.
+func (l *Leader) planUpload(st *plan.Step, idx int, h, parent uint64) {
+	g := l.g4
+	if g == nil || g.reg.Contains(h) {
+		return
+	}
+	st.Uploads = append(st.Uploads, plan.Upload{Block: int64(idx), Hash: h, Parent: parent})
+	if !g.opts.WriteThrough {
+		g.release = append(g.release, tierHash{idx, h})
+	}
+}
+
+// g4ReleaseUploaded forgets G2 blocks uploaded in the previous step
+// (write-through off): their upload copied them already. l.mu held.
+func (l *Leader) g4ReleaseUploaded() {
+	g := l.g4
+	if g == nil || len(g.release) == 0 {
+		return
+	}
+	for _, b := range g.release {
+		if l.host.Holds(b.idx, b.hash) {
+			idx, _ := l.host.Invalidate(b.hash)
+			l.dropIfFree(l.host, idx)
+		}
+	}
+	g.release = g.release[:0]
+}
+
+// g4LoadFailed forgets a hash whose download failed. l.mu held.
+func (l *Leader) g4LoadFailed(h uint64) {
+	if l.g4 != nil {
+		l.g4.reg.Remove(h)
+	}
+}

@@ -18,6 +18,7 @@ import (
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/object"
 )
 
 // leaderOptions is the JSON the Python adapter passes to kvbm_leader_new.
@@ -34,6 +35,12 @@ type leaderOptions struct {
 	Consolidator *consolidatorOptions `json:"consolidator,omitempty"`
 	// Env holds kvbm's variables as the caller sees them (see loadConfig).
 	Env map[string]string `json:"env"`
+	// Fingerprint (hex) of rank 0's blocks, for G4 lookups; empty: the
+	// rank 0 worker of this process, if there is one.
+	Fingerprint string `json:"fingerprint,omitempty"`
+	// G4Async: the engine asks again when kvbm_leader_match answers -1
+	// (a G4 lookup is running); vLLM does.
+	G4Async bool `json:"g4_async,omitempty"`
 }
 
 type leaderHandle struct {
@@ -44,6 +51,7 @@ type leaderHandle struct {
 	once    sync.Once
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
+	g4Close      func()                     // releases the G4 store; nil without one
 }
 
 type closer interface{ Close() error }
@@ -55,6 +63,9 @@ func (h *leaderHandle) close() {
 		}
 		if h.cons != nil {
 			_ = h.cons.Close()
+		}
+		if h.g4Close != nil {
+			h.g4Close()
 		}
 	})
 }
@@ -86,7 +97,13 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		h.cons, sink = c, s
 		h.consolidator = c
 	}
+	g4opts, err := leaderG4(&o, cfg, h, log)
+	if err != nil {
+		h.close()
+		return finish(err, errOut)
+	}
 	l, err := leader.New(leader.Options{
+		G4:            g4opts,
 		Config:        cfg,
 		BlockSize:     o.BlockSize,
 		BytesPerBlock: o.BytesPerBlock,
@@ -102,6 +119,9 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(withCode(statusConfig, err), errOut)
 	}
 	h.l = l
+	if g4opts != nil {
+		_ = object.RegisterMetrics(h.m.Registry)
+	}
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
@@ -153,6 +173,15 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	}
 	info["degraded"], info["dead_ranks"], info["background_inflight"] = degraded, dead, h.l.BackgroundInFlight()
 	info["host_blocks_used"], info["disk_blocks_used"] = h.l.BlocksUsed()
+	if h.l.G4Enabled() {
+		s := object.Snapshot()
+		info["g4"] = map[string]any{
+			"offload_blocks_h2obj": s.Uploaded, "onboard_blocks_obj2h": s.Downloaded,
+			"lookup_hits": s.LookupHits, "lookup_misses": s.LookupMisses, "already_stored": s.AlreadyStored,
+			"upload_drops": s.Dropped, "errors": s.Errors, "corrupt": s.Corrupt,
+			"queue_depth": s.QueueDepth, "breakers_open": s.BreakersOpen,
+		}
+	}
 	if h.metrics != nil {
 		info["metrics_addr"] = h.metrics.Addr
 	}

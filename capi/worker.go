@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
@@ -37,6 +38,8 @@ type workerOptions struct {
 	DType string `json:"dtype"`
 	// Env holds kvbm's variables as the caller sees them (see loadConfig).
 	Env map[string]string `json:"env"`
+	// WorkerID is the engine instance's id ({worker_id} in DYN_KVBM_OBJECT_BUCKET).
+	WorkerID uint64 `json:"worker_id"`
 }
 
 type tensorOption struct {
@@ -51,6 +54,7 @@ var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Co
 
 type workerHandle struct {
 	g1      worker.G1Copier // nil: G1 is host memory
+	g4Close func()          // releases the G4 store; nil without one
 	w       *worker.Worker
 	m       *metrics.Metrics
 	layout  *layout.Engine
@@ -104,7 +108,18 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		}
 	}
 	fp := fingerprint.FromEngine(o.Model, o.DType, eng, nw, o.Rank)
+	if err := cfg.CheckObject(); err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	var g4s *object.Store
+	var g4Close func()
+	if cfg.Object.Enabled {
+		if g4s, g4Close, err = openG4(&cfg.Object, fp.Sum(), eng.BytesPerBlock(), o.WorkerID, log); err != nil {
+			return finish(err, errOut)
+		}
+	}
 	w, err := worker.New(worker.Options{
+		G4:          g4s,
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
@@ -114,11 +129,20 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		if g1c != nil {
 			_ = g1c.Close()
 		}
+		if g4Close != nil {
+			g4Close()
+		}
 		return finish(withCode(statusConfig, err), errOut)
 	}
 	if err := w.RegisterG1(eng); err != nil {
 		_ = w.Close()
+		if g4Close != nil {
+			g4Close()
+		}
 		return finish(withCode(statusIO, err), errOut)
+	}
+	if o.Rank == 0 {
+		setRank0Fingerprint(fp.Sum())
 	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
@@ -127,7 +151,8 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, summary: map[string]any{
+	h := &workerHandle{g1: g1c, g4Close: g4Close, w: w, m: m, layout: eng, summary: map[string]any{
+		"g4":              g4s != nil,
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
@@ -155,6 +180,9 @@ func kvbm_worker_free(hd C.uint64_t) {
 	if h, err := handle[*workerHandle](hd); err == nil && h.w != nil {
 		_ = h.w.Close()
 		h.w = nil
+		if h.g4Close != nil {
+			h.g4Close()
+		}
 		deleteHandle(hd)
 	}
 }

@@ -69,7 +69,7 @@ class Leader(_native.Handle):
     _free = "kvbm_leader_free"
 
     def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
-                 consolidator: dict | None = None, background: bool = False):
+                 consolidator: dict | None = None, background: bool = False, g4_async: bool = False):
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts = {
@@ -83,6 +83,9 @@ class Leader(_native.Handle):
             opts["background"] = True
         if consolidator:
             opts["consolidator"] = consolidator
+        if g4_async:
+            # The engine asks again when match answers PENDING (a G4 lookup runs).
+            opts["g4_async"] = True
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
@@ -98,11 +101,15 @@ class Leader(_native.Handle):
     # match converts again).
     MAX_TOKEN_CACHE = 4096
 
+    # match's answer while a G4 lookup for the request runs (only for a leader
+    # created with g4_async): ask again on a later step.
+    PENDING = -1
+
     def match(self, req_id: str, tokens, salt_hash: int, num_computed: int) -> tuple[int, bool]:
         """Engine's get_num_new_matched_tokens. ``tokens``: a list (converted
         once per request and kept until :meth:`request_finished`; later calls
         convert only appended tokens), a numpy array or a uint32 buffer (used
-        in place)."""
+        in place). Returns (PENDING, False) while a G4 lookup runs."""
         cache = self._token_cache
         buf = cache.get(req_id)
         if buf is None:

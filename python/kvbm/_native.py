@@ -390,7 +390,9 @@ def router_hashes(tokens, block_size: int, *, lora_name=None) -> list[int]:
     return list(out[: got.value])
 
 
-_ENV_PREFIXES = ("DYN_KVBM_", "NATS_SERVER", "DYN_LOG")
+# AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY: the object tier's credentials
+# when DYN_KVBM_OBJECT_ACCESS_KEY / _SECRET_KEY are unset.
+_ENV_PREFIXES = ("DYN_KVBM_", "NATS_SERVER", "DYN_LOG", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 def env_snapshot() -> dict:

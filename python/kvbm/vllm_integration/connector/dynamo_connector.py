@@ -263,6 +263,7 @@ class DynamoConnector(KVConnectorBase_V1):
             num_workers=tp_size,
             consolidator=consolidator,
             background=tp_size > 1,
+            g4_async=True,  # vLLM asks again when told "not ready yet" (None)
         )
         if self._wire is not None:
             from kvbm._wire import BackgroundPump
@@ -324,6 +325,11 @@ class DynamoConnector(KVConnectorBase_V1):
             return 0, False
         tokens = request.all_token_ids
         got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
+        if got == self._leader.PENDING:
+            # A G4 lookup for this request is running: vLLM keeps the request
+            # waiting and asks again on a later step.
+            self._async_matches.pop(request.request_id, None)
+            return None, False
         if got and is_async:
             self._async_matches[request.request_id] = int(num_computed_tokens)
         else:

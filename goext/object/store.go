@@ -118,7 +118,36 @@ func NewStore(o StoreOptions) (*Store, error) {
 		s.wg.Add(1)
 		go s.uploader()
 	}
+	s.wg.Add(1)
+	go s.healer(o.BreakerCooldown)
 	return s, nil
+}
+
+// healer tests an unavailable store once per cool-down (is the bucket
+// there?), so the tier comes back by itself even when no upload, download
+// or lookup happens to test it.
+func (s *Store) healer(every time.Duration) {
+	defer s.wg.Done()
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !s.br.isOpen() || !s.br.allow() {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(s.ctx, s.timeout)
+		_, err := s.c.mc.BucketExists(ctx, s.c.bucket)
+		cancel()
+		if s.ctx.Err() != nil {
+			s.br.abandon()
+			return
+		}
+		s.done(err)
+	}
 }
 
 // Fingerprint is the fingerprint the store's keys and headers carry.

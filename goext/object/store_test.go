@@ -176,9 +176,14 @@ func TestOutageDegradesAndRecovers(t *testing.T) {
 	require.Equal(t, 1, s.Lookup(ctx, []uint64{1, 100}), "only the registry answers")
 
 	srv.Restart()
-	// The breaker lets a request through after its cool-down; once one
-	// succeeds, uploads flow again without any restart of the store.
+	// With no traffic at all, the store tests itself once per cool-down and
+	// becomes available again.
 	deadline := time.Now().Add(30 * time.Second)
+	for !s.Available() {
+		require.True(t, time.Now().Before(deadline), "the breaker never closed after the store came back")
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Uploads flow again without any restart of the store.
 	for h := uint64(1000); ; h++ {
 		require.True(t, time.Now().Before(deadline), "uploads did not resume after the store came back")
 		s.Enqueue(h, 0, block(h))

@@ -10,7 +10,9 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "kvbm": true|false, "env": {...},
        "events": false | {"endpoint": "tcp://*:5557"},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
-                   {"reset": true}, {"corrupt_disk": true}, {"quiesce": true}]}
+                   {"reset": true}, {"corrupt_disk": true}, {"quiesce": true},
+                   {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
+                   {"wait_metric": "kvbm_...", "at_least": n, "at_most": m, "timeout_s": 60}]}
 result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
 """
 
@@ -276,6 +278,21 @@ def run(spec: dict) -> dict:
             rec["reset"] = bool(llm.reset_prefix_cache())
         elif act.get("corrupt_disk"):
             rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
+        elif act.get("s3"):
+            from kvbm.testing.s3server import S3Server
+
+            srv = S3Server.load(act["state"])
+            srv.stop() if act["s3"] == "stop" else srv.start()
+            rec["s3"] = act["s3"]
+        elif act.get("wait_metric") and metrics_port:
+            # Background work (G4 uploads) reached a count: a condition, not a sleep.
+            name, lo, hi = act["wait_metric"], act.get("at_least"), act.get("at_most")
+
+            def reached():
+                v = scrape(metrics_port).get(name)
+                return v is not None and (lo is None or v >= lo) and (hi is None or v <= hi)
+
+            rec["reached"] = _wait_for(reached, act.get("timeout_s", 60))
         elif act.get("quiesce") and metrics_port:
             # kvbm's background work (G2→G3 moves, events) has finished when
             # its counters stop changing across consecutive scrapes.

@@ -14,6 +14,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/leader"
@@ -52,6 +53,12 @@ type leaderHandle struct {
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
 	g4Close      func()                     // releases the G4 store; nil without one
+	g4mu         sync.Mutex                 // kvbm_leader_set_g4_fingerprint vs close
+
+	// For a G4 store opened after start (kvbm_leader_set_g4_fingerprint).
+	cfg           *config.Config
+	bytesPerBlock int64
+	workerID      uint64
 }
 
 type closer interface{ Close() error }
@@ -64,9 +71,12 @@ func (h *leaderHandle) close() {
 		if h.cons != nil {
 			_ = h.cons.Close()
 		}
+		h.g4mu.Lock()
 		if h.g4Close != nil {
 			h.g4Close()
+			h.g4Close = nil
 		}
+		h.g4mu.Unlock()
 	})
 }
 
@@ -87,7 +97,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	log := kvbmLogger()
 	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })
 
-	h := &leaderHandle{m: metrics.New()}
+	h := &leaderHandle{m: metrics.New(), cfg: cfg, bytesPerBlock: o.BytesPerBlock, workerID: o.WorkerID}
 	var sink events.Sink = events.NopSink{}
 	if o.Consolidator != nil {
 		c, s, err := startConsolidator(o.Consolidator, cfg, h.m, log)

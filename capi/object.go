@@ -1,11 +1,20 @@
 package main
 
+/*
+#include <stdint.h>
+*/
+import "C"
+
 import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"sync"
 	"time"
+	"unsafe"
+
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/fingerprint"
@@ -95,9 +104,12 @@ func rank0Fingerprint() fingerprint.Fingerprint {
 	return g4.rank0
 }
 
-// leaderG4 opens the leader's view of G4 (nil when the tier is off, or
-// when no rank 0 fingerprint is known: then the workers still upload, but
-// this leader matches nothing in G4, and says so).
+// leaderG4 configures the leader's G4 tier (nil when off). Rank 0's store
+// (lookups, the registry) is opened when its fingerprint is known: given in
+// the options, or from this process's rank 0 worker; otherwise the engine
+// adapter passes it later (kvbm_leader_set_g4_fingerprint, from what rank 0's
+// worker reports), and until then the leader plans uploads but matches
+// nothing in G4.
 func leaderG4(o *leaderOptions, cfg *config.Config, h *leaderHandle, log *slog.Logger) (*leader.G4Options, error) {
 	if !cfg.Object.Enabled {
 		return nil, nil
@@ -105,6 +117,8 @@ func leaderG4(o *leaderOptions, cfg *config.Config, h *leaderHandle, log *slog.L
 	if err := cfg.CheckObject(); err != nil {
 		return nil, withCode(statusConfig, err)
 	}
+	opts := &leader.G4Options{Async: o.G4Async, WriteThrough: cfg.Object.WriteThrough,
+		Registry: object.NewRegistry(cfg.Object.NumBlocks)}
 	var fp fingerprint.Fingerprint
 	if o.Fingerprint != "" {
 		var err error
@@ -115,14 +129,100 @@ func leaderG4(o *leaderOptions, cfg *config.Config, h *leaderHandle, log *slog.L
 		fp = rank0Fingerprint()
 	}
 	if fp.IsZero() {
-		log.Warn("kvbm G4: the leader does not know rank 0's block fingerprint (no worker in this process); " +
-			"workers upload, but this leader matches nothing in G4")
-		return nil, nil
+		log.Info("kvbm G4: waiting for rank 0's block fingerprint from its worker before matching in G4")
+		return opts, nil
 	}
 	s, closeFn, err := openG4(&cfg.Object, fp, o.BytesPerBlock, o.WorkerID, log)
 	if err != nil {
 		return nil, err
 	}
+	h.g4Close, opts.Store = closeFn, s
+	return opts, nil
+}
+
+// kvbm_leader_set_g4_fingerprint gives the leader rank 0's block
+// fingerprint (32 hex digits, as kvbm_worker_info reports it): its G4
+// lookups start. A leader that already has it, or has no G4 tier, ignores it.
+//
+//export kvbm_leader_set_g4_fingerprint
+func kvbm_leader_set_g4_fingerprint(hd C.uint64_t, fpHex *C.char, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	fp, err := fingerprint.Parse(C.GoString(fpHex))
+	if err != nil {
+		return finish(errorf(statusInvalid, "kvbm_leader_set_g4_fingerprint: %v", err), errOut)
+	}
+	h.g4mu.Lock()
+	defer h.g4mu.Unlock()
+	if !h.l.G4Enabled() || h.l.G4Store() != nil {
+		return statusOK
+	}
+	s, closeFn, err := openG4(&h.cfg.Object, fp, h.bytesPerBlock, h.workerID, kvbmLogger())
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if !h.l.SetG4Store(s) {
+		closeFn()
+		return statusOK
+	}
 	h.g4Close = closeFn
-	return &leader.G4Options{Store: s, Async: o.G4Async, WriteThrough: cfg.Object.WriteThrough}, nil
+	kvbmLogger().Info("kvbm G4: matching with rank 0's fingerprint", "fingerprint", fp.String())
+	return statusOK
+}
+
+// g4Report is what a worker tells its leader, when they may live in
+// different processes: the hashes it stored since the last report and its
+// process's G4 counters.
+type g4Report struct {
+	Pid    int          `msgpack:"pid"`
+	Acked  []uint64     `msgpack:"acked"`
+	Stats  object.Stats `msgpack:"stats"`
+	Source string       `msgpack:"source"`
+}
+
+// kvbm_worker_g4_report returns a msgpack g4Report (empty without a G4 tier).
+//
+//export kvbm_worker_g4_report
+func kvbm_worker_g4_report(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := workerOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	*out, *outLen = nil, 0
+	if h.g4 == nil {
+		return statusOK
+	}
+	b, err := msgpack.Marshal(g4Report{Pid: os.Getpid(), Acked: h.g4.TakeAcked(), Stats: object.Local(),
+		Source: fmt.Sprintf("pid-%d", os.Getpid())})
+	if err != nil {
+		return finish(fmt.Errorf("encode G4 report: %w", err), errOut)
+	}
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+// kvbm_leader_g4_report takes a worker's report: its stored hashes join the
+// leader's registry, and the counters of a worker in another process are
+// served on this process's metrics endpoint.
+//
+//export kvbm_leader_g4_report
+func kvbm_leader_g4_report(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	var r g4Report
+	if err := msgpack.Unmarshal(goBytes(buf, n), &r); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_leader_g4_report: %v", err), errOut)
+	}
+	h.l.G4Stored(r.Acked)
+	if r.Pid != os.Getpid() && r.Source != "" {
+		object.SetRemote(r.Source, r.Stats)
+	}
+	return statusOK
 }

@@ -55,6 +55,7 @@ var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Co
 type workerHandle struct {
 	g1      worker.G1Copier // nil: G1 is host memory
 	g4Close func()          // releases the G4 store; nil without one
+	g4      *object.Store
 	w       *worker.Worker
 	m       *metrics.Metrics
 	layout  *layout.Engine
@@ -151,7 +152,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, g4Close: g4Close, w: w, m: m, layout: eng, summary: map[string]any{
+	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, summary: map[string]any{
 		"g4":              g4s != nil,
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,

@@ -45,8 +45,12 @@ const Pending = -1
 // G4Options enable the G4 tier in the leader.
 type G4Options struct {
 	// Store is rank 0's store: its registry and its lookups (uploads and
-	// downloads are the workers').
+	// downloads are the workers'). It may come later (SetG4Store: the
+	// leader learns rank 0's fingerprint from its worker); until then the
+	// leader plans uploads but matches only what Registry knows.
 	Store *object.Store
+	// Registry of known G4 blocks when Store is nil (nil: 100,000 blocks).
+	Registry *object.Registry
 	// Async: the engine asks again when told Pending.
 	Async bool
 	// WriteThrough keeps uploaded blocks in G2 (DYN_KVBM_OBJECT_WRITE_THROUGH).
@@ -55,10 +59,16 @@ type G4Options struct {
 	// bounds the blocks it asks about (0: 2,048).
 	LookupTimeout   time.Duration
 	MaxLookupBlocks int
+	// StoreWait: with Async and no Store yet, how long after start a match
+	// answers Pending waiting for it (0: 10 s). The engine's worker reports
+	// rank 0's fingerprint with its first step's output, which vLLM runs even
+	// while every request waits.
+	StoreWait time.Duration
 }
 
 type g4State struct {
-	opts    G4Options
+	opts      G4Options
+	storeWait time.Time // Async without a store: Pending until then
 	reg     *object.Registry
 	probes  map[string]*g4Probe
 	release []tierHash // G2 blocks to release next step (write-through off)
@@ -72,7 +82,7 @@ type tierHash struct {
 }
 
 func newG4State(o *G4Options) *g4State {
-	if o == nil || o.Store == nil {
+	if o == nil {
 		return nil
 	}
 	opts := *o
@@ -82,7 +92,40 @@ func newG4State(o *G4Options) *g4State {
 	if opts.MaxLookupBlocks <= 0 {
 		opts.MaxLookupBlocks = 2048
 	}
-	return &g4State{opts: opts, reg: opts.Store.Registry(), probes: make(map[string]*g4Probe)}
+	if opts.StoreWait <= 0 {
+		opts.StoreWait = 10 * time.Second
+	}
+	reg := opts.Registry
+	if opts.Store != nil {
+		reg = opts.Store.Registry()
+	} else if reg == nil {
+		reg = object.NewRegistry(100000)
+	}
+	return &g4State{opts: opts, reg: reg, probes: make(map[string]*g4Probe)}
+}
+
+// SetG4Store gives the leader rank 0's store once known (see G4Options);
+// its registry replaces the leader's. It reports false when G4 is off or a
+// store is already set.
+func (l *Leader) SetG4Store(s *object.Store) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.g4 == nil || l.g4.opts.Store != nil || s == nil {
+		return false
+	}
+	l.g4.opts.Store = s
+	l.g4.reg = s.Registry()
+	return true
+}
+
+// G4Store is rank 0's store, nil until known or without G4.
+func (l *Leader) G4Store() *object.Store {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.g4 == nil {
+		return nil
+	}
+	return l.g4.opts.Store
 }
 
 // G4Enabled reports whether the leader matches and uploads G4 blocks.
@@ -99,16 +142,18 @@ func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
 	if n < len(rest) {
 		p := g.probes[reqID]
 		switch {
-		case p == nil && g.opts.Store.Available():
+		case p == nil && g.opts.Store != nil && g.opts.Store.Available():
 			p = &g4Probe{}
 			g.probes[reqID] = p
 			ask := append([]uint64(nil), rest[n:min(len(rest), n+g.opts.MaxLookupBlocks)]...)
-			go l.g4Lookup(reqID, p, ask)
+			go l.g4Lookup(g.opts.Store, p, ask)
 			if g.opts.Async {
 				return 0, true
 			}
 		case p != nil && !p.done && g.opts.Async:
 			return 0, true
+		case g.opts.Store == nil && g.opts.Async && l.now().Before(g.storeWait):
+			return 0, true // rank 0's fingerprint is on its way
 		}
 	}
 	object.CountLookup(n, len(rest)-n)
@@ -116,10 +161,10 @@ func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
 }
 
 // g4Lookup runs one request's lookup off the scheduler's thread.
-func (l *Leader) g4Lookup(reqID string, p *g4Probe, hashes []uint64) {
+func (l *Leader) g4Lookup(s *object.Store, p *g4Probe, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
-	l.g4.opts.Store.Lookup(ctx, hashes) // found hashes join the registry
+	s.Lookup(ctx, hashes) // found hashes join the registry
 	l.mu.Lock()
 	p.done = true
 	l.mu.Unlock()
@@ -178,6 +223,19 @@ func (l *Leader) g4ReleaseUploaded() {
 		}
 	}
 	g.release = g.release[:0]
+}
+
+// G4Stored records hashes rank 0's worker reported stored in G4 (its
+// upload acknowledgements, when it runs in another process).
+func (l *Leader) G4Stored(hashes []uint64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.g4 == nil {
+		return
+	}
+	for _, h := range hashes {
+		l.g4.reg.Add(h)
+	}
 }
 
 // g4LoadFailed forgets a hash whose download failed. l.mu held.

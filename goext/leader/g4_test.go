@@ -112,6 +112,7 @@ func TestG4ContinuesG2Match(t *testing.T) {
 	require.Equal(t, uint64(1), after.LookupMisses-before.LookupMisses)
 
 	e.l.UpdateStateAfterAlloc("r", []int64{10, 11, 12, 13, 14}, n)
+	require.Equal(t, uint64(2), object.Snapshot().Onboarded-after.Onboarded, "obj2h counts planned G4 loads")
 	st := e.step(t)
 	require.Len(t, st.Loads, 1)
 	cs := st.Loads[0].Copies
@@ -208,4 +209,29 @@ func TestG4AsyncLookupFromStore(t *testing.T) {
 	}
 	n, _ = e2.l.GetNumNewMatchedTokens("b", prompt, 0, 0)
 	require.Equal(t, 2*bs, n)
+}
+
+// TestG4WaitsBrieflyForTheStore: a leader whose rank 0 fingerprint is not
+// known yet answers Pending (async engines), for StoreWait at most; with the
+// store set, lookups run.
+func TestG4WaitsBrieflyForTheStore(t *testing.T) {
+	e := newG4Env(t, 16, &G4Options{Async: true, WriteThrough: true, StoreWait: time.Minute})
+	prompt := toks(900, 9)
+	n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, Pending, n)
+	e.clock.Advance(2 * time.Minute)
+	n, async := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 0, n, "past StoreWait: no G4, no waiting")
+	require.False(t, async)
+
+	e2 := newG4Env(t, 16, &G4Options{Async: true, WriteThrough: true, StoreWait: time.Minute})
+	s := g4Store(t, nil)
+	for _, h := range seqHashes(prompt) {
+		s.Registry().Add(h)
+	}
+	require.True(t, e2.l.SetG4Store(s))
+	require.False(t, e2.l.SetG4Store(s), "set once")
+	n, async = e2.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 2*bs, n, "the store's registry answers")
+	require.True(t, async)
 }

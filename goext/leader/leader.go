@@ -210,8 +210,11 @@ func New(opts Options) (*Leader, error) {
 			l.saveTo = l.disk
 		}
 	}
-	if l.g4 = newG4State(opts.G4); l.g4 != nil && l.host == nil {
-		return nil, fmt.Errorf("leader: %w", cfg.CheckObject())
+	if l.g4 = newG4State(opts.G4); l.g4 != nil {
+		if l.host == nil {
+			return nil, fmt.Errorf("leader: %w", cfg.CheckObject())
+		}
+		l.g4.storeWait = l.now().Add(l.g4.opts.StoreWait)
 	}
 	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
 		l.filter = newFreqFilter(l.now)

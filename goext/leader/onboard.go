@@ -4,6 +4,7 @@ import (
 	"slices"
 
 	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 )
 
@@ -208,12 +209,13 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 		return
 	}
 	copies := make([]plan.Copy, n, n+n/4)
-	var fromHost, fromDisk int
+	var fromHost, fromDisk, fromG4 int
 	for k := range s.staged {
 		src := &s.staged[k]
 		src.g1 = g1BlockIDs[first+k]
 		copies[k] = plan.Copy{Src: src.tier, SrcBlock: int64(src.idx), Dst: plan.G1, DstBlock: src.g1}
 		if src.tier == plan.G4 {
+			fromG4++
 			copies[k].Src = plan.G2 // from the bounce block, after its download
 			copies = append(copies, plan.Copy{Src: plan.G4, SrcBlock: int64(src.hash), Dst: plan.G2, DstBlock: int64(src.idx)})
 			continue
@@ -232,6 +234,9 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 	l.planned = append(l.planned, s)
 	l.m.OnboardH2D.Add(float64(fromHost))
 	l.m.OnboardD2D.Add(float64(fromDisk))
+	if fromG4 > 0 {
+		object.CountOnboard(fromG4)
+	}
 	l.m.MatchedTokens.Add(float64(n * bs))
 }
 

@@ -1,6 +1,7 @@
 package object
 
 import (
+	"sync"
 	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,7 +12,8 @@ import (
 type counters struct {
 	uploaded      atomic.Uint64 // kvbm_offload_blocks_h2obj
 	alreadyStored atomic.Uint64 // conditional PUT found the object (another writer)
-	downloaded    atomic.Uint64 // kvbm_onboard_blocks_obj2h
+	downloaded    atomic.Uint64 // downloads that verified
+	onboarded     atomic.Uint64 // kvbm_onboard_blocks_obj2h: G4 loads planned by a leader
 	lookupHits    atomic.Uint64 // kvbm_g4_lookup_hits
 	lookupMisses  atomic.Uint64 // kvbm_g4_lookup_misses
 	dropped       atomic.Uint64 // uploads dropped: queue full or breaker open
@@ -23,21 +25,65 @@ type counters struct {
 
 var stats counters
 
-// Stats is a snapshot of the process's G4 counters.
+// Stats is a snapshot of G4 counters.
 type Stats struct {
-	Uploaded, AlreadyStored, Downloaded, LookupHits, LookupMisses uint64
-	Dropped, Errors, Corrupt                                      uint64
-	QueueDepth, BreakersOpen                                      int64
+	Uploaded, AlreadyStored, Downloaded, Onboarded, LookupHits, LookupMisses uint64
+	Dropped, Errors, Corrupt                                                 uint64
+	QueueDepth, BreakersOpen                                                 int64
 }
 
-// Snapshot returns the process's G4 counters.
-func Snapshot() Stats {
+func (s *Stats) add(o Stats) {
+	s.Uploaded += o.Uploaded
+	s.AlreadyStored += o.AlreadyStored
+	s.Downloaded += o.Downloaded
+	s.Onboarded += o.Onboarded
+	s.LookupHits += o.LookupHits
+	s.LookupMisses += o.LookupMisses
+	s.Dropped += o.Dropped
+	s.Errors += o.Errors
+	s.Corrupt += o.Corrupt
+	s.QueueDepth += o.QueueDepth
+	s.BreakersOpen += o.BreakersOpen
+}
+
+// Local returns this process's own G4 counters.
+func Local() Stats {
 	return Stats{
 		Uploaded: stats.uploaded.Load(), AlreadyStored: stats.alreadyStored.Load(),
-		Downloaded: stats.downloaded.Load(), LookupHits: stats.lookupHits.Load(),
+		Downloaded: stats.downloaded.Load(), Onboarded: stats.onboarded.Load(), LookupHits: stats.lookupHits.Load(),
 		LookupMisses: stats.lookupMisses.Load(), Dropped: stats.dropped.Load(), Errors: stats.errors.Load(),
 		Corrupt: stats.corrupt.Load(), QueueDepth: stats.queued.Load(), BreakersOpen: stats.breakerOpen.Load(),
 	}
+}
+
+// Workers in other processes (vLLM runs them apart from the scheduler)
+// report their counters to the leader's process (SetRemote); the metrics
+// endpoint there serves the sum.
+var remote struct {
+	mu sync.Mutex
+	m  map[string]Stats
+}
+
+// SetRemote records the latest counters of another process (source names it).
+func SetRemote(source string, s Stats) {
+	remote.mu.Lock()
+	defer remote.mu.Unlock()
+	if remote.m == nil {
+		remote.m = make(map[string]Stats)
+	}
+	remote.m[source] = s
+}
+
+// Snapshot returns this process's G4 counters plus those other processes
+// reported.
+func Snapshot() Stats {
+	s := Local()
+	remote.mu.Lock()
+	defer remote.mu.Unlock()
+	for _, r := range remote.m {
+		s.add(r)
+	}
+	return s
 }
 
 // CountLookup records a G4 match: hits blocks found, misses not.
@@ -45,6 +91,9 @@ func CountLookup(hits, misses int) {
 	stats.lookupHits.Add(uint64(hits))
 	stats.lookupMisses.Add(uint64(misses))
 }
+
+// CountOnboard records n G4 blocks planned for loading.
+func CountOnboard(n int) { stats.onboarded.Add(uint64(n)) }
 
 // RegisterMetrics exports the G4 counters into r.
 func RegisterMetrics(r prometheus.Registerer) error {
@@ -54,7 +103,8 @@ func RegisterMetrics(r prometheus.Registerer) error {
 		gauge      bool
 	}{
 		{"kvbm_offload_blocks_h2obj", "Blocks uploaded from host (G2) to object storage (G4)", func(s Stats) float64 { return float64(s.Uploaded) }, false},
-		{"kvbm_onboard_blocks_obj2h", "Blocks downloaded from object storage (G4) to host (G2)", func(s Stats) float64 { return float64(s.Downloaded) }, false},
+		{"kvbm_onboard_blocks_obj2h", "Blocks onboarded from object storage (G4) through host (G2), counted when planned (failures: kvbm_load_errors)", func(s Stats) float64 { return float64(s.Onboarded) }, false},
+		{"kvbm_g4_downloads_verified", "G4 downloads that verified (header, fingerprint, checksum)", func(s Stats) float64 { return float64(s.Downloaded) }, false},
 		{"kvbm_g4_lookup_hits", "Blocks matched in object storage (G4)", func(s Stats) float64 { return float64(s.LookupHits) }, false},
 		{"kvbm_g4_lookup_misses", "Blocks looked up in object storage (G4) and not found", func(s Stats) float64 { return float64(s.LookupMisses) }, false},
 		{"kvbm_g4_already_stored", "Uploads skipped: the object was already stored (another instance)", func(s Stats) float64 { return float64(s.AlreadyStored) }, false},

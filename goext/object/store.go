@@ -65,6 +65,8 @@ type Store struct {
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	pending sync.WaitGroup // queued or running uploads (Flush)
+	ackMu   sync.Mutex
+	acked   []uint64 // hashes stored since the last TakeAcked (bounded)
 	closeMu sync.RWMutex
 	closed  bool
 }
@@ -229,6 +231,11 @@ func (s *Store) put(u upload) {
 		return
 	}
 	s.reg.Add(u.hash)
+	s.ackMu.Lock()
+	if len(s.acked) < maxAcked {
+		s.acked = append(s.acked, u.hash)
+	}
+	s.ackMu.Unlock()
 	if created {
 		stats.uploaded.Add(1)
 	} else {
@@ -252,6 +259,20 @@ func (s *Store) done(err error) {
 		stats.breakerOpen.Add(-1)
 		s.log.Info("kvbm G4: object store reachable again", "bucket", s.c.Bucket())
 	}
+}
+
+// maxAcked bounds the hashes kept for TakeAcked between two calls.
+const maxAcked = 1 << 16
+
+// TakeAcked returns the hashes stored (uploaded, or found already stored)
+// since the last call: a leader in another process adds them to its
+// registry.
+func (s *Store) TakeAcked() []uint64 {
+	s.ackMu.Lock()
+	defer s.ackMu.Unlock()
+	a := s.acked
+	s.acked = nil
+	return a
 }
 
 // Flush waits until every upload queued so far finished, or ctx ends.

@@ -175,7 +175,7 @@ func TestOutageDegradesAndRecovers(t *testing.T) {
 	require.False(t, errors.Is(err, object.ErrCorrupt))
 	require.Equal(t, 1, s.Lookup(ctx, []uint64{1, 100}), "only the registry answers")
 
-	srv.Restart()
+	srv.Restart(t)
 	// With no traffic at all, the store tests itself once per cool-down and
 	// becomes available again.
 	deadline := time.Now().Add(30 * time.Second)

@@ -35,6 +35,9 @@ _native.register_signatures(
         "kvbm_leader_plan_background": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _P(c_uint64), _ERR]),
         "kvbm_leader_commit_background": (ctypes.c_int, [c_uint64, c_uint64, c_int32, _ERR]),
         "kvbm_leader_set_degraded": (ctypes.c_int, [c_uint64, _P(c_int64), c_int64, _ERR]),
+        "kvbm_leader_set_g4_fingerprint": (ctypes.c_int, [c_uint64, c_char_p, _ERR]),
+        "kvbm_leader_g4_report": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
+        "kvbm_worker_g4_report": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_worker_free": (None, [c_uint64]),
         "kvbm_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
@@ -122,6 +125,15 @@ class Leader(_native.Handle):
         _native.call("kvbm_leader_match", self._h, req_id.encode(), ptr, n, salt_hash, num_computed,
                      byref(got), byref(is_async))
         return got.value, bool(is_async.value)
+
+    def set_g4_fingerprint(self, fingerprint: str) -> None:
+        """Rank 0's block fingerprint (its worker's ``info()["fingerprint"]``):
+        the leader looks G4 blocks up under it. Ignored without a G4 tier."""
+        _native.call("kvbm_leader_set_g4_fingerprint", self._h, fingerprint.encode())
+
+    def g4_report(self, report: bytes) -> None:
+        """A worker's :meth:`Worker.g4_report` (blocks it stored in G4, its counters)."""
+        _native.call("kvbm_leader_g4_report", self._h, report, len(report))
 
     def update_after_alloc(self, req_id: str, block_ids, num_external_tokens: int) -> None:
         arr, n = _int64_array(list(block_ids))
@@ -226,6 +238,11 @@ class Worker(_native.Handle):
             return [], []
         loaded, errors = msgpack.unpackb(data, raw=False)
         return list(loaded or []), list(errors or [])
+
+    def g4_report(self) -> bytes:
+        """Blocks stored in G4 since the last call and this process's G4
+        counters, for :meth:`Leader.g4_report` (b"" without a G4 tier)."""
+        return _buffer_call("kvbm_worker_g4_report", self._h)
 
 
 class Consolidator(_native.Handle):

@@ -1,8 +1,9 @@
-// Package s3test starts a real S3-compatible server for tests: versitygw
-// serving a temporary directory (installed by .ci/s3-server.sh).
+// Package s3test starts a real S3-compatible server for tests and
+// benchmarks: versitygw serving a directory (installed by .ci/s3-server.sh).
 package s3test
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -19,9 +20,9 @@ const (
 	SecretKey = "kvbmtestsecret"
 )
 
-// Server is a running versitygw.
+// Server is a versitygw process (or, stopped, the address and directory it
+// comes back on).
 type Server struct {
-	t    testing.TB
 	bin  string
 	dir  string
 	Addr string // 127.0.0.1:port
@@ -49,29 +50,39 @@ func Binary() (string, error) {
 			return p, nil
 		}
 	}
-	return "", fmt.Errorf("versitygw not found: run .ci/s3-server.sh")
+	return "", errors.New("versitygw not found: run .ci/s3-server.sh")
 }
 
-// Start starts a server on a free port; it is stopped when the test ends.
-// Without the binary the test is skipped, except under CI (CI set), where
-// .ci/run installs it and its absence is a failure.
-func Start(t testing.TB) *Server {
-	t.Helper()
+// Launch starts a server on a free port, serving dir.
+func Launch(dir string) (*Server, error) {
 	bin, err := Binary()
 	if err != nil {
+		return nil, err
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{bin: bin, dir: dir, Addr: l.Addr().String()}
+	_ = l.Close()
+	return s, s.Start()
+}
+
+// Start starts a test's server on a free port; it is stopped when the test
+// ends. Without the binary the test is skipped, except under CI (CI set),
+// where .ci/run installs it and its absence is a failure.
+func Start(t testing.TB) *Server {
+	t.Helper()
+	if _, err := Binary(); err != nil {
 		if os.Getenv("CI") != "" {
 			t.Fatal(err)
 		}
 		t.Skip(err)
 	}
-	s := &Server{t: t, bin: bin, dir: t.TempDir()}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	s, err := Launch(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.Addr = l.Addr().String()
-	_ = l.Close()
-	s.Restart()
 	t.Cleanup(s.Stop)
 	return s
 }
@@ -92,24 +103,31 @@ func (s *Server) Stop() {
 	}
 }
 
-// Restart starts the server again on the same address and directory and
-// waits until it accepts connections.
-func (s *Server) Restart() {
-	s.t.Helper()
+// Restart is Start for tests: a failure ends the test.
+func (s *Server) Restart(t testing.TB) {
+	t.Helper()
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Start (re)starts the server on its address and directory and waits until
+// it accepts connections.
+func (s *Server) Start() error {
 	s.Stop()
 	log, err := os.CreateTemp(s.dir, "versitygw-*.log")
 	if err != nil {
-		s.t.Fatal(err)
+		return err
 	}
 	data := filepath.Join(s.dir, "data")
 	if err := os.MkdirAll(data, 0o755); err != nil {
-		s.t.Fatal(err)
+		return err
 	}
 	cmd := exec.Command(s.bin, "--port", s.Addr, "--quiet", "posix", data)
 	cmd.Env = append(os.Environ(), "ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
-		s.t.Fatal(err)
+		return err
 	}
 	s.cmd, s.log = cmd, log
 	deadline := time.Now().Add(30 * time.Second)
@@ -117,11 +135,12 @@ func (s *Server) Restart() {
 		c, err := net.DialTimeout("tcp", s.Addr, time.Second)
 		if err == nil {
 			_ = c.Close()
-			return
+			return nil
 		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(log.Name())
-			s.t.Fatalf("versitygw did not listen on %s within 30 s: %v\n%s", s.Addr, err, b)
+			s.Stop()
+			return fmt.Errorf("versitygw did not listen on %s within 30 s: %v\n%s", s.Addr, err, b)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,32 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+_KEY = re.compile(r"^[0-9a-f]{16}$")
+
+
+def count_objects(state_dir: str, bucket: str) -> int:
+    """kvbm G4 objects (<fingerprint>/<sequence hash>) stored in bucket."""
+    root = os.path.join(state_dir, "data", bucket)
+    n = 0
+    if os.path.isdir(root):
+        for fp in os.listdir(root):
+            d = os.path.join(root, fp)
+            if os.path.isdir(d) and not fp.startswith("."):
+                n += sum(1 for name in os.listdir(d) if _KEY.match(name))
+    return n
+
+
+def object_files(state_dir: str, bucket: str) -> list[str]:
+    """Paths of the kvbm G4 objects stored in bucket (posix backend)."""
+    root = os.path.join(state_dir, "data", bucket)
+    out = []
+    for fp in sorted(os.listdir(root)):
+        d = os.path.join(root, fp)
+        if os.path.isdir(d) and not fp.startswith("."):
+            out += [os.path.join(d, n) for n in sorted(os.listdir(d)) if _KEY.match(n)]
+    return out
 
 
 class S3Server:

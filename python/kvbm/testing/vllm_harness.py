@@ -12,7 +12,9 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
                    {"reset": true}, {"corrupt_disk": true}, {"quiesce": true},
                    {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
-                   {"wait_metric": "kvbm_...", "at_least": n, "at_most": m, "timeout_s": 60}]}
+                   {"wait_metric": "kvbm_...", "at_least": n, "at_most": m, "timeout_s": 60,
+                    "poke": [ids...] (generated, 1 token, between scrapes: keeps the engine stepping)},
+                   {"s3_objects": state dir, "bucket": name, "at_least": n, "timeout_s": 60}]}
 result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
 """
 
@@ -288,11 +290,23 @@ def run(spec: dict) -> dict:
             # Background work (G4 uploads) reached a count: a condition, not a sleep.
             name, lo, hi = act["wait_metric"], act.get("at_least"), act.get("at_most")
 
+            poke = act.get("poke")
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
             def reached():
+                if poke:  # workers report their counters with each engine step
+                    llm.generate([{"prompt_token_ids": poke}], one, use_tqdm=False)
                 v = scrape(metrics_port).get(name)
                 return v is not None and (lo is None or v >= lo) and (hi is None or v <= hi)
 
             rec["reached"] = _wait_for(reached, act.get("timeout_s", 60))
+        elif act.get("s3_objects"):
+            from kvbm.testing.s3server import count_objects
+
+            want = act.get("at_least", 1)
+            rec["reached"] = _wait_for(lambda: count_objects(act["s3_objects"], act["bucket"]) >= want,
+                                       act.get("timeout_s", 60))
+            rec["objects"] = count_objects(act["s3_objects"], act["bucket"])
         elif act.get("quiesce") and metrics_port:
             # kvbm's background work (G2→G3 moves, events) has finished when
             # its counters stop changing across consecutive scrapes.

@@ -66,6 +66,28 @@ except Exception:  # pragma: no cover - exercised only without vLLM
         SCHEDULER = 0
         WORKER = 1
 
+try:  # worker → scheduler metadata (vLLM ≥ 0.32); without it G4 matching waits for nothing
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except Exception:  # pragma: no cover - older vLLM or none
+    KVConnectorWorkerMetadata = None
+
+
+if KVConnectorWorkerMetadata is not None:
+
+    @dataclass
+    class KvbmWorkerMeta(KVConnectorWorkerMetadata):
+        """What workers tell the scheduler-side leader each step (vLLM may run
+        them in other processes): rank 0's block fingerprint, which names its
+        G4 objects (the leader looks G4 blocks up under it), and each rank's
+        G4 report (blocks it stored, its counters)."""
+
+        g4_fingerprint: str = ""
+        g4_reports: list = field(default_factory=list)
+
+        def aggregate(self, other):
+            return KvbmWorkerMeta(g4_fingerprint=self.g4_fingerprint or other.g4_fingerprint,
+                                  g4_reports=self.g4_reports + other.g4_reports)
+
 
 @dataclass
 class DynamoConnectorMetadata(KVConnectorMetadata):
@@ -145,6 +167,10 @@ class DynamoConnector(KVConnectorBase_V1):
         self._disabled_reason = None
         self._failed = None
         self._on_device = False
+        # G4: whether this worker has the tier, and rank 0's block fingerprint
+        # (worker: its own, reported to the scheduler; scheduler: as received).
+        self._g4 = False
+        self._g4_fingerprint = ""
         # Worker side: loads bound but not yet reported finished (request id →
         # G1 blocks), so that a failure can still answer vLLM for them; and
         # loads the scheduler gave up on before planning them.
@@ -433,6 +459,14 @@ class DynamoConnector(KVConnectorBase_V1):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             self._invalid_blocks.extend(int(b) for b in invalid)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        fp = getattr(meta, "g4_fingerprint", "")
+        if fp and fp != self._g4_fingerprint:
+            # Rank 0's worker names its G4 objects by this: lookups start.
+            self._leader.set_g4_fingerprint(fp)
+            self._g4_fingerprint = fp
+        for rep in getattr(meta, "g4_reports", None) or ():
+            self._leader.g4_report(rep)
 
     @guarded((False, None))
     def request_finished(self, request, block_ids):
@@ -489,6 +523,9 @@ class DynamoConnector(KVConnectorBase_V1):
             self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size,
                                            secret=self._side_channel_secret())
         info = self._worker.info()
+        self._g4 = bool(info.get("g4"))
+        if self._g4 and rank == 0:
+            self._g4_fingerprint = info["fingerprint"]
         log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
                  info["host_blocks"], info["disk_blocks"])
@@ -581,6 +618,14 @@ class DynamoConnector(KVConnectorBase_V1):
             self._load_errors.update(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
         return None, (done | set(loaded)) or None
+
+    @guarded(None)
+    def build_connector_worker_meta(self):
+        if KVConnectorWorkerMetadata is None or self._worker is None or not self._g4:
+            return None
+        rep = self._worker.g4_report()
+        # Only rank 0's acknowledgements name blocks the leader can look up.
+        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

@@ -98,6 +98,15 @@ func setRank0Fingerprint(fp fingerprint.Fingerprint) {
 	g4.mu.Unlock()
 }
 
+// clearRank0Fingerprint forgets fp when its worker goes away.
+func clearRank0Fingerprint(fp fingerprint.Fingerprint) {
+	g4.mu.Lock()
+	if g4.rank0 == fp {
+		g4.rank0 = fingerprint.Fingerprint{}
+	}
+	g4.mu.Unlock()
+}
+
 func rank0Fingerprint() fingerprint.Fingerprint {
 	g4.mu.Lock()
 	defer g4.mu.Unlock()

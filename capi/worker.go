@@ -142,8 +142,11 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		}
 		return finish(withCode(statusIO, err), errOut)
 	}
-	if o.Rank == 0 {
-		setRank0Fingerprint(fp.Sum())
+	if o.Rank == 0 && g4Close != nil {
+		// A leader in this process looks G4 up under rank 0's fingerprint.
+		sum, release := fp.Sum(), g4Close
+		setRank0Fingerprint(sum)
+		g4Close = func() { clearRank0Fingerprint(sum); release() }
 	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),

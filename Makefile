@@ -62,6 +62,7 @@ bench: build
 	@echo "== leader: the same match from Python (vLLM's get_num_new_matched_tokens with a token list)"; $(PY) bench/match_path.py
 	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer
 	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator
+	@echo "== G4 object storage vs the same S3 server's raw PUT/GET (versitygw: .ci/s3-server.sh)"; $(GO) run ./bench/g4
 	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire; fi
 	@echo "== vLLM (CPU backend) with vs without kvbm"; $(PY) bench/vllm_ttft.py
 	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"

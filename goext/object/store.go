@@ -18,6 +18,7 @@ var ErrUnavailable = errors.New("object store unavailable (circuit breaker open)
 // Defaults of StoreOptions.
 const (
 	DefaultQueueBlocks      = 256
+	DefaultQueueBytes       = 256 << 20 // the queue holds copies: bounded in bytes too
 	DefaultUploads          = 8
 	DefaultLookups          = 32
 	DefaultBreakerThreshold = 3
@@ -34,8 +35,9 @@ type StoreOptions struct {
 	// Registry of hashes known to be stored; nil: a private one of 100,000.
 	Registry *Registry
 	// QueueBlocks bounds the uploads waiting (each holds a copy of its
-	// block); Uploads bounds those in flight; Lookups bounds one lookup's
-	// parallel HEAD requests.
+	// block; 0: DefaultQueueBlocks, at most DefaultQueueBytes, at least 8);
+	// Uploads bounds those in flight; Lookups bounds one lookup's parallel
+	// HEAD requests.
 	QueueBlocks, Uploads, Lookups int
 	// Breaker: consecutive failures that open it, and how long it stays
 	// open before one request tests the store again.
@@ -88,7 +90,7 @@ func NewStore(o StoreOptions) (*Store, error) {
 		o.Registry = NewRegistry(100000)
 	}
 	if o.QueueBlocks <= 0 {
-		o.QueueBlocks = DefaultQueueBlocks
+		o.QueueBlocks = max(8, min(DefaultQueueBlocks, DefaultQueueBytes/(HeaderSize+o.BlockBytes)))
 	}
 	if o.Uploads <= 0 {
 		o.Uploads = DefaultUploads
@@ -160,6 +162,10 @@ func (s *Store) Registry() *Registry { return s.reg }
 
 // Key is the object key of seqHash.
 func (s *Store) Key(seqHash uint64) string { return Key(s.fp, seqHash) }
+
+// QueueLen and QueueCap are the uploads waiting and the most that may wait.
+func (s *Store) QueueLen() int { return len(s.queue) }
+func (s *Store) QueueCap() int { return cap(s.queue) }
 
 // Available reports whether the breaker lets requests through.
 func (s *Store) Available() bool { return !s.br.isOpen() }

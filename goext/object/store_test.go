@@ -209,3 +209,18 @@ func TestRegistryIsBounded(t *testing.T) {
 	r.Remove(3)
 	require.Equal(t, 1, r.PrefixLen([]uint64{2, 3, 4}))
 }
+
+func TestQueueBoundedInBytes(t *testing.T) {
+	c, err := object.NewClient(object.ClientOptions{Host: "127.0.0.1:1", Bucket: "kv-test"})
+	require.NoError(t, err)
+	for _, tc := range []struct{ blockBytes, want int }{
+		{4096, object.DefaultQueueBlocks},
+		{4 << 20, object.DefaultQueueBytes / (4<<20 + object.HeaderSize)},
+		{1 << 30, 8},
+	} {
+		s, err := object.NewStore(object.StoreOptions{Client: c, BlockBytes: tc.blockBytes})
+		require.NoError(t, err)
+		require.Equal(t, tc.want, s.QueueCap(), "block of %d bytes", tc.blockBytes)
+		s.Close()
+	}
+}

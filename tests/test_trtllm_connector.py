@@ -559,3 +559,34 @@ def test_cache_salt_id_is_mixed_as_its_decimal_string():
     assert _cache_salt(SimpleNamespace(cache_salt_id=None)) is None
     assert _native.salt_hash(_cache_salt(SimpleNamespace(cache_salt_id=U64))) != _native.salt_hash(
         _cache_salt(SimpleNamespace(cache_salt_id=U64 >> 1)))
+
+
+def test_g4_onboarding_rank0_in_the_leader_process(make_engine, s3_server, tmp_path):
+    # G4 with TensorRT-LLM's layout of processes at TP=1: the leader shares
+    # rank 0's store (and registry), so it matches what the worker uploaded
+    # without a lookup. After the G2 copies are gone, the prefix is loaded
+    # from the object store, byte-exact.
+    import time
+
+    pool = InProcessPool()
+    try:
+        eng = make_engine(env_extra=s3_server.env("kvbm-trtllm"), spec_extra={"tp": 1}, workers=pool)
+        g4 = eng.leader.info()["g4"]  # this process's counters so far
+        first = toks(6 * BS + 1)
+        a = eng.submit(FakeLlmRequest(1, first, 1))
+        eng.run()
+        assert a.phase == "done"
+        end = time.time() + 30
+        while eng.leader.info()["g4"]["offload_blocks_h2obj"] - g4["offload_blocks_h2obj"] < 6:
+            assert time.time() < end, eng.leader.info()["g4"]
+            time.sleep(0.01)
+        assert eng.leader.reset_cache()
+        loaded = []
+        eng.on_loaded = lambda r: (eng.check_prefix(r, 0, r.matched // BS), loaded.append(r))
+        b = eng.submit(FakeLlmRequest(2, first[:6 * BS] + [5, 5], 2))
+        eng.run()
+        assert b.matched == 6 * BS
+        assert loaded == [b] and b.phase == "done"
+        assert eng.leader.info()["g4"]["onboard_blocks_obj2h"] - g4["onboard_blocks_obj2h"] == 6
+    finally:
+        pool.close()

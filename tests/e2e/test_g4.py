@@ -6,6 +6,7 @@ fresh process with its own small G1 and G2 and no G3, all pointed at one
 bucket. What one instance computed, the next one onboards from G4.
 """
 
+import os
 import random
 
 import pytest
@@ -48,18 +49,39 @@ def stored(srv, n, tag):
     return {"s3_objects": srv.state_dir, "bucket": BUCKET, "at_least": n, "tag": tag}
 
 
+def corrupt(srv, tokens):
+    """Flip one payload byte (headers intact) of each stored object of tokens' full blocks."""
+    from kvbm import _native
+    from kvbm.testing.s3server import object_files
+
+    names = {f"{h:016x}" for h in _native.sequence_hashes(tokens, BS, salt_hash=_native.salt_hash())}
+    n = 0
+    for path in object_files(srv.state_dir, BUCKET):
+        if os.path.basename(path) in names:
+            with open(path, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
 def test_g4_shared_between_engines(harness, s3_server, tmp_path):
     srv = s3_server
     model = {"dir": str(tmp_path / "model-a")}
 
     # Reference outputs without kvbm.
-    ref = by_tag(harness({"kvbm": False, "model": model, "actions": [gen("p", P), gen("q", Q), gen("r", R)]}))
+    ref = by_tag(harness({"kvbm": False, "model": model,
+                          "actions": [gen("p", P), gen("q", Q), gen("r", R), gen("s", S)]}))
 
-    # Engine A computes P and uploads it, keeps serving through an outage (Q),
-    # and uploads again once the store is back (R), without a restart.
+    # Engine A computes P and S and uploads them, keeps serving through an
+    # outage (Q), and uploads again once the store is back (R), without a
+    # restart.
     a = by_tag(harness({"model": model, "env": kvbm_env(srv), "actions": [
         gen("p", P),
-        stored(srv, 12, "uploaded"),
+        gen("s", S),
+        stored(srv, 12 + 6, "uploaded"),
         {"s3": "stop", "state": srv.state_dir, "tag": "outage"},
         gen("q", Q),
         {"s3": "start", "state": srv.state_dir, "tag": "back"},
@@ -67,32 +89,43 @@ def test_g4_shared_between_engines(harness, s3_server, tmp_path):
         # cool-down); its counters reach the leader with each engine step.
         {"wait_metric": "kvbm_g4_breaker_open", "at_most": 0, "poke": POKE, "tag": "healed"},
         gen("r", R),
-        stored(srv, 12 + 6, "r_stored"),
-        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 12 + 6, "poke": POKE, "tag": "counted"},
+        stored(srv, 12 + 6 + 6, "r_stored"),
+        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 12 + 6 + 6, "poke": POKE, "tag": "counted"},
     ]}))
-    assert a["p"]["tokens"] == ref["p"]["tokens"]
+    for tag in ("p", "s", "r"):
+        assert a[tag]["tokens"] == ref[tag]["tokens"], tag
     assert a["uploaded"]["reached"], a["uploaded"]
     assert a["q"]["tokens"] == ref["q"]["tokens"], "the engine kept serving during the outage"
     assert a["healed"]["reached"], a["healed"]["metrics"]
-    assert a["r"]["tokens"] == ref["r"]["tokens"]
     assert a["r_stored"]["reached"], f"uploads did not resume: {a['r_stored']}"
+    assert a["r_stored"]["objects"] == 12 + 6 + 6, "nothing of Q was stored during the outage"
     m = a["counted"]["metrics"]
     assert a["counted"]["reached"], m
     assert m["kvbm_g4_upload_drops"] >= 6, m  # Q's blocks: refused or failed, counted
     assert m["kvbm_g4_errors"] >= 1, m
-    assert a["r_stored"]["objects"] == 12 + 6, "nothing of Q was stored during the outage"
+
+    # S's objects are damaged in the bucket (a faulty disk or writer).
+    assert corrupt(srv, S) == 6
 
     # Engine B: a fresh process, same bucket and model, empty G1/G2: every
     # full block of P and R comes from G4 (the partial last block is
-    # computed), with the same output as without kvbm.
-    b = by_tag(harness({"model": model, "env": kvbm_env(srv), "actions": [gen("p", P), gen("r", R)]}))
-    mb = b["r"]["metrics"]
-    assert b["p"]["tokens"] == ref["p"]["tokens"]
-    assert b["r"]["tokens"] == ref["r"]["tokens"]
+    # computed), with the same output as without kvbm. S's corrupt objects
+    # are never served: its blocks fail to load and are recomputed.
+    b = by_tag(harness({"model": model, "env": kvbm_env(srv), "actions": [
+        gen("p", P), gen("r", R), gen("s", S),
+        {"wait_metric": "kvbm_g4_corrupt_objects", "at_least": 1, "poke": POKE, "tag": "counted"},
+    ]}))
+    for tag in ("p", "r", "s"):
+        assert b[tag]["tokens"] == ref[tag]["tokens"], tag
     assert b["p"]["num_cached_tokens"] == [12 * BS]
-    assert mb["kvbm_onboard_blocks_obj2h"] == 12 + 6, mb
-    assert mb["kvbm_g4_lookup_hits"] >= 12 + 6, mb
-    assert mb["kvbm_load_errors"] == 0, mb
+    mr = b["r"]["metrics"]
+    assert mr["kvbm_onboard_blocks_obj2h"] == 12 + 6, mr
+    assert mr["kvbm_g4_lookup_hits"] >= 12 + 6, mr
+    assert mr["kvbm_load_errors"] == 0, mr
+    m = b["counted"]["metrics"]
+    assert b["counted"]["reached"], m
+    assert m["kvbm_load_errors"] >= 1, m
+    assert m["kvbm_g4_downloads_verified"] == 12 + 6, m
 
     # A different model shares the bucket and never matches A's blocks.
     c = by_tag(harness({"model": {"dir": str(tmp_path / "model-c"), "seed": 7}, "env": kvbm_env(srv),
@@ -101,31 +134,3 @@ def test_g4_shared_between_engines(harness, s3_server, tmp_path):
     assert mc["kvbm_onboard_blocks_obj2h"] == 0, mc
     assert mc["kvbm_g4_lookup_hits"] == 0, mc
     assert c["p"]["num_cached_tokens"] == [0]
-
-
-def test_g4_corrupt_object_recomputed(harness, s3_server, tmp_path):
-    from kvbm.testing.s3server import object_files
-
-    srv = s3_server
-    model = {"dir": str(tmp_path / "model")}
-    ref = by_tag(harness({"kvbm": False, "model": model, "actions": [gen("s", S)]}))
-    a = by_tag(harness({"model": model, "env": kvbm_env(srv), "actions": [gen("s", S), stored(srv, 6, "up")]}))
-    assert a["up"]["reached"], a["up"]
-    # Damage one payload byte of every stored object (headers intact).
-    files = object_files(srv.state_dir, BUCKET)
-    assert len(files) == 6
-    for path in files:
-        with open(path, "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    b = by_tag(harness({"model": model, "env": kvbm_env(srv), "actions": [
-        gen("s", S),
-        {"wait_metric": "kvbm_g4_corrupt_objects", "at_least": 1, "poke": POKE, "tag": "counted"},
-    ]}))
-    assert b["s"]["tokens"] == ref["s"]["tokens"], "a corrupt object is never served: recomputed"
-    m = b["counted"]["metrics"]
-    assert b["counted"]["reached"], m
-    assert m["kvbm_load_errors"] >= 1, m
-    assert m["kvbm_g4_downloads_verified"] == 0, m

@@ -107,6 +107,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	w, err := worker.New(worker.Options{
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		DiskPersist: cfg.DiskPersist,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
@@ -120,6 +121,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		_ = w.Close()
 		return finish(withCode(statusIO, err), errOut)
 	}
+	if w.DiskPersistent() {
+		offerRecovered(o.Rank, nw, w.Recovered())
+	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
 		"fingerprint", fp.Sum().String(), "fingerprint_of", fp.Describe())
@@ -131,7 +135,8 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
-		"fingerprint": fp.Sum().String(),
+		"fingerprint": fp.Sum().String(), "disk_persistent": w.DiskPersistent(),
+		"disk_recovered_blocks": len(w.Recovered().Blocks),
 	}}
 	*out = newHandle(h)
 	return statusOK

@@ -30,6 +30,7 @@ const (
 	EnvDiskCacheOverrideBlocks      = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
 	EnvLeaderWorkerInitTimeoutSecs  = "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"
@@ -87,6 +88,8 @@ type Config struct {
 	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
 	DiskCacheDir            string  // directory of the disk tier file
 	DiskDisableODirect      bool    // open the disk tier file without O_DIRECT
+	// DiskPersist keeps the disk tier file across restarts (docs/persistent-g3.md).
+	DiskPersist bool
 
 	DisableDiskOffloadFilter     bool // offload every G2 block to G3, not only repeated ones
 	HostOffloadPrefixMinPriority int  // G1→G2 offload only at or above this priority
@@ -135,6 +138,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
+		DiskPersist:             p.boolean(EnvDiskPersist, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
 		HostOffloadPrefixMinPriority: p.count(EnvHostOffloadPrefixMinPriority, 0, 0),
@@ -260,8 +264,8 @@ func (c *Config) Summary() string {
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
-		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s)\n",
-			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter))
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist))
 	}
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
 	fmt.Fprintf(&b, "  transfers: %d concurrent batches of up to %d blocks\n",

@@ -102,6 +102,7 @@ func (l *Leader) PlanBackground() (step []byte, ticket uint64, err error) {
 	l.bgNext++
 	ticket = l.bgNext
 	l.bgOps[ticket] = op
+	l.tagBackground(&st, op)
 	b, err := st.Encode()
 	if err != nil {
 		l.commitLocked(ticket, false)

@@ -85,6 +85,7 @@ type Leader struct {
 	minPrio  int        // DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY; 0 = off
 	filter   *freqFilter
 	maxMoves int
+	persist  bool // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
 
 	slots     map[string]*slot
 	spare     []*slot                  // finished slots kept for their buffers
@@ -168,6 +169,7 @@ func New(opts Options) (*Leader, error) {
 		bs:        opts.BlockSize,
 		minPrio:   cfg.HostOffloadPrefixMinPriority,
 		maxMoves:  opts.MaxMovesPerStep,
+		persist:   cfg.DiskPersist,
 		slots:     make(map[string]*slot),
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),

@@ -94,6 +94,7 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 		clear(l.drops)
 	}
 
+	l.tagStep(&st)
 	l.updateGauges()
 	if l.statsLog.due(l.now(), l.hits) {
 		l.log.Info(l.hits.logLine(l.workerID))

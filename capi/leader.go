@@ -102,7 +102,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(withCode(statusConfig, err), errOut)
 	}
 	h.l = l
-	restoreDisk(l, cfg, max(o.NumWorkers, 1), h.m, log)
+	restoreInProcess(l, cfg, max(o.NumWorkers, 1), h.m, log)
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).

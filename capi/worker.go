@@ -55,6 +55,8 @@ type workerHandle struct {
 	m       *metrics.Metrics
 	layout  *layout.Engine
 	summary map[string]any
+	// recovered is the persistent disk tier's recovered index (persist.go).
+	recovered []byte
 }
 
 //export kvbm_worker_new
@@ -107,7 +109,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	w, err := worker.New(worker.Options{
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
-		DiskPersist: cfg.DiskPersist,
+		DiskPersist:    cfg.DiskPersist,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
@@ -121,8 +123,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		_ = w.Close()
 		return finish(withCode(statusIO, err), errOut)
 	}
+	var recovered []byte
 	if w.DiskPersistent() {
-		offerRecovered(o.Rank, nw, w.Recovered())
+		recovered = offerRecovered(o.Rank, nw, w.Recovered())
 	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
@@ -131,7 +134,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, summary: map[string]any{
+	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, recovered: recovered, summary: map[string]any{
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,

@@ -86,6 +86,7 @@ type Leader struct {
 	filter   *freqFilter
 	maxMoves int
 	persist  bool // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
+	restored bool // RestoreDisk ran
 
 	slots     map[string]*slot
 	spare     []*slot                  // finished slots kept for their buffers

@@ -80,13 +80,13 @@ func (l *Leader) tagBackground(st *plan.Step, op *bgOp) {
 // parent (each rank holds only its shard). Of two blocks with one hash the
 // newer is kept. Store events go to the Sink parents first, so the router
 // sees whole chains; the eviction order among the blocks is their write
-// time, oldest first. Call it before the first Step, once.
+// time, oldest first. Call it before the first Step; later calls do nothing.
 func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	st := RestoreStats{Skipped: map[string]int{}}
-	if l.disk == nil || len(perRank) == 0 {
-		return st, nil
+	if l.disk == nil || len(perRank) == 0 || l.restored {
+		return st, nil // restored once already (in process, then through the engine)
 	}
 	if l.seq != 0 || l.disk.NumRegistered() != 0 || l.disk.NumFree() != l.disk.Capacity() {
 		return st, fmt.Errorf("leader: restore of the disk tier after it was used (step %d)", l.seq)
@@ -157,6 +157,7 @@ func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 	}
 	slices.SortStableFunc(lru, func(a, b int) int { return cmp.Compare(blocks[a].WrittenAt, blocks[b].WrittenAt) })
 	st.Registered = l.disk.RestoreAll(entries, lru)
+	l.restored = true
 	l.updateGauges()
 	l.log.Info("kvbm leader: disk tier blocks recovered from the persistent tier",
 		"registered", st.Registered, "ranks", len(perRank), "skipped", fmt.Sprint(st.Skipped),

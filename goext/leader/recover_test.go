@@ -82,8 +82,14 @@ func TestTagsAndRestore(t *testing.T) {
 		}
 	}
 
-	// Restoring twice, or after use, is refused.
-	_, err = e2.l.RestoreDisk([][]RecoveredBlock{rec})
+	// A second restore (in process, then through the engine) does nothing.
+	again, err := e2.l.RestoreDisk([][]RecoveredBlock{rec})
+	require.NoError(t, err)
+	require.Zero(t, again.Registered)
+	// A restore after the tier was used is refused.
+	e3 := newEnv(t, 0, 8, persistOn)
+	e3.step(t, RequestUpdate{ReqID: "x", NewTokens: toks(300, 8), NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8})
+	_, err = e3.l.RestoreDisk([][]RecoveredBlock{rec})
 	require.Error(t, err)
 }
 
@@ -103,7 +109,7 @@ func TestRestoreIntersectsRanks(t *testing.T) {
 	rank0 := []RecoveredBlock{
 		{BlockTag: tg(0, 0), WrittenAt: 1}, {BlockTag: tg(1, 1), WrittenAt: 2},
 		{BlockTag: tg(2, 2), WrittenAt: 3}, {BlockTag: tg(3, 3), WrittenAt: 4},
-		{BlockTag: tg(5, 1), WrittenAt: 9}, // a newer copy of block 1's hash
+		{BlockTag: tg(5, 1), WrittenAt: 9},  // a newer copy of block 1's hash
 		{BlockTag: tg(40, 2), WrittenAt: 9}, // beyond the tier
 	}
 	rank1 := []RecoveredBlock{

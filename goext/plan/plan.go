@@ -188,7 +188,7 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 		if err := enc.EncodeString("t"); err != nil {
 			return err
 		}
-		if err := enc.EncodeBytes(appendTags(buf[:0], s.Tags)); err != nil {
+		if err := enc.EncodeBytes(AppendTags(buf[:0], s.Tags)); err != nil {
 			return err
 		}
 	}
@@ -272,7 +272,7 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			if err != nil {
 				return err
 			}
-			if s.Tags, err = parseTags(b); err != nil {
+			if s.Tags, err = ParseTags(b); err != nil {
 				return fmt.Errorf("%q: %w", key, err)
 			}
 		default:

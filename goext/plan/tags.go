@@ -24,7 +24,8 @@ type BlockTag struct {
 // priority i32, token count u32, then the tokens as u32, all little-endian.
 const tagFixed = 8 + 8 + 8 + 1 + 4 + 4
 
-func appendTags(dst []byte, ts []BlockTag) []byte {
+// AppendTags appends the wire form of ts to dst.
+func AppendTags(dst []byte, ts []BlockTag) []byte {
 	le := binary.LittleEndian
 	for _, t := range ts {
 		dst = le.AppendUint64(dst, uint64(t.Block))
@@ -44,7 +45,8 @@ func appendTags(dst []byte, ts []BlockTag) []byte {
 	return dst
 }
 
-func parseTags(b []byte) ([]BlockTag, error) {
+// ParseTags reads what AppendTags wrote; malformed input is an error.
+func ParseTags(b []byte) ([]BlockTag, error) {
 	le := binary.LittleEndian
 	var ts []BlockTag
 	for len(b) > 0 {

@@ -27,12 +27,12 @@ func TestTagsRoundTrip(t *testing.T) {
 }
 
 func TestTagsMalformed(t *testing.T) {
-	good := appendTags(nil, []BlockTag{{Block: 1, Tokens: []uint32{1, 2}}})
+	good := AppendTags(nil, []BlockTag{{Block: 1, Tokens: []uint32{1, 2}}})
 	for _, b := range [][]byte{good[:tagFixed-1], good[:len(good)-1]} {
-		_, err := parseTags(b)
+		_, err := ParseTags(b)
 		require.Error(t, err)
 	}
-	ts, err := parseTags(good)
+	ts, err := ParseTags(good)
 	require.NoError(t, err)
 	require.Equal(t, []uint32{1, 2}, ts[0].Tokens)
 }

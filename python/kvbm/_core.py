@@ -44,6 +44,8 @@ _native.register_signatures(
         "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_finished": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_set_cuda_stream": (ctypes.c_int, [c_uint64, c_uint64, _ERR]),  # CUDA build only
+        "kvbm_worker_recovered": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_restore_disk": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(c_int64), _ERR]),
         "kvbm_consolidator_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_consolidator_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_consolidator_free": (None, [c_uint64]),
@@ -156,6 +158,15 @@ class Leader(_native.Handle):
         """ok: every rank executed it (its G3 blocks become matchable); else they are freed."""
         _native.call("kvbm_leader_commit_background", self._h, int(ticket), 1 if ok else 0)
 
+    def restore_disk(self, recovered) -> int:
+        """Register the disk tier blocks the workers' persistent tiers
+        recovered: ``recovered`` is every rank's :meth:`Worker.recovered`,
+        rank 0 first. Call before the first step. Returns the blocks registered."""
+        payload = msgpack.packb([bytes(r) for r in recovered], use_bin_type=True)
+        got = c_int64()
+        _native.call("kvbm_leader_restore_disk", self._h, payload, len(payload), byref(got))
+        return got.value
+
     def set_degraded(self, dead_ranks) -> None:
         """Ranks died: stop matching, saving and moving; the engine keeps serving."""
         arr, n = _int64_array([int(r) for r in dead_ranks])
@@ -212,6 +223,11 @@ class Worker(_native.Handle):
         stream (a cudaStream_t). Only the CUDA build has it; a no-op otherwise."""
         if _native.loaded_variant() == "cuda" or hasattr(_native.lib(), "kvbm_worker_set_cuda_stream"):
             _native.call("kvbm_worker_set_cuda_stream", self._h, int(stream))
+
+    def recovered(self) -> bytes:
+        """What this rank's persistent disk tier recovered at start, for
+        :meth:`Leader.restore_disk` (b"" without a persistent tier)."""
+        return _buffer_call("kvbm_worker_recovered", self._h)
 
     def finished(self) -> tuple[list[str], list[int]]:
         data = _buffer_call("kvbm_worker_finished", self._h)

@@ -67,6 +67,22 @@ except Exception:  # pragma: no cover - exercised only without vLLM
         WORKER = 1
 
 
+try:  # vLLM versions with worker → scheduler handshake metadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+except Exception:  # pragma: no cover - older vLLM or none
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class KvbmRecoveredMetadata(KVConnectorHandshakeMetadata):
+    """A worker's persistent disk tier index, recovered at start, for the
+    scheduler's leader (kvbm._core.Worker.recovered)."""
+
+    recovered: bytes = b""
+
+
 @dataclass
 class DynamoConnectorMetadata(KVConnectorMetadata):
     """One step's plan for the workers (opaque bytes from the Go leader)."""
@@ -453,6 +469,23 @@ class DynamoConnector(KVConnectorBase_V1):
     def get_finished_count(self):
         return None
 
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        """Scheduler: vLLM hands over what every worker's
+        get_handshake_metadata returned (tp rank → metadata) once the KV
+        caches are registered, before the first step: register the disk
+        tier blocks every rank's persistent tier recovered."""
+        if self._leader is None or not metadata:
+            return
+        _, tp_size = _tp(self._vllm_config)
+        recs = [getattr(metadata.get(r), "recovered", b"") for r in range(tp_size)]
+        if not all(recs):
+            return  # no persistent disk tier (or a rank without one)
+        try:
+            n = self._leader.restore_disk(recs)
+            log.info("kvbm: %d disk tier blocks recovered from the persistent tier of %d rank(s)", n, tp_size)
+        except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
+            log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s", e)
+
     # ------------------------------------------------------------------ worker
 
     @guarded(None)
@@ -486,6 +519,18 @@ class DynamoConnector(KVConnectorBase_V1):
         log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
                  info["host_blocks"], info["disk_blocks"])
+
+    def get_handshake_metadata(self):
+        """Worker: this rank's recovered persistent disk tier index (None
+        without one), which vLLM passes to the scheduler's connector."""
+        if self._worker is None:
+            return None
+        try:
+            rec = self._worker.recovered()
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbm: could not read the recovered disk tier index: %s", e)
+            return None
+        return KvbmRecoveredMetadata(recovered=rec) if rec else None
 
     def _describe_caches(self, kv_caches):
         from kvbm._layers import order_layers

@@ -177,7 +177,13 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		if err := checkWritableDir(c.DiskCacheDir); err != nil {
 			p.fail(EnvDiskCacheDir, c.DiskCacheDir, err.Error())
 		} else if reason := checkCapacity(uint64(gbToBytes(c.DiskCacheGB)), "disk space in "+c.DiskCacheDir,
-			func() (uint64, bool) { return availableDisk(c.DiskCacheDir) }); reason != "" {
+			func() (uint64, bool) {
+				free, ok := availableDisk(c.DiskCacheDir)
+				if ok && c.DiskPersist {
+					free += persistentTierBytes(c.DiskCacheDir)
+				}
+				return free, ok
+			}); reason != "" {
 			p.fail(EnvDiskCacheGB, fmt.Sprint(c.DiskCacheGB), reason)
 		}
 	}

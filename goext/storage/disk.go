@@ -45,12 +45,14 @@ type DiskRegion struct {
 	blockBytes int64
 	stride     int64 // I/O size of a payload (blockBytes aligned up)
 	slot       int64 // distance between blocks: stride, plus HeaderBytes when persistent
+	payloadAt  int64 // payload offset within a slot: HeaderBytes when persistent (the header comes first)
 
 	// Persistent tiers only (persist.go).
 	persistent bool
 	fp         fingerprint.Fingerprint
 	recovery   Recovery
 	live       []atomic.Bool // block's header may verify on disk: invalidate before rewriting
+	hw         *headerWriter
 }
 
 // probeDirect checks that O_DIRECT I/O really works on fd; some filesystems
@@ -263,7 +265,7 @@ func (d *DiskRegion) WriteBlock(i int, buf []byte) error {
 	if err := d.check(i, buf); err != nil {
 		return err
 	}
-	off := int64(i) * d.slot
+	off := int64(i)*d.slot + d.payloadAt
 	for len(buf) > 0 {
 		n, err := unix.Pwrite(d.fd, buf, off)
 		if errors.Is(err, unix.EINTR) {
@@ -285,7 +287,7 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 	if err := d.check(i, buf); err != nil {
 		return err
 	}
-	off := int64(i) * d.slot
+	off := int64(i)*d.slot + d.payloadAt
 	for len(buf) > 0 {
 		n, err := unix.Pread(d.fd, buf, off)
 		if errors.Is(err, unix.EINTR) {
@@ -309,6 +311,9 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 func (d *DiskRegion) Close() error {
 	var errs []error
 	path := d.path
+	if d.hw != nil && d.fd >= 0 {
+		d.hw.close() // queued headers first: they are part of what is kept
+	}
 	if d.persistent && d.fd >= 0 {
 		// The file stays for the next process; what was written reaches
 		// the device before the lock goes.

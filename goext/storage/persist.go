@@ -3,22 +3,26 @@ package storage
 // Persistent disk tier (DYN_KVBM_DISK_PERSIST, docs/persistent-g3.md).
 //
 // File: <dir>/kvbm-g3-<fingerprint>-rank<r>.tier, block i at offset i × slot,
-// slot = Stride + HeaderBytes: the payload (aligned up), then one
-// HeaderBytes sector describing it. The header names the fingerprint, the
+// slot = HeaderBytes + Stride: one HeaderBytes sector describing the block,
+// then its payload (aligned up). The header names the fingerprint, the
 // block's index, its sequence hash, parent, priority and tokens, the payload
 // length and XXH3, and ends with the XXH3 of the header itself.
 //
 // Write order for one block (WriteBlockHeader):
 //
-//  1. if the slot's header may be valid on disk: overwrite it with zeros;
-//  2. write the payload;
-//  3. write the new header.
+//  1. if the slot's header may be valid on disk: one pwritev of a zeroed
+//     header and the payload (they are adjacent); else a pwrite of the payload;
+//  2. a pwrite of the new header, once the first call returned (queued to
+//     background writers, persist_headers.go: the slot is not written again
+//     until it is done).
 //
-// Each step is its own pwrite, issued only after the previous one returned,
-// so after a kill -9 at any point a header that verifies always describes a
-// payload whose write completed: the process's completed writes are in the
-// page cache (or on the device, with O_DIRECT) whatever happens to the
-// process. A header torn by the kill fails its own checksum. A power loss
+// A write's bytes land in file order: buffered, the kernel copies page by
+// page in ascending order and a fatal signal only stops it between pages
+// (a prefix is written); with O_DIRECT the call returns only once all its
+// device I/O completed, and a killed process still waits for it. So after a
+// kill -9 at any point a header that verifies always describes a payload
+// whose write completed: the process's completed writes are in the page
+// cache (or on the device) whatever happens to the process. A header torn by the kill fails its own checksum. A power loss
 // may persist writes out of order (no fdatasync per block: it would cost a
 // device flush per block); the payload checksum in the header is checked on
 // every load, so such a block fails its load (the engine recomputes) and is
@@ -28,6 +32,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -152,7 +157,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		return nil, fmt.Errorf("disk tier file %s: flock: %w", path, err)
 	}
 	d := &DiskRegion{fd: fd, path: path, direct: odirect, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes,
-		stride: stride, slot: slot, persistent: true, fp: o.Fingerprint}
+		stride: stride, slot: slot, payloadAt: HeaderBytes, persistent: true, fp: o.Fingerprint}
 	fail := func(err error) (*DiskRegion, error) {
 		_ = unix.Close(fd) // the file stays: it may hold blocks worth keeping
 		return nil, err
@@ -193,6 +198,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	rec.Empty += o.NumBlocks - scanned // grown or new: never written
 	rec.Duration = time.Since(start)
 	d.recovery = rec
+	d.hw = newHeaderWriter(d, log)
 	resize := "unchanged"
 	switch {
 	case !rec.Reused:
@@ -266,7 +272,7 @@ var headerBufs = sync.Pool{New: func() any { b := alignedBuf(HeaderBytes); retur
 func (d *DiskRegion) probeDirectRead() error {
 	bp := headerBufs.Get().(*[]byte)
 	defer headerBufs.Put(bp)
-	_, err := unix.Pread(d.fd, *bp, d.stride)
+	_, err := unix.Pread(d.fd, *bp, 0)
 	return err
 }
 
@@ -409,11 +415,11 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 }
 
 func (d *DiskRegion) readHeader(i int, buf []byte) error {
-	return d.pio(unix.Pread, "read header", i, buf, int64(i)*d.slot+d.stride)
+	return d.pio(unix.Pread, "read header", i, buf, int64(i)*d.slot)
 }
 
 func (d *DiskRegion) writeHeader(i int, buf []byte) error {
-	return d.pio(unix.Pwrite, "write header", i, buf, int64(i)*d.slot+d.stride)
+	return d.pio(unix.Pwrite, "write header", i, buf, int64(i)*d.slot)
 }
 
 // pio runs a full positioned read or write, retrying short transfers.
@@ -445,18 +451,28 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 	if err := d.check(i, buf); err != nil {
 		return err
 	}
-	if err := d.InvalidateHeader(i); err != nil {
-		return err
-	}
-	if err := d.WriteBlock(i, buf); err != nil {
+	d.hw.wait(i)
+	if d.live[i].Load() {
+		// One pwritev: the zeroed header, then the payload that follows it
+		// in the slot. The kernel copies (or, with O_DIRECT, completes)
+		// it in order before the call returns, so no payload byte changes
+		// while the old header is still there.
+		if err := d.pwritev([][]byte{zeroHeader, buf}, int64(i)*d.slot); err != nil {
+			return fmt.Errorf("disk tier %s: write block %d: %w", d.path, i, err)
+		}
+		d.live[i].Store(false)
+	} else if err := d.WriteBlock(i, buf); err != nil {
 		return err
 	}
 	if h == nil {
 		return nil
 	}
 	bp := headerBufs.Get().(*[]byte)
-	defer headerBufs.Put(bp)
 	d.encodeHeader(*bp, i, h)
+	if d.hw.enqueue(i, bp) {
+		return nil
+	}
+	defer headerBufs.Put(bp)
 	if err := d.writeHeader(i, *bp); err != nil {
 		return err
 	}
@@ -464,11 +480,46 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 	return nil
 }
 
+// zeroHeader is an aligned, all-zero header: an invalid one.
+var zeroHeader = alignedBuf(HeaderBytes)
+
+// pwritev writes iovs at off, retrying short writes.
+func (d *DiskRegion) pwritev(iovs [][]byte, off int64) error {
+	iovs = slices.Clone(iovs)
+	for len(iovs) > 0 {
+		n, err := unix.Pwritev(d.fd, iovs, off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return io.ErrShortWrite
+		}
+		off += int64(n)
+		for n > 0 && len(iovs) > 0 {
+			if n >= len(iovs[0]) {
+				n -= len(iovs[0])
+				iovs = iovs[1:]
+				continue
+			}
+			iovs[0] = iovs[0][n:]
+			n = 0
+		}
+	}
+	return nil
+}
+
 // InvalidateHeader makes block i unrecoverable (its bytes are being
 // replaced, or the leader dropped it). A no-op when its header is known
 // not to be valid on disk, or the tier is not persistent.
 func (d *DiskRegion) InvalidateHeader(i int) error {
-	if !d.persistent || i < 0 || i >= d.numBlocks || !d.live[i].Load() {
+	if !d.persistent || i < 0 || i >= d.numBlocks {
+		return nil
+	}
+	d.hw.wait(i)
+	if !d.live[i].Load() {
 		return nil
 	}
 	bp := headerBufs.Get().(*[]byte)

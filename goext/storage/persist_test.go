@@ -103,13 +103,13 @@ func TestPersistentTornHeader(t *testing.T) {
 	for i := range 5 {
 		writeP(t, d, rng, i, uint64(500+i), true)
 	}
-	slot, stride := d.slot, d.stride
+	slot := d.slot
 	path := d.Path()
 	require.NoError(t, d.Close())
 
 	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	require.NoError(t, err)
-	hdrAt := func(i int) int64 { return int64(i)*slot + stride }
+	hdrAt := func(i int) int64 { return int64(i) * slot }
 	// Block 1: one flipped bit in its tokens.
 	b := make([]byte, 1)
 	_, err = f.ReadAt(b, hdrAt(1)+headerFixed)

@@ -87,9 +87,9 @@ func TestPersistCorruptPayloadNotServed(t *testing.T) {
 	require.NoError(t, err)
 	slot := layout.AlignUp(g.e.BytesPerBlock(), storage.Alignment) + storage.HeaderBytes
 	b := make([]byte, 1)
-	_, err = f.ReadAt(b, slot+7)
+	_, err = f.ReadAt(b, slot+storage.HeaderBytes+7) // block 1's payload
 	require.NoError(t, err)
-	_, err = f.WriteAt([]byte{b[0] ^ 1}, slot+7)
+	_, err = f.WriteAt([]byte{b[0] ^ 1}, slot+storage.HeaderBytes+7)
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
 

@@ -5,6 +5,7 @@ leaves the first model's file alone (docs/persistent-g3.md)."""
 
 import os
 import random
+import socket
 
 import pytest
 
@@ -24,6 +25,12 @@ B = prompt(12, 13 * BS + 3)
 
 def gen(tag, *prompts):
     return {"generate": [list(p) for p in prompts], "tag": tag, "max_tokens": 8}
+
+
+def free_port():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
 
 
 def by_tag(res):
@@ -51,9 +58,21 @@ def test_disk_tier_survives_restart(harness, tmp_path):
     assert len(files) == 1, os.listdir(tmp_path)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("kvbm-disk-cache-")]
 
-    # Engine 2, same model and directory: A is served from G3 first thing.
-    second = harness({"env": env, "engine": engine, "actions": [gen("a_again", A)]})
+    # Engine 2, same model and directory, with KV events and the
+    # consolidator: the recovered blocks are announced (STOREs) before any
+    # request, then A is served from G3 first thing.
+    out_port = free_port()
+    while out_port <= 1000:
+        out_port = free_port()
+    env2 = dict(env, DYN_KVBM_LEADER_ZMQ_PUB_PORT=out_port - 1000)
+    second = harness({"env": env2, "engine": engine, "events": {"endpoint": f"tcp://*:{free_port()}"},
+                      "actions": [{"quiesce": True, "tag": "start"}, gen("a_again", A)]})
     t2 = by_tag(second)
+    ms = t2["start"]["metrics"]
+    assert ms["kvbm_disk_blocks_registered"] >= 6, ms
+    assert ms["kvbm_consolidator_events_in"] >= ms["kvbm_g3_recovered_blocks"] >= 6, ms
+    assert ms["kvbm_consolidator_events_out"] >= 6, ms
+    assert ms["kvbm_onboard_blocks_d2d"] == 0
     m = t2["a_again"]["metrics"]
     assert m["kvbm_g3_recovered_blocks"] >= 6, m
     assert m["kvbm_onboard_blocks_d2d"] == 6, m

@@ -304,8 +304,10 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 	return nil
 }
 
-// Close removes and closes the file. The file is removed while its lock is
-// still held, so no cleanup elsewhere can see it unlocked. A crashed process
+// Close removes and closes the file; a persistent tier's file is kept
+// instead, after its queued headers are written and fdatasync. The file is
+// removed while its lock is still held, so no cleanup elsewhere can see it
+// unlocked. A crashed process
 // leaves its file behind, unlocked (the kernel drops the lock with the last
 // descriptor); the pid in the name tells an operator whose it was.
 func (d *DiskRegion) Close() error {

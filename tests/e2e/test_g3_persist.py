@@ -96,3 +96,37 @@ def test_disk_tier_survives_restart(harness, tmp_path):
     for log in (first["log"], second["log"], other["log"]):
         for bad in ("panic", "fatal error", "Traceback"):
             assert bad not in log
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
+def test_disk_tier_survives_restart_tp2(harness, tmp_path):
+    """TP=2: each rank keeps its own shard's file; the restarted leader
+    registers the blocks both ranks recovered (moves went over the side
+    channel, tagged) and A comes back from G3 with identical output."""
+    pub, ack = free_port(), free_port()
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_PERSIST": "true",
+        "DYN_KVBM_LEADER_ZMQ_PUB_PORT": pub,
+        "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    engine = {"num_gpu_blocks_override": 16, "tensor_parallel_size": 2}
+    first = harness({"env": env, "engine": engine, "actions": [gen("a", A), gen("b", B), {"quiesce": True, "tag": "q"}]})
+    t1 = by_tag(first)
+    assert t1["q"]["metrics"]["kvbm_offload_blocks_h2d"] >= 6, t1["q"]["metrics"]
+    files = tier_files(tmp_path)
+    assert [f[-10:] for f in files] in (["rank0.tier", "rank1.tier"], ["rank1.tier", "rank0.tier"]), files
+
+    second = harness({"env": env, "engine": engine, "actions": [gen("a_again", A)]})
+    m = by_tag(second)["a_again"]["metrics"]
+    assert m["kvbm_g3_recovered_blocks"] >= 6, m
+    assert m["kvbm_onboard_blocks_d2d"] == 6, m
+    assert m.get("kvbm_load_errors", 0) == 0
+    assert by_tag(second)["a_again"]["tokens"] == t1["a"]["tokens"]
+    for log in (first["log"], second["log"]):
+        for bad in ("panic", "fatal error", "Traceback"):
+            assert bad not in log

@@ -290,8 +290,9 @@ func (l *Leader) ResetCache() {
 // pins it. A pinned invalidated block is still being read by a load; it goes
 // back to the free list silently when released (its stale contents are never
 // read again: only registered blocks are read, and registering follows a write).
+// A persistent disk tier drops it at once too (dropPinned, recover.go).
 func (l *Leader) dropIfFree(p *pool.Pool, idx int) {
-	if p.Info(idx).State == pool.Free {
+	if p.Info(idx).State == pool.Free || l.dropPinned(p) {
 		l.drops[tierBlock{p.Tier(), idx}] = struct{}{}
 	}
 }

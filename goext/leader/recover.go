@@ -37,6 +37,12 @@ type RestoreStats struct {
 // tagSteps reports whether steps carry block tags.
 func (l *Leader) tagSteps() bool { return l.persist && l.disk != nil }
 
+// dropPinned: an invalidated G3 block of a persistent tier is dropped even
+// while a load pins it. Its contents would otherwise stay recoverable by the
+// next process after a cache reset (or a failed load) until rewritten. A
+// load from it that has not read it yet fails and is recomputed.
+func (l *Leader) dropPinned(p *pool.Pool) bool { return l.persist && p == l.disk }
+
 // tagStep attaches the tags of st's G3 writes planned by Step: their
 // destinations are registered when planned.
 func (l *Leader) tagStep(st *plan.Step) {

@@ -151,3 +151,25 @@ func TestBackgroundTags(t *testing.T) {
 	}
 	require.NoError(t, e.l.CommitBackground(ticket, true))
 }
+
+// TestResetDropsPinnedPersistentBlocks: a cache reset drops every G3 block
+// of a persistent tier, pinned ones included, so none stays recoverable.
+func TestResetDropsPinnedPersistentBlocks(t *testing.T) {
+	for _, persist := range []bool{false, true} {
+		e := newEnv(t, 0, 8, func(c *config.Config) { c.DiskPersist = persist })
+		prompt := toks(10, 12)
+		seed(t, e.l.disk, prompt, 0, 1)
+		n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+		require.Equal(t, 8, n)
+		e.l.UpdateStateAfterAlloc("r", []int64{4, 5, 6}, n)
+		st := e.step(t) // the load is emitted: its sources stay pinned
+		require.Len(t, st.Loads, 1)
+		e.l.ResetCache()
+		st = e.step(t)
+		if persist {
+			require.Len(t, st.Drops, 2)
+		} else {
+			require.Empty(t, st.Drops, "without persistence a pinned block goes back to the free list silently")
+		}
+	}
+}

@@ -14,8 +14,7 @@
 package main
 
 /*
-#include <stdint.h>
-#include <stdlib.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -28,15 +27,16 @@ import (
 	"unsafe"
 )
 
-// Status codes; mirrored in python/kvbm/_native.py.
+// Status codes: enum kvbm_status in kvbm.h (python/kvbm/_errors.py maps
+// each to an exception class; tests/test_abi.py checks they agree).
 const (
-	statusOK       = 0
-	statusInvalid  = 1 // bad argument or input
-	statusConfig   = 2 // invalid configuration (names the variable)
-	statusIO       = 3 // file system, network, memory mapping
-	statusState    = 4 // unknown handle, call in the wrong state
-	statusInternal = 5 // a panic was recovered; the library is now poisoned
-	statusPoisoned = 6 // an earlier panic poisoned the library
+	statusOK       = C.KVBM_OK
+	statusInvalid  = C.KVBM_ERR_INVALID  // bad argument or input
+	statusConfig   = C.KVBM_ERR_CONFIG   // invalid configuration (names the variable)
+	statusIO       = C.KVBM_ERR_IO       // file system, network, memory mapping
+	statusState    = C.KVBM_ERR_STATE    // unknown handle, call in the wrong state
+	statusInternal = C.KVBM_ERR_INTERNAL // a panic was recovered; the library is now poisoned
+	statusPoisoned = C.KVBM_ERR_POISONED // an earlier panic poisoned the library
 )
 
 // codedError carries a status code to the ABI boundary.

@@ -59,27 +59,53 @@ def library_path() -> tuple[str, str]:
     return os.path.join(_PKG_DIR, "lib", "libkvbm.so"), "default"
 
 
+_P = POINTER
+_ERR = _P(c_char_p)
+
+# The library's own exports; leader, worker, consolidator and side-channel
+# modules add theirs through register_signatures. capi/kvbm.h is the
+# definition; tests/test_abi.py checks every entry against it.
+_BASE_SIGNATURES: dict = {
+    "kvbm_version": (c_char_p, []),
+    "kvbm_free_string": (None, [c_void_p]),
+    "kvbm_free_buffer": (None, [c_void_p]),
+    "kvbm_is_poisoned": (c_int, []),
+    "kvbm_debug_panic": (c_int, [_ERR]),
+    "kvbm_debug_panic_in_free": (None, []),
+    "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, _P(c_uint64), _ERR]),
+    "kvbm_sequence_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_uint64, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
+    "kvbm_router_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_char_p, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
+    "kvbm_config_check": (c_int, [c_char_p, c_int, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+}
+
+# Exports only some builds have: the test-only ones (libkvbm_debug.so) and
+# the CUDA variant's. Every other declared symbol must exist.
+OPTIONAL_SYMBOLS = frozenset({"kvbm_debug_panic", "kvbm_debug_panic_in_free", "kvbm_worker_set_cuda_stream"})
+
+
+def signatures() -> dict:
+    """Every ctypes signature the package declares: name -> (restype, argtypes)."""
+    import kvbm._core  # noqa: F401  (registers leader, worker, consolidator)
+    import kvbm._wire  # noqa: F401  (registers the side channel)
+
+    return {**_BASE_SIGNATURES, **_EXTRA_SIGNATURES}
+
+
 def _declare(lib):
-    P = POINTER
-    err = P(c_char_p)
-    sig = {
-        "kvbm_version": (c_char_p, []),
-        "kvbm_free_string": (None, [c_void_p]),
-        "kvbm_free_buffer": (None, [c_void_p]),
-        "kvbm_is_poisoned": (c_int, []),
-        "kvbm_debug_panic": (c_int, [err]),
-        "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, P(c_uint64), err]),
-        "kvbm_sequence_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_uint64, P(c_uint64), c_int64, P(c_int64), err]),
-        "kvbm_router_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_char_p, P(c_uint64), c_int64, P(c_int64), err]),
-        "kvbm_config_check": (c_int, [c_char_p, c_int, P(P(c_uint8)), P(c_int64), err]),
-    }
-    sig.update(_EXTRA_SIGNATURES)
-    for name, (res, args) in sig.items():
+    missing = []
+    for name, (res, args) in {**_BASE_SIGNATURES, **_EXTRA_SIGNATURES}.items():
         fn = getattr(lib, name, None)
         if fn is None:
+            if name not in OPTIONAL_SYMBOLS:
+                missing.append(name)
             continue
         fn.restype = res
         fn.argtypes = args
+    if missing:
+        raise KvbmError(
+            f"kvbm native library {getattr(lib, '_name', '?')} lacks {', '.join(sorted(missing))}: it was built "
+            f"from other sources than this Python package; rebuild it (`make build`) or reinstall kvbm"
+        )
 
 
 # Filled by modules that add exports (leader, worker, consolidator) through

@@ -6,14 +6,13 @@ package main
 import "C"
 
 import (
-	"github.com/kvbm/kvbm/goext/fingerprint"
-
 	"encoding/json"
 	"fmt"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/worker"

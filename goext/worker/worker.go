@@ -31,8 +31,6 @@
 package worker
 
 import (
-	"github.com/kvbm/kvbm/goext/fingerprint"
-
 	"cmp"
 	"errors"
 	"fmt"
@@ -45,6 +43,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/plan"

@@ -28,7 +28,7 @@ func tokensView(p *C.uint32_t, n C.int64_t) []uint32 {
 	return unsafe.Slice((*uint32)(unsafe.Pointer(p)), int(n))
 }
 
-// kvbm_salt_hash computes the KVBM salt hash of SPEC §3 (cache salt and LoRA
+// kvbm_salt_hash computes the KVBM salt hash of design §3 (cache salt and LoRA
 // name, each optional).
 //
 //export kvbm_salt_hash
@@ -77,7 +77,7 @@ func kvbm_sequence_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, 
 	return statusOK
 }
 
-// kvbm_router_hashes writes the router sequence hashes (SPEC §3, seed 1337) of
+// kvbm_router_hashes writes the router sequence hashes (design §3, seed 1337) of
 // every full block of tokens.
 //
 //export kvbm_router_hashes

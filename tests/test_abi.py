@@ -47,7 +47,7 @@ def test_golden_hashes_through_python():
     import kvbm
     from kvbm import _native
 
-    # SPEC §3: default salt ("{}"), blocks [1,2,3,4] and [5,6,7,8].
+    # design §3: default salt ("{}"), blocks [1,2,3,4] and [5,6,7,8].
     assert _native.salt_hash() == 1389868326933519382
     seq = kvbm.sequence_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     assert seq == [8026409477313730465, 8178148779430958753]  # trailing partial block has no hash

@@ -1,5 +1,5 @@
 """kvbm.trtllm_integration.consolidator_config: when the consolidator runs in
-a TensorRT-LLM engine and on which endpoints (SPEC §7.3)."""
+a TensorRT-LLM engine and on which endpoints (design §7.3)."""
 
 from __future__ import annotations
 

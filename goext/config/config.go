@@ -1,4 +1,4 @@
-// Package config reads every kvbm environment variable (SPEC §8) once, into
+// Package config reads every kvbm environment variable (design §8) once, into
 // one typed Config.
 //
 // Rules, in the order users hit them:
@@ -51,7 +51,7 @@ const (
 	EnvNatsServer                   = "NATS_SERVER"
 )
 
-// Defaults (SPEC §8).
+// Defaults (design §8).
 const (
 	DefaultDiskCacheDir            = "/tmp/"
 	DefaultLeaderWorkerInitTimeout = 1800 * time.Second

@@ -48,7 +48,7 @@ type Config struct {
 	// port (see ZMQEndpoint). Empty: no ZMQ output.
 	ZMQBind string
 	// NATSURL enables RouterEvent JSON output to NATS (e.g.
-	// "nats://localhost:4222", SPEC's NATS_SERVER). Empty: no NATS output.
+	// "nats://localhost:4222", NATS_SERVER). Empty: no NATS output.
 	NATSURL   string
 	Namespace string // NATS subject namespace (required with NATSURL)
 	Component string // NATS subject component (required with NATSURL), e.g. "tensorrt_llm"
@@ -89,7 +89,7 @@ type Stats struct {
 	NATSBuffered   int    // RouterEvents waiting for NATS
 }
 
-// Consolidator merges engine and kvbm KV events (SPEC §7). It implements
+// Consolidator merges engine and kvbm KV events (design §7). It implements
 // events.Sink for kvbm's in-process tier events.
 //
 // Goroutines, all owned by the Consolidator and stopped by Close:

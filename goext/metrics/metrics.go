@@ -1,4 +1,4 @@
-// Package metrics holds kvbm's Prometheus metrics (SPEC §9 names, no labels,
+// Package metrics holds kvbm's Prometheus metrics (design §9 names, no labels,
 // as the reference) and the optional /metrics HTTP endpoint.
 package metrics
 

@@ -1,4 +1,4 @@
-// Package wire is the leader⇄worker side channel (SPEC §2): the handshake that
+// Package wire is the leader⇄worker side channel (design §2): the handshake that
 // sizes the host and disk tiers from what every tensor-parallel rank reports,
 // operations that are not tied to an engine step (a plan.Step broadcast to
 // every rank, completed by per-rank acks), and heartbeats that notice a rank
@@ -54,7 +54,7 @@
 //     they connect, so workers may start before or after the leader, in any
 //     order). It checks the reports agree: world size, bytes_per_block,
 //     num_device_blocks, and no rank reported by two processes.
-//  2. It sizes G2/G3 from bytes_per_block × NumWorkers (SPEC §2) and
+//  2. It sizes G2/G3 from bytes_per_block × NumWorkers (design §2) and
 //     broadcasts leader_metadata until every rank acked it. A worker acks
 //     only after its allocation finished (single flight: repeats of the
 //     message while allocating are answered with "allocating").

@@ -89,7 +89,7 @@ func (e *SuspectRanksError) Unwrap() error { return ErrRankSuspect }
 // bytes_per_block and the number of ranks.
 type SizeFunc func(bytesPerBlock int64, numWorkers int) (hostBlocks, diskBlocks int, err error)
 
-// ConfigSize is SPEC §2's sizing from kvbm's configuration: the same rule
+// ConfigSize is design §2's sizing from kvbm's configuration: the same rule
 // leader.New applies (config.HostBlocks / DiskBlocks of bytes_per_block ×
 // workers).
 func ConfigSize(c *config.Config) SizeFunc {

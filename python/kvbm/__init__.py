@@ -20,7 +20,7 @@ from kvbm._errors import (  # noqa: F401  (re-exported)
 
 
 def sequence_hashes(tokens, block_size, *, salt=None, lora_name=None):
-    """KVBM sequence hashes (SPEC §3) of every full block of ``tokens``."""
+    """KVBM sequence hashes (design §3) of every full block of ``tokens``."""
     from kvbm import _native
 
     return _native.sequence_hashes(tokens, block_size, salt_hash=_native.salt_hash(salt, lora_name))

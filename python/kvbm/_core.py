@@ -222,7 +222,7 @@ class Worker(_native.Handle):
 
 
 class Consolidator(_native.Handle):
-    """A standalone KV Event Consolidator (SPEC §7): engine KV events in (ZMQ),
+    """A standalone KV Event Consolidator (design §7): engine KV events in (ZMQ),
     deduplicated events out (ZMQ PUB in vLLM's format and/or RouterEvent JSON
     on NATS). A Leader started with ``consolidator=`` runs one itself and
     feeds it kvbm's G2/G3 events; this class is for the engine-only case and

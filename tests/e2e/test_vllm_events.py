@@ -1,7 +1,7 @@
 """KV Event Consolidator end to end: vLLM (CPU) publishes its KV events, kvbm's
 leader consolidates them with its own G2/G3 events, and a router index fed the
 consolidated stream stays consistent over a workload that evicts from every
-tier (SPEC §7, §10)."""
+tier (design §7, §10)."""
 
 import random
 import json

@@ -217,7 +217,7 @@ def bytes_per_block_from_model(llm_args, tp: int) -> int | None:
     ``llm_args.model`` is a local checkpoint directory; None otherwise.
 
     num_layers × 2 × tokens_per_block × kv_heads_per_rank × head_dim × dtype
-    bytes (SPEC §2). kv_heads_per_rank is kv_heads / tp, at least 1 (heads are
+    bytes (design §2). kv_heads_per_rank is kv_heads / tp, at least 1 (heads are
     replicated when tp exceeds them).
     """
     model = _get(llm_args, "model")

@@ -61,7 +61,7 @@ def _cache_salt(obj) -> str | None:
     LLM API derives from the request's salt string (``LlmRequest`` and newer
     ``RequestData``; some releases give ``RequestData`` the string itself as
     ``cache_salt``). kvbm mixes the id into its keys the way it mixes vLLM's
-    salt string (SPEC §3), as the string of its decimal digits:
+    salt string (design §3), as the string of its decimal digits:
     ``{"salt":"18446744073709551615"}``. The id thus crosses the C ABI as
     bytes, exact for every u64; an id reported as a signed 64-bit value is
     read back as the same u64.
@@ -213,7 +213,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
     def _block_priorities(rd, n: int) -> list[int]:
         """The retention priority of each of the n new block ids of rd, for
         eviction order and the offload filter
-        (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: SPEC §4).
+        (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: design §4).
 
         RequestData.priorities has one per new block, or is None without a
         retention config; a block without one has TensorRT-LLM's default

@@ -1,5 +1,6 @@
 """kvbm as vLLM's KV connector, against a real vLLM (CPU backend) on a tiny
-random model with greedy decoding: the checks Dynamo's own KVBM tests make (offload, onboard with identical output, G1 eviction, chunked prefill, disk).
+random model with greedy decoding: the checks Dynamo's own KVBM tests make
+(offload, onboard with identical output, G1 eviction, chunked prefill, disk).
 
 Each test starts one engine in a subprocess (kvbm.testing.vllm_harness), so
 the G1 size, kvbm tiers and the workload are exactly those written here.

@@ -83,16 +83,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	nw := max(o.NumWorkers, 1)
-	total := eng.BytesPerBlock() * int64(nw)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(eng.BytesPerBlock(), nw)
+	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
-	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
 	}
 	log := kvbmLogger()
 	m := workerMetrics()

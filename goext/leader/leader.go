@@ -139,30 +139,11 @@ func New(opts Options) (*Leader, error) {
 		return nil, fmt.Errorf("leader: %d workers: need at least one", opts.NumWorkers)
 	}
 	cfg := opts.Config
-	total := opts.BytesPerBlock * int64(opts.NumWorkers)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(opts.BytesPerBlock, opts.NumWorkers)
+	if err != nil {
 		return nil, fmt.Errorf("leader: %w", err)
 	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-		if hostBlocks < 1 {
-			return nil, fmt.Errorf("leader: host tier: DYN_KVBM_CPU_CACHE_GB=%g holds no block of %d bytes "+
-				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
-				cfg.CPUCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
-		}
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
-		if diskBlocks < 1 {
-			return nil, fmt.Errorf("leader: disk tier: DYN_KVBM_DISK_CACHE_GB=%g holds no block of %d bytes "+
-				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
-				cfg.DiskCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
-		}
-	}
-	if hostBlocks == 0 && diskBlocks == 0 {
-		return nil, fmt.Errorf("leader: %w", config.ErrNoTier)
-	}
+	total := opts.BytesPerBlock * int64(opts.NumWorkers)
 
 	l := &Leader{
 		bs:        opts.BlockSize,

@@ -40,21 +40,18 @@ type leaderHandle struct {
 	l       *leader.Leader
 	m       *metrics.Metrics
 	metrics *metrics.Server
-	cons    closer
 	once    sync.Once
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
 }
-
-type closer interface{ Close() error }
 
 func (h *leaderHandle) close() {
 	h.once.Do(func() {
 		if h.metrics != nil {
 			_ = h.metrics.Close()
 		}
-		if h.cons != nil {
-			_ = h.cons.Close()
+		if h.consolidator != nil {
+			_ = h.consolidator.Close()
 		}
 	})
 }
@@ -79,12 +76,11 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	h := &leaderHandle{m: metrics.New()}
 	var sink events.Sink = events.NopSink{}
 	if o.Consolidator != nil {
-		c, s, err := startConsolidator(o.Consolidator, cfg, h.m, log)
+		c, err := startConsolidator(o.Consolidator, cfg, h.m, log)
 		if err != nil {
 			return finish(err, errOut)
 		}
-		h.cons, sink = c, s
-		h.consolidator = c
+		h.consolidator, sink = c, c
 	}
 	l, err := leader.New(leader.Options{
 		Config:        cfg,
@@ -169,15 +165,10 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
+// leaderOf resolves a live leader handle (kvbm_leader_free deletes the
+// handle, so a freed leader is an unknown handle).
 func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	h, err := live[*leaderHandle](hd)
-	if err != nil {
-		return nil, err
-	}
-	if h.l == nil {
-		return nil, errorf(statusState, "leader is closed")
-	}
-	return h, nil
+	return live[*leaderHandle](hd)
 }
 
 //export kvbm_leader_match

@@ -24,6 +24,9 @@ per-layer torch copies. GB/s = 10^9 bytes per second of moved payload
 (2,048 × 2 MiB = 4.29 GB each way).
 
     PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm] [--modes staged,kernel]
+
+A mode may carry tuning knobs, each `@name=value`: `batch@streams=4`,
+`staged@mib=128@slots=2@grid=66@threads=128@streams=1` (see KNOBS).
 """
 
 from __future__ import annotations
@@ -54,6 +57,27 @@ from kvbm._core import Worker  # noqa: E402
 from kvbm import _plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
+
+# Mode knobs (`mode@knob=value`) → the copier's environment variables.
+KNOBS = {
+    "mib": "KVBM_CUDA_STAGING_MIB",  # staging buffer per direction
+    "slots": "KVBM_CUDA_PIPELINE_DEPTH",  # staging slots
+    "grid": "KVBM_CUDA_STAGED_CTAS",  # gather/scatter thread blocks
+    "threads": "KVBM_CUDA_STAGED_THREADS",  # threads per gather/scatter thread block
+    "streams": "KVBM_CUDA_DMA_STREAMS",  # DMA streams per direction
+}
+
+
+def parse_mode(spec):
+    """'batch@streams=4' → ('batch', {'KVBM_CUDA_DMA_STREAMS': '4'})."""
+    name, *knobs = spec.split("@")
+    env = {}
+    for k in knobs:
+        key, _, val = k.partition("=")
+        if key not in KNOBS or not val:
+            raise SystemExit(f"gpu_transfer: unknown mode knob {k!r} in {spec!r}; knobs: {', '.join(KNOBS)}")
+        env[KNOBS[key]] = val
+    return name, env
 
 
 def make_cache(kind, nblocks):
@@ -300,6 +324,7 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
 
         med = {k: statistics.median(v) for k, v in phases.items()}
         r.update(off=gbps(nbytes, t_off), on=gbps(nbytes, t_on), both=gbps(2 * nbytes, t_both),
+                 both_range=(2 * nbytes / 1e9 / max(t_both), 2 * nbytes / 1e9 / min(t_both)),
                  off_e2e=nbytes / 1e9 / (statistics.median(t_off) + med["bind_save"]),
                  on_e2e=nbytes / 1e9 / (statistics.median(t_on) + med["bind_load"]), bind=med)
 
@@ -379,13 +404,15 @@ def main():
         modes = args.modes.split(",") + (["direct"] if kind == "trtllm" else [])
         if kind == args.layouts.split(",")[0]:
             # Staged-mode tuning (MiB of staging per direction : slots : grid).
-            modes += [f"staged:{v}" for v in args.staged_variants.split(",") if v]
+            for v in args.staged_variants.split(","):
+                if v:
+                    mib, slots, grid = v.split(":")
+                    modes.append(f"staged@mib={mib}@slots={slots}@grid={grid}")
         for mode in modes:
-            knobs = dict(zip(("KVBM_CUDA_STAGING_MIB", "KVBM_CUDA_PIPELINE_DEPTH", "KVBM_CUDA_STAGED_CTAS"),
-                             mode.split(":")[1:]))
+            name, knobs = parse_mode(mode)
             os.environ.update(knobs)
             try:
-                r = bench_kvbm(kind, tensors, args.blocks, src, dst, mode.split(":")[0], args.repeat, args.matmuls)
+                r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, args.matmuls)
             finally:
                 for k in knobs:
                     os.environ.pop(k)
@@ -393,6 +420,7 @@ def main():
             print(f"  {kind}/{mode}: {r['g1']}; worker setup (pin {2 * nbytes / 2**30:.1f} GiB) {r['setup']:.2f} s; "
                   + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in r["bind"].items())
                   + f"; offload {r['off']:.1f}, onboard {r['on']:.1f}, both {r['both']:.1f} GB/s"
+                  + " ({:.1f}–{:.1f})".format(*r["both_range"])
                   + (f"; matmul {r['mm']:.0f} TFLOP/s while moving {r['mm_gbps']:.1f} GB/s" if "mm" in r else ""),
                   flush=True)
         if not args.no_naive:

@@ -65,6 +65,7 @@ KNOBS = {
     "grid": "KVBM_CUDA_STAGED_CTAS",  # gather/scatter thread blocks
     "threads": "KVBM_CUDA_STAGED_THREADS",  # threads per gather/scatter thread block
     "streams": "KVBM_CUDA_DMA_STREAMS",  # DMA streams per direction
+    "prio": "KVBM_CUDA_STAGED_PRIORITY",  # high or low: the gather/scatter stream's priority
 }
 
 

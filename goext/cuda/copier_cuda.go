@@ -53,10 +53,11 @@ const DefaultMode = Staged
 // batchMinRun: Auto picks Batch over Staged when every contiguous piece of a
 // block in G1 is at least this long and the driver has cuMemcpyBatchAsync.
 // On an H200, 32 KiB pieces (vLLM FlashAttention, 8 heads × 128 × 16
-// tokens) reached only 35–49 GB/s one way that way and the two directions
-// did not add up; 64 KiB pieces (FlashInfer) 50/50 GB/s, 91% of a
-// contiguous copy; 2 MiB pieces (TensorRT-LLM's whole block) 95%.
-const batchMinRun = 1 << 20
+// tokens) reached only 32–49 GB/s one way that way and the two directions
+// did not add up; 64 KiB pieces (FlashInfer) 50/50 GB/s, 90–92% of a
+// contiguous copy, 2 MiB pieces (TensorRT-LLM's whole block) 95–96%, both
+// with the engine's matmuls barely slowed.
+const batchMinRun = 64 << 10
 
 // DefaultDMAStreams is Options.DMAStreams' default for Staged and Direct
 // (one per staging slot), DefaultBatchStreams for Batch. On an H200 a
@@ -69,9 +70,10 @@ const (
 	DefaultBatchStreams = 4
 )
 
-// DefaultStagedThreads is Options.StagedThreads' default: small thread
-// blocks of the gather/scatter kernel (docs/cuda.md).
-const DefaultStagedThreads = 64
+// DefaultStagedThreads is Options.StagedThreads' default. Thread blocks of
+// 64 or 32 threads, which might share an SM with the engine's kernels,
+// slowed an H200's matmuls as much as 256 (docs/cuda.md).
+const DefaultStagedThreads = 256
 
 var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch"}
 
@@ -119,6 +121,11 @@ type Options struct {
 	// in Staged mode (default DefaultStagedThreads; KVBM_CUDA_STAGED_THREADS,
 	// 32..256, a multiple of 32).
 	StagedThreads int
+	// StagedLowPriority runs the gather/scatter kernel on a stream of the
+	// lowest priority instead of the highest (KVBM_CUDA_STAGED_PRIORITY=low):
+	// its thread blocks then start only where the engine's kernels leave
+	// SMs idle, typically the last wave of a kernel.
+	StagedLowPriority bool
 	// DMAStreams is how many DMA streams each direction spreads its copies
 	// over (default DefaultDMAStreams, for Batch DefaultBatchStreams;
 	// KVBM_CUDA_DMA_STREAMS, at most 8). Batch splits a
@@ -218,6 +225,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1)
 	envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1)
 	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
+	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
+	case "", "high":
+	case "low":
+		opts.StagedLowPriority = true
+	default:
+		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
+	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
 		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
 	}
@@ -251,9 +265,9 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	case opts.Mode == Auto:
 		c.mode = DefaultMode
 		// Blocks made of long contiguous pieces (TensorRT-LLM: one 2 MiB
-		// piece) cross PCIe without any kernel through the driver's
-		// batched copy nearly as fast, with the engine's matmuls
-		// undisturbed (docs/cuda.md).
+		// piece; FlashInfer: K and V of a layer, 64 KiB here) cross PCIe
+		// without any kernel through the driver's batched copy nearly as
+		// fast, with the engine's matmuls barely disturbed (docs/cuda.md).
 		if c.minRun >= batchMinRun && batchInit() == nil {
 			c.mode = Batch
 		}
@@ -308,9 +322,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	if c.stagedGrid <= 0 {
 		c.stagedGrid = sms
 	}
-	_, greatest, err := cu.StreamPriorityRange()
+	least, greatest, err := cu.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("cuda copier: stream priority range: %w", err)
+	}
+	kprio := greatest
+	if opts.StagedLowPriority {
+		kprio = least
 	}
 	if c.fenceEv, err = cu.MakeEvent(cu.DisableTiming); err != nil {
 		return nil, fmt.Errorf("cuda copier: create event: %w", err)
@@ -326,7 +344,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			l.dma = append(l.dma, s)
 		}
 		l.stream = l.dma[0]
-		if l.kstream, err = cu.MakeStreamWithPriority(greatest, cu.NonBlocking); err != nil {
+		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
 			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
 		}
 		for range c.depth {
@@ -469,7 +487,11 @@ func (c *Copier) Device() int { return c.ordinal }
 
 func (c *Copier) String() string {
 	if c.mode == Staged {
-		return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d×%d, %d×%d-block staging slots, %d DMA streams)%s", c.ordinal, c.mode, c.vecOK, c.stagedGrid, c.opts.StagedThreads, c.depth, c.stagingSlots, c.opts.DMAStreams, c.batchNote)
+		prio := ""
+		if c.opts.StagedLowPriority {
+			prio = ", low priority"
+		}
+		return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d×%d%s, %d×%d-block staging slots, %d DMA streams)%s", c.ordinal, c.mode, c.vecOK, c.stagedGrid, c.opts.StagedThreads, prio, c.depth, c.stagingSlots, c.opts.DMAStreams, c.batchNote)
 	}
 	if c.mode == Batch {
 		return fmt.Sprintf("cuda:%d %s copies (cuMemcpyBatchAsync on %d streams, no kernel)", c.ordinal, c.mode, c.opts.DMAStreams)

@@ -190,12 +190,12 @@ func TestParseMode(t *testing.T) {
 	require.ErrorContains(t, err, "DYN_KVBM_CUDA_COPY")
 }
 
-// TestAutoMode: Batch for blocks of long contiguous pieces (≥ 1 MiB) when
+// TestAutoMode: Batch for blocks of long contiguous pieces (≥ 64 KiB) when
 // the driver has it, Staged for shorter pieces; and the DMA streams' defaults.
 func TestAutoMode(t *testing.T) {
 	needGPU(t)
-	// TensorRT-LLM, 2 layers × K/V × 256 KiB chunks: one 1 MiB piece a block.
-	g := newCache(t, layout.TRTLLM, 1, []int64{8, 2, 2, 16 * 8192}, 8, 16, 2)
+	// TensorRT-LLM, 2 layers × K/V × 16 KiB chunks: one 64 KiB piece a block.
+	g := newCache(t, layout.TRTLLM, 1, []int64{8, 2, 2, 16 * 8 * 64}, 8, 16, 2)
 	c, err := New(g.eng, Options{})
 	require.NoError(t, err)
 	defer c.Close()
@@ -205,8 +205,8 @@ func TestAutoMode(t *testing.T) {
 	}
 	require.Equal(t, want, c.Mode(), c.String())
 	require.Len(t, c.lanes[1].dma, streams)
-	// FlashInfer, K and V of a layer adjacent: 64 KiB pieces.
-	g = newCache(t, layout.FlashInfer, 2, []int64{8, 2, 16, 16, 64}, 8, 16, 2)
+	// FlashAttention, K and V of a layer apart: 32 KiB pieces.
+	g = newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2)
 	c2, err := New(g.eng, Options{})
 	require.NoError(t, err)
 	defer c2.Close()
@@ -343,7 +343,7 @@ func TestRoundTrip(t *testing.T) {
 					t.Run(name+"/depth2x3", func(t *testing.T) {
 						// 3 DMA streams over 2 slots: a slot's DMA copies
 						// change stream from one use to the next.
-						c, err := New(g.eng, Options{Mode: m, PipelineDepth: 2, StagingBytes: 6 * g.eng.BytesPerBlock(), StagedCTAs: 1, StagedThreads: 32, DMAStreams: 3})
+						c, err := New(g.eng, Options{Mode: m, PipelineDepth: 2, StagingBytes: 6 * g.eng.BytesPerBlock(), StagedCTAs: 1, StagedThreads: 32, DMAStreams: 3, StagedLowPriority: true})
 						require.NoError(t, err)
 						roundTrip(t, g, c, viaDisk)
 					})
@@ -370,6 +370,10 @@ func TestBadOptions(t *testing.T) {
 	require.ErrorContains(t, err, "KVBM_CUDA_STAGED_THREADS=48")
 	_, err = New(g.eng, Options{DMAStreams: 9})
 	require.ErrorContains(t, err, "KVBM_CUDA_DMA_STREAMS=9")
+	c, err := New(g.eng, Options{Mode: Staged, StagedLowPriority: true})
+	require.NoError(t, err)
+	require.Contains(t, c.String(), "low priority")
+	require.NoError(t, c.Close())
 }
 
 func TestUnregisteredHostBuffer(t *testing.T) {

@@ -111,10 +111,17 @@ def block_bytes(kind, tensors, b):
     return torch.cat([v.reshape(-1) for v in block_views(kind, tensors, b)]).view(torch.int16)
 
 
+# With --ranks: a barrier shared by the rank processes, passed before every
+# timed repetition so that all ranks move their bytes at the same time.
+BARRIER = None
+
+
 def timed(fn, repeat):
     out = []
     for _ in range(repeat):
         torch.cuda.synchronize()
+        if BARRIER is not None:
+            BARRIER.wait(timeout=600)
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -360,6 +367,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive per-block torch copies")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="tensor-parallel ranks, one process each on cuda:rank (all on cuda:0 with one GPU), "
+                         "moving at the same time; per-rank GB/s against that rank's torch pinned copy, no matmul")
     ap.add_argument("--staged-variants", default="",
                     help="extra staged runs on the first layout, MiB:slots:grid each, e.g. 64:4:16,128:2:132")
     args = ap.parse_args()
@@ -371,6 +381,8 @@ def main():
     _native.register_signatures({"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, kvbm {_native.version()}")
     print("command: PYTHONPATH=python python3 bench/gpu_transfer.py " + " ".join(sys.argv[1:]), flush=True)
+    if args.ranks > 1:
+        return main_ranks(args)
 
     rng = random.Random(42)
     perm = rng.sample(range(args.blocks), 2 * args.moved)
@@ -450,6 +462,90 @@ def main():
                  f(mm, "{:.0f}"), f(100 * (1 - mm / r["mm_alone"]), "{:.1f}%") if mm else "-",
                  f(r.get("mm_gbps"))]
         print("| " + " | ".join(cells) + " |")
+
+
+
+def rank_main(rank, args, barrier, out):
+    """One tensor-parallel rank: its torch baseline and its kvbm workers,
+    every timed repetition started together with the other ranks'."""
+    global BARRIER
+    try:
+        dev = rank if torch.cuda.device_count() > rank else 0
+        torch.cuda.set_device(dev)
+        _native.register_signatures(
+            {"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
+        BARRIER = barrier
+        perm = random.Random(42 + rank).sample(range(args.blocks), 2 * args.moved)
+        src, dst = perm[:args.moved], perm[args.moved:]
+        nbytes = args.moved * LAYERS * 2 * BS * HEADS * DIM * 2
+        a_off, a_on, a_both, bufs = bench_pinned(nbytes, args.repeat)
+        del bufs
+        torch.cuda.empty_cache()
+        rows = [dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both)]
+        for kind in args.layouts.split(","):
+            tensors = make_cache(kind, args.blocks)
+            torch.cuda.synchronize()
+            for mode in args.modes.split(","):
+                name, knobs = parse_mode(mode)
+                os.environ.update(knobs)
+                try:
+                    r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, 0)
+                finally:
+                    for k in knobs:
+                        os.environ.pop(k)
+                rows.append(dict(name=f"kvbm {kind}", mode=mode, g1=r["g1"], off=r["off"], on=r["on"], both=r["both"]))
+            del tensors
+            torch.cuda.empty_cache()
+        out.put((rank, dev, rows, None))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        barrier.abort()
+        out.put((rank, -1, [], f"{type(e).__name__}: {e}"))
+
+
+def main_ranks(args):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args, barrier, out)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < args.ranks:
+        try:
+            rank, dev, rows, err = out.get(timeout=5)
+        except Exception:  # noqa: BLE001 - queue.Empty; check the processes are alive
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                sys.exit(f"gpu_transfer: a rank process died (exit codes {dead})")
+            continue
+        if err:
+            sys.exit(f"gpu_transfer: rank {rank} failed: {err}")
+        results[rank] = (dev, rows)
+    for p in procs:
+        p.join()
+    print(f"\n{args.ranks} ranks moving at the same time, {args.moved} random blocks each way per rank out of "
+          f"{args.blocks}; median of {args.repeat}; %(a) against the same rank's torch pinned contiguous copy")
+    hdr = ["rank", "device", "path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "both ways GB/s", "%(a)"]
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "|".join("---" for _ in hdr) + "|")
+    totals = {}
+    for rank in sorted(results):
+        dev, rows = results[rank]
+        a = rows[0]
+        for r in rows:
+            print("| " + " | ".join([str(rank), f"cuda:{dev}", r["name"], r["mode"],
+                                     f"{r['off']:.1f}", f"{100 * r['off'] / a['off']:.0f}%",
+                                     f"{r['on']:.1f}", f"{100 * r['on'] / a['on']:.0f}%",
+                                     f"{r['both']:.1f}", f"{100 * r['both'] / a['both']:.0f}%"]) + " |")
+            t = totals.setdefault((r["name"], r["mode"]), [0.0, 0.0, 0.0])
+            for i, k in enumerate(("off", "on", "both")):
+                t[i] += r[k]
+    for (name, mode), (off, on, both) in totals.items():
+        print(f"| all | - | {name} | {mode} | {off:.1f} | - | {on:.1f} | - | {both:.1f} | - |")
+    for rank in sorted(results):
+        for r in results[rank][1][1:]:
+            print(f"  rank {rank}: {r['name']}/{r['mode']}: {r['g1']}")
 
 
 if __name__ == "__main__":

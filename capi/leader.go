@@ -106,7 +106,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
 		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
-		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
+		srv, err := h.m.ServeWith(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort), metrics.ServerOptionsFrom(cfg))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.
 			log.Warn("kvbm metrics endpoint not started", "err", err)

@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -63,6 +64,9 @@ func (h *leaderHandle) close() {
 func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_leader_new", ptr(out)); err != nil {
 		return finish(err, errOut)
 	}
 	var o leaderOptions
@@ -142,6 +146,9 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_leader_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	host, disk, hb, db, q := h.l.HitRates()
 	info := map[string]any{
 		"host_blocks": h.l.NumHostBlocks(), "disk_blocks": h.l.NumDiskBlocks(), "disk_only": h.l.DiskOnly(),
@@ -191,6 +198,11 @@ func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int
 	if n < 0 || numComputed < 0 {
 		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_match", reqID),
+		checkIn("kvbm_leader_match", "token array", unsafe.Pointer(tokens), n),
+		checkOut("kvbm_leader_match", ptr(outTokens), ptr(outAsync))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	got, async := h.l.GetNumNewMatchedTokens(C.GoString(reqID), tokensView(tokens, n), uint64(salt), int(numComputed))
 	*outTokens = C.int64_t(got)
 	*outAsync = 0
@@ -214,6 +226,13 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 	h, err := leaderOf(hd)
 	if err != nil {
 		return finish(err, errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_update_after_alloc", reqID),
+		checkIn("kvbm_leader_update_after_alloc", "block id array", unsafe.Pointer(blockIDs), n)); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	if numExternal < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_update_after_alloc: negative external token count %d", int64(numExternal)), errOut)
 	}
 	ids := append([]int64(nil), int64View(blockIDs, n)...)
 	h.l.UpdateStateAfterAlloc(C.GoString(reqID), ids, int(numExternal))
@@ -293,6 +312,10 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkIn("kvbm_leader_step", "update buffer", in, inLen),
+		checkOut("kvbm_leader_step", ptr(out), ptr(outLen))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	var si stepInput
 	if err := msgpack.Unmarshal(goBytes(in, inLen), &si); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_step: decode updates: %v", err), errOut)
@@ -326,6 +349,10 @@ func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.in
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_request_finished", reqID),
+		checkOut("kvbm_leader_request_finished", ptr(outPending))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	*outPending = 0
 	if h.l.RequestFinished(C.GoString(reqID)) {
 		*outPending = 1
@@ -352,6 +379,9 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_leader_plan_background
 func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
+	if err := checkOut("kvbm_leader_plan_background", ptr(out), ptr(outLen), ptr(outTicket)); err != nil {
+		return finish(err, errOut)
+	}
 	*outTicket = 0
 	h, err := leaderOf(hd)
 	if err != nil {

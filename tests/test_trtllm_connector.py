@@ -192,11 +192,16 @@ def test_connector_subclasses_the_engine_bases_at_either_module_path(tmp_path, p
     (dict(max_beam_width=4), "max_beam_width=4"),
     (dict(host_cache_size=1 << 30), "kv_cache_config.host_cache_size"),
     (dict(policy="MAX_UTILIZATION"), "capacity_scheduler_policy=MAX_UTILIZATION"),
+    (dict(kv_cache_manager_v2=True), "kv_cache_config.use_kv_cache_manager_v2=True"),
 ])
 def test_unsupported_settings_are_rejected_by_name(change, setting):
     from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
 
+    change = dict(change)
+    v2 = change.pop("kv_cache_manager_v2", None)
     args = make_llm_args(dict(BASE_SPEC, **change))
+    if v2 is not None:
+        args.kv_cache_config.use_kv_cache_manager_v2 = v2
     for cls in (DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker):
         with pytest.raises(ValueError, match=setting.replace("[", r"\[")):
             cls(args)
@@ -714,3 +719,51 @@ def test_split_context_lists_order_new_requests_by_chunk_state(make_engine, api)
     d = eng.submit(FakeLlmRequest(4, short.tokens[:BS] + [1, 2], 1))
     eng.run()
     assert (c.matched, d.matched) == (6 * BS, BS) and sorted(loaded) == [3, 4]
+
+
+def test_kv_cache_manager_v2_layout_turns_kvbm_off_on_both_sides(make_engine, caplog):
+    """Newer TensorRT-LLM with KVCacheManagerV2 (e.g. use_kv_cache_manager_v2=
+    auto resolving to it) registers a layout instead of the primary pool:
+    the worker turns kvbm off, the leader in its process follows at
+    wait_for_initialization, and requests are served without kvbm."""
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
+    from kvbm.trtllm_integration.connector._common import LOCAL
+
+    make_engine()  # sets the environment
+    LOCAL.reset()
+    args = make_llm_args(dict(BASE_SPEC, tp=1))
+    args.kv_cache_config.use_kv_cache_manager_v2 = "auto"
+    worker = DynamoKVBMConnectorWorker(args)
+    leader = DynamoKVBMConnectorLeader(args)
+    try:
+        assert "use_kv_cache_manager_v2=auto" in caplog.text
+        assert worker.register_kv_cache_layout(object()) is None
+        assert worker._worker is None and "KVCacheManagerV2" in worker._disabled_reason
+        leader.wait_for_initialization()
+        assert leader._leader is None and "KVCacheManagerV2" in leader._disabled_reason
+        r = FakeLlmRequest(1, toks(3 * BS + 1), 1)
+        assert leader.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert leader.build_connector_meta(SchedulerOutput()) == b""
+    finally:
+        leader.shutdown()
+        worker.shutdown()
+
+
+def test_cancelled_load_drops_it_and_turns_kvbm_off(make_engine):
+    """KVCacheManagerV2 may withdraw part of a promised load; kvbm plans loads
+    whole, so it drops the load (no plan carries it to the workers) and
+    stops promising loads."""
+    eng = make_engine()
+    a = eng.submit(FakeLlmRequest(1, toks(4 * BS + 1), 1))
+    eng.run()
+    assert a.phase == "done"
+    leader = eng.leader
+    b = FakeLlmRequest(2, a.tokens[:4 * BS] + [7], 1)
+    assert leader.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
+    leader.update_state_after_alloc(b, list(range(40, 45)))
+    assert leader.cancel_load(b, 2 * BS, 4 * BS) is None
+    assert leader._failed is not None and "cancelled tokens" in leader._failed
+    plan = leader.build_connector_meta(SchedulerOutput())
+    assert plan == b""
+    c = FakeLlmRequest(3, a.tokens[:4 * BS] + [8], 1)
+    assert leader.get_num_new_matched_tokens(c, 0) == (0, False)

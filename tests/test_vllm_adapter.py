@@ -496,3 +496,54 @@ def test_hybrid_model_disables_kvbm_on_both_sides_and_vllm_serves(vllm, caplog):
     assert a.external_hits == b.external_hits == [0]
     assert all(not meta.plan for meta in eng.metas)
     assert "kvbm disabled for this engine" in caplog.text
+
+
+def events_config(endpoint="tcp://*:5557", enabled=True):
+    return SimpleNamespace(enable_kv_cache_events=enabled, endpoint=endpoint, publisher="zmq")
+
+
+@pytest.mark.parametrize("endpoint, env, message", [
+    ("ipc:///tmp/kv-events", {}, "kv_events_config.endpoint='ipc:///tmp/kv-events': expected tcp://host:port"),
+    ("tcp://*:70000", {}, "kv_events_config.endpoint port=70000"),
+    ("tcp://*:5557", {"DYN_KVBM_LEADER_ZMQ_PUB_PORT": "65000"}, "consolidator output port"),
+    ("tcp://*:5557", {"DYN_KVBM_KV_EVENTS_BIND_HOST": "tcp://0.0.0.0"}, "DYN_KVBM_KV_EVENTS_BIND_HOST"),
+])
+def test_consolidator_configuration_errors_fail_start_up_by_name(env, endpoint, monkeypatch, message):
+    """An endpoint the consolidator cannot use is a configuration error: the
+    scheduler-side connector fails vLLM's start-up naming the setting,
+    instead of serving without the consolidated event stream."""
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg = vllm_config(BS)
+    cfg.kv_events_config = events_config(endpoint)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        DynamoConnector(cfg, SimpleNamespace(name="SCHEDULER"), kv_cache_config())
+
+
+def test_consolidator_runs_only_for_kvbm_with_prefix_caching_and_events(env):
+    from kvbm.vllm_integration.consolidator_config import should_enable_consolidator
+
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg = vllm_config(BS)
+    cfg.kv_events_config = events_config()
+    assert should_enable_consolidator(cfg)
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
+    assert not should_enable_consolidator(cfg)
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg.kv_events_config = events_config(enabled=False)
+    assert not should_enable_consolidator(cfg), "vLLM publishes no events"
+    cfg.kv_events_config = events_config()
+    cfg.cache_config.enable_prefix_caching = False
+    assert not should_enable_consolidator(cfg), "no prefix caching: no block events to merge"
+    cfg.cache_config.enable_prefix_caching = True
+    cfg.kv_transfer_config = SimpleNamespace(kv_connector="LMCacheConnectorV1", kv_connector_module_path=None,
+                                             kv_connector_extra_config={})
+    assert not should_enable_consolidator(cfg), "another connector"
+    cfg.kv_transfer_config = SimpleNamespace(
+        kv_connector="PdConnector", kv_connector_module_path=None,
+        kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"},
+                                                  {"kv_connector": "DynamoConnector"}]})
+    assert should_enable_consolidator(cfg), "kvbm inside Dynamo's PdConnector"

@@ -351,7 +351,9 @@ func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uin
 	return statusOK
 }
 
-// kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages}.
+// kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages,
+// reconnects}: reconnects counts subscriptions redialed after the leader's
+// side channel dropped or went silent.
 //
 //export kvbm_wire_worker_info
 func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -364,7 +366,7 @@ func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 		return finish(err, errOut)
 	}
 	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": "",
-		"forged_messages": h.w.Forged()}
+		"forged_messages": h.w.Forged(), "reconnects": h.w.Reconnects()}
 	if e := h.w.Err(); e != nil {
 		info["error"] = e.Error()
 	}

@@ -27,7 +27,9 @@ own (``_inflight_loads``).
 
 Anything kvbm cannot handle (multimodal prompts, hybrid models with several
 KV cache groups, device tensors without the CUDA build) is bypassed with a log
-line: the engine keeps serving, those requests just get no external hits.
+line: the engine keeps serving, those requests just get no external hits and
+their KV is not offloaded (a multimodal prompt's token ids do not identify
+its KV, so storing it under them could serve it to another prompt).
 """
 
 from __future__ import annotations

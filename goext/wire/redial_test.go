@@ -138,12 +138,13 @@ func testRedial(t *testing.T, fail func(*cutProxy), logLine string) {
 	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, l.Broadcast(ctxTimeout(t, 5*time.Second), []byte("before")))
-	require.Equal(t, 1, proxy.count())
-	require.Zero(t, w.Reconnects(), "a leader that keeps pinging is never redialed")
+	// (A stall of this process longer than LeaderSilence may already have
+	// caused a redial: harmless, so not asserted either way.)
+	before := proxy.count()
 
 	fail(proxy)
 
-	checkFor(t, 20*time.Second, func() bool { return proxy.count() >= 2 }, "the worker redialed the leader's PUB")
+	checkFor(t, 20*time.Second, func() bool { return proxy.count() > before }, "the worker redialed the leader's PUB")
 	// Operations reach the rank again (the leader may have suspected it in
 	// between; its next answer re-admits it).
 	checkFor(t, 20*time.Second, func() bool {

@@ -170,6 +170,41 @@ func deleteHandle(h C.uint64_t) {
 	}
 }
 
+// maxABILen bounds a length the caller passes with a pointer (elements or
+// bytes). The caller's array cannot be measured, but a negative or absurd
+// length (an uninitialised or corrupted value) is refused before Go builds a
+// slice over it: a slice that long panics, or reads far past the array.
+const maxABILen = 1 << 31
+
+// checkIn checks an input pointer/length pair: 0 ≤ n ≤ maxABILen, and a
+// non-NULL pointer when n > 0.
+func checkIn(fn, what string, p unsafe.Pointer, n C.int64_t) error {
+	if n < 0 || n > maxABILen || (n > 0 && p == nil) {
+		return errorf(statusInvalid, "%s: invalid %s (n=%d, null=%t; at most %d)", fn, what, int64(n), p == nil, maxABILen)
+	}
+	return nil
+}
+
+// checkOut checks that no output pointer is NULL.
+func checkOut(fn string, ptrs ...unsafe.Pointer) error {
+	for _, p := range ptrs {
+		if p == nil {
+			return errorf(statusInvalid, "%s: null output pointer", fn)
+		}
+	}
+	return nil
+}
+
+// checkReqID checks a request id string.
+func checkReqID(fn string, id *C.char) error {
+	if id == nil {
+		return errorf(statusInvalid, "%s: null request id", fn)
+	}
+	return nil
+}
+
+func ptr[T any](p *T) unsafe.Pointer { return unsafe.Pointer(p) }
+
 // goBytes views C memory as a Go slice without copying; valid only during the call.
 func goBytes(p unsafe.Pointer, n C.int64_t) []byte {
 	if p == nil || n <= 0 {

@@ -66,6 +66,9 @@ func kvbm_config_check(envJSON *C.char, requireTier C.int, out **C.uint8_t, outL
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_config_check", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	var env map[string]string
 	if envJSON != nil {
 		if err := json.Unmarshal([]byte(C.GoString(envJSON)), &env); err != nil {

@@ -85,6 +85,9 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_consolidator_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o consolidatorOptions
 	if err := parseOptions("kvbm_consolidator_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -109,6 +112,9 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 	defer guard(&rc, errOut)
 	h, err := live[*consolidatorHandle](hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_consolidator_stats", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	st := h.c.Stats()

@@ -64,12 +64,15 @@ func kvbm_sequence_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, 
 	if blockSize <= 0 {
 		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
 	}
-	if n < 0 || (n > 0 && tokens == nil) {
+	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
 		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
 	}
 	full := int64(n) / int64(blockSize)
 	if int64(outCap) < full || (full > 0 && out == nil) {
 		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
+	}
+	if outN == nil {
+		return finish(errorf(statusInvalid, "null output count"), errOut)
 	}
 	dst := unsafe.Slice((*uint64)(unsafe.Pointer(out)), int(full))[:0]
 	res := hashing.SequenceHashes(tokensView(tokens, n), int(blockSize), uint64(salt), dst)
@@ -90,12 +93,15 @@ func kvbm_router_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, lo
 	if blockSize <= 0 {
 		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
 	}
-	if n < 0 || (n > 0 && tokens == nil) {
+	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
 		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
 	}
 	full := int64(n) / int64(blockSize)
 	if int64(outCap) < full || (full > 0 && out == nil) {
 		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
+	}
+	if outN == nil {
+		return finish(errorf(statusInvalid, "null output count"), errOut)
 	}
 	var l string
 	if lora != nil {

@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -62,6 +63,9 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_leader_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o leaderOptions
 	if err := parseOptions("kvbm_leader_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -102,7 +106,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
 		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
-		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
+		srv, err := h.m.ServeWith(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort), metrics.ServerOptionsFrom(cfg))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.
 			log.Warn("kvbm metrics endpoint not started", "err", err)
@@ -136,6 +140,9 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	defer guard(&rc, errOut)
 	h, err := leaderOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_leader_info", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	host, disk, hb, db, q := h.l.HitRates()
@@ -182,6 +189,11 @@ func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int
 	if n < 0 || numComputed < 0 {
 		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_match", reqID),
+		checkIn("kvbm_leader_match", "token array", unsafe.Pointer(tokens), n),
+		checkOut("kvbm_leader_match", ptr(outTokens), ptr(outAsync))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	got, async := h.l.GetNumNewMatchedTokens(C.GoString(reqID), tokensView(tokens, n), uint64(salt), int(numComputed))
 	*outTokens = C.int64_t(got)
 	*outAsync = 0
@@ -205,6 +217,13 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 	h, err := leaderOf(hd)
 	if err != nil {
 		return finish(err, errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_update_after_alloc", reqID),
+		checkIn("kvbm_leader_update_after_alloc", "block id array", unsafe.Pointer(blockIDs), n)); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	if numExternal < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_update_after_alloc: negative external token count %d", int64(numExternal)), errOut)
 	}
 	ids := append([]int64(nil), int64View(blockIDs, n)...)
 	h.l.UpdateStateAfterAlloc(C.GoString(reqID), ids, int(numExternal))
@@ -284,6 +303,10 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkIn("kvbm_leader_step", "update buffer", in, inLen),
+		checkOut("kvbm_leader_step", ptr(out), ptr(outLen))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	var si stepInput
 	if err := msgpack.Unmarshal(goBytes(in, inLen), &si); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_step: decode updates: %v", err), errOut)
@@ -317,6 +340,10 @@ func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.in
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_request_finished", reqID),
+		checkOut("kvbm_leader_request_finished", ptr(outPending))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	*outPending = 0
 	if h.l.RequestFinished(C.GoString(reqID)) {
 		*outPending = 1
@@ -343,6 +370,9 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_leader_plan_background
 func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
+	if err := checkOut("kvbm_leader_plan_background", ptr(out), ptr(outLen), ptr(outTicket)); err != nil {
+		return finish(err, errOut)
+	}
 	*outTicket = 0
 	h, err := leaderOf(hd)
 	if err != nil {

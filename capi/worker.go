@@ -62,6 +62,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o workerOptions
 	if err := parseOptions("kvbm_worker_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -158,6 +161,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
 	for k, v := range h.summary {
 		info[k] = v
@@ -172,6 +178,9 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
 	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
@@ -223,6 +232,9 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	loaded, errs := h.w.Finished()

@@ -19,7 +19,18 @@ const MaxBlocks = math.MaxInt32
 var (
 	availableMemory = memAvailable
 	availableDisk   = diskAvailable
+	openFilesLimit  = nofileLimit
 )
+
+// nofileLimit is this process's soft limit on open files (RLIMIT_NOFILE);
+// ok is false where it cannot be read or is unlimited.
+func nofileLimit() (limit uint64, ok bool) {
+	var r syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &r); err != nil || r.Cur == math.MaxUint64 {
+		return 0, false
+	}
+	return r.Cur, true
+}
 
 // memAvailable is the kernel's estimate of memory available for new
 // allocations without swapping (MemAvailable in /proc/meminfo), in bytes;

@@ -88,6 +88,12 @@
 // Each transition is logged once. Workers answer pings from their receive
 // loop, so a long transfer does not look like silence.
 //
-// A worker notices its leader going away (connection closed, or the
-// shutdown message from Close): Worker.Done is closed and Worker.Err says why.
+// A worker notices its leader going away (the shutdown message from Close,
+// or a lost connection whose port no longer accepts): Worker.Done is closed
+// and Worker.Err says why. A lost connection to a leader that still listens
+// (its PUB dropped a subscriber that stalled past the write timeout, a
+// network fault), or a leader silent for WorkerOptions.LeaderSilence (3 s by
+// default, several pings), makes the worker redial its subscription: zmq4's
+// SUB does not redial on its own. The leader re-admits the rank on its next
+// answer.
 package wire

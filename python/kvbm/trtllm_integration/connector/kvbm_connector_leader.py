@@ -307,6 +307,24 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._matched.pop(rid, None)
         self._seen.discard(rid)
 
+    def cancel_load(self, request, start: int, end: int) -> None:
+        """KVCacheManagerV2 withdraws part of a promised load (tokens
+        [start, end)) it can no longer host. kvbm plans a load whole, so it
+        drops the request's load and turns itself off rather than copy into
+        pages the runtime did not reserve."""
+        rid = str(request.request_id)
+        if self._leader is not None:
+            try:
+                self._leader.request_finished(rid)  # unstages the load, releases its sources
+            except Exception:  # noqa: BLE001 - disabled below either way
+                log.exception("kvbm: dropping the cancelled load of request %s", rid)
+        self._forget(rid)
+        self._loading.discard(rid)
+        if self._failed is None:
+            self._fail("cancel_load", RuntimeError(
+                f"TensorRT-LLM cancelled tokens [{start}, {end}) of request {rid}'s load (KVCacheManagerV2); "
+                "kvbm supports the V1 KV cache manager: set kv_cache_config.use_kv_cache_manager_v2 to false"))
+
     @guarded(False)
     def reset_cache(self) -> bool:
         """Forget every G2/G3 block (not called by TensorRT-LLM itself)."""

@@ -95,6 +95,7 @@ class WireWorkerInfo(TypedDict):
     stopped: bool
     error: str  # "" while healthy
     forged_messages: int
+    reconnects: int  # subscriptions redialed after the leader's PUB dropped or went silent
 
 
 @dataclass(frozen=True)

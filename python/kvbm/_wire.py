@@ -222,7 +222,7 @@ class WireWorker(_native.Handle):
         return LeaderMetadata(**d)
 
     def info(self) -> WireWorkerInfo:
-        """{ready, stopped, error, forged_messages}."""
+        """{ready, stopped, error, forged_messages, reconnects}."""
         info: WireWorkerInfo = json.loads(_buffer_call("kvbm_wire_worker_info", self._h))
         return info
 

@@ -1,19 +1,18 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
 import (
-	"github.com/kvbm/kvbm/goext/fingerprint"
-
 	"encoding/json"
 	"fmt"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/worker"
@@ -65,6 +64,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o workerOptions
 	if err := parseOptions("kvbm_worker_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -86,16 +88,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	nw := max(o.NumWorkers, 1)
-	total := eng.BytesPerBlock() * int64(nw)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(eng.BytesPerBlock(), nw)
+	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
-	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
 	}
 	log := kvbmLogger()
 	m := workerMetrics()
@@ -174,6 +169,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
 	for k, v := range h.summary {
 		info[k] = v
@@ -188,6 +186,9 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
 	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
@@ -239,6 +240,9 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	loaded, errs := h.w.Finished()

@@ -1,4 +1,4 @@
-// Package worker is kvbm's byte mover, one per tensor-parallel rank (SPEC §2).
+// Package worker is kvbm's byte mover, one per tensor-parallel rank (design §2).
 // It holds the engine's registered KV tensors (G1), owns this rank's shard of
 // the host (G2) and disk (G3) tiers, and executes the leader's plan.Step:
 //
@@ -24,15 +24,13 @@
 // Metrics split: the worker counts what only it can see — bytes moved per
 // direction (kvbm_transfer_bytes, labels g1_to_g2, g2_to_g1, g2_to_g3,
 // g1_to_g3, g3_to_g1, g3_to_g2) and batch latency (kvbm_transfer_seconds).
-// The leader counts the SPEC §9 block counters (kvbm_offload_blocks_*,
+// The leader counts the design §9 block counters (kvbm_offload_blocks_*,
 // kvbm_onboard_blocks_*) from its plan, and kvbm_load_errors from the failed
 // G1 blocks the engine reports back — once per block, where every
 // tensor-parallel worker counting its own failures would count it N times.
 package worker
 
 import (
-	"github.com/kvbm/kvbm/goext/fingerprint"
-
 	"cmp"
 	"errors"
 	"fmt"
@@ -45,6 +43,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/plan"
@@ -61,7 +60,7 @@ var (
 	ErrNoTier       = errors.New("tier not configured on this worker")
 )
 
-// Defaults of DYN_KVBM_MAX_CONCURRENT_TRANSFERS and DYN_KVBM_MAX_TRANSFER_BATCH_SIZE (SPEC §8).
+// Defaults of DYN_KVBM_MAX_CONCURRENT_TRANSFERS and DYN_KVBM_MAX_TRANSFER_BATCH_SIZE (design §8).
 const (
 	DefaultMaxConcurrent = 4
 	DefaultBatchSize     = 16

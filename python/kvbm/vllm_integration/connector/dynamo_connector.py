@@ -27,7 +27,9 @@ own (``_inflight_loads``).
 
 Anything kvbm cannot handle (multimodal prompts, hybrid models with several
 KV cache groups, device tensors without the CUDA build) is bypassed with a log
-line: the engine keeps serving, those requests just get no external hits.
+line: the engine keeps serving, those requests just get no external hits and
+their KV is not offloaded (a multimodal prompt's token ids do not identify
+its KV, so storing it under them could serve it to another prompt).
 """
 
 from __future__ import annotations
@@ -127,6 +129,13 @@ def _tp(vllm_config) -> tuple[int, int]:
         except Exception:
             rank = int(os.environ.get("RANK", "0"))
     return rank, size
+
+
+def _bypassed(request) -> bool:
+    """Token ids do not identify the KV of multimodal prompts (placeholder
+    ids stand for the images) or of prompt embeddings: kvbm neither serves
+    nor stores it."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
 def _single_group(kv_cache_config):
@@ -294,6 +303,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._sent_tokens: dict[str, int] = {}
         self._salts: dict[str, int] = {}
+        self._bypassed: set[str] = set()  # multimodal / embedding prompts
         self._loaded: list[str] = []
         self._invalid_blocks: list[int] = []
         self._seq = 0
@@ -334,8 +344,7 @@ class DynamoConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._leader is None:
             return 0, False
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-            # Token ids do not identify multimodal or embedding prompts' KV.
+        if _bypassed(request):
             log.debug("kvbm: request %s bypassed (multimodal or prompt embeddings)", request.request_id)
             return 0, False
         tokens = request.all_token_ids
@@ -369,6 +378,9 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._leader is None:
             return
         rid = request.request_id
+        if _bypassed(request):
+            self._bypassed.add(rid)  # never offloaded either
+            return
         self._requests[rid] = request
         if num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
@@ -390,6 +402,8 @@ class DynamoConnector(KVConnectorBase_V1):
         updates = []
         for nr in scheduler_output.scheduled_new_reqs:
             rid = nr.req_id
+            if rid in self._bypassed:
+                continue
             req = self._requests.get(rid)
             tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
@@ -456,6 +470,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._sent_tokens.pop(rid, None)
         self._salts.pop(rid, None)
+        self._bypassed.discard(rid)
 
     def take_events(self):
         return ()
@@ -492,6 +507,11 @@ class DynamoConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches):
         from kvbm._core import Worker
 
+        if self._kv_cache_config is not None:
+            _, why = _single_group(self._kv_cache_config)
+            if why is not None:
+                self._disable(why)
+                return
         try:
             tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
         except ValueError as e:

@@ -192,7 +192,10 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	start := time.Now()
 	scanned := 0
 	if rec.Reused {
-		scanned = min(rec.OldBlocks, o.NumBlocks)
+		// A trailing partial slot (a file cut short by something else) is
+		// scanned too: its header may still verify, and a slot whose header
+		// verifies must be invalidated before it is rewritten.
+		scanned = min(int((st.Size+slot-1)/slot), o.NumBlocks)
 		d.scan(scanned, &rec)
 	}
 	rec.Empty += o.NumBlocks - scanned // grown or new: never written
@@ -251,8 +254,9 @@ func listForeignTiers(dir, ours string, log *slog.Logger) {
 		if fi, err := e.Info(); err == nil {
 			size = fi.Size()
 		}
-		log.Info("kvbm disk tier: keeping a persistent tier file of another fingerprint (not used by this engine; "+
-			"remove it to free the space)", "path", path, "bytes", size)
+		log.Info("kvbm disk tier: keeping a persistent tier file of another fingerprint (another model, dtype, "+
+			"layout or rank; this worker never uses it, remove it to free the space once no engine needs it)",
+			"path", path, "bytes", size)
 	}
 }
 

@@ -237,3 +237,30 @@ func TestHeaderTokensLimit(t *testing.T) {
 	require.Empty(t, reason)
 	require.Equal(t, full, h.Tokens)
 }
+
+// TestPersistentPartialTrailingSlot: a file cut inside a slot (not by kvbm)
+// keeps the headers that still verify in that slot, so the slot is
+// invalidated before it is rewritten; its cut payload fails its checksum.
+func TestPersistentPartialTrailingSlot(t *testing.T) {
+	dir := t.TempDir()
+	rng := rand.New(rand.NewPCG(13, 14))
+	d := openP(t, dir, fpA, 3)
+	for i := range 3 {
+		writeP(t, d, rng, i, uint64(20+i), true)
+	}
+	slot, path := d.slot, d.Path()
+	require.NoError(t, d.Close())
+	require.NoError(t, os.Truncate(path, 2*slot+HeaderBytes+100)) // block 2: header and 100 payload bytes
+
+	d2 := openP(t, dir, fpA, 3)
+	rec := d2.Recovery()
+	require.Len(t, rec.Blocks, 3)
+	require.Equal(t, 2, rec.OldBlocks)
+	payload := readP(t, d2, 2)
+	require.NotEqual(t, rec.Blocks[2].PayloadSum, xxh3.Hash(payload), "the cut payload must not verify")
+	// Rewriting block 2 untagged invalidates the old header.
+	writeP(t, d2, rng, 2, 99, false)
+	require.NoError(t, d2.Close())
+	d3 := openP(t, dir, fpA, 3)
+	require.Len(t, d3.Recovery().Blocks, 2)
+}

@@ -33,6 +33,7 @@ import (
 const (
 	killEnvDir   = "KVBM_TEST_PERSIST_WRITER_DIR"
 	killEnvSeed  = "KVBM_TEST_PERSIST_WRITER_SEED"
+	killEnvBuf   = "KVBM_TEST_PERSIST_WRITER_BUFFERED"
 	killG1Blocks = 16
 	killG3Blocks = 48
 	killHdim     = 1024 // ~150 KB blocks: writes take long enough to be cut
@@ -71,9 +72,10 @@ func contentOf(h uint64, n int64) []byte {
 	return b
 }
 
-func killWorker(t *testing.T, e *layout.Engine, dir string, log io.Writer) *Worker {
+func killWorker(t *testing.T, e *layout.Engine, dir string, buffered bool, log io.Writer) *Worker {
 	t.Helper()
 	w, err := New(Options{DiskBlocks: killG3Blocks, DiskDir: dir, DiskPersist: true, MaxConcurrent: 4, BatchSize: 4,
+		DisableODirect: buffered,
 		Fingerprint: fingerprint.FromEngine("kill-test", "torch.float16", e, 1, 0),
 		Logger:      slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelWarn})), Metrics: metrics.New()})
 	require.NoError(t, err)
@@ -91,7 +93,7 @@ func TestPersistKillWriter(t *testing.T) {
 	seed, _ := strconv.ParseUint(os.Getenv(killEnvSeed), 10, 64)
 	rng := rand.New(rand.NewPCG(seed, 1))
 	e := killG1(t)
-	w := killWorker(t, e, dir, os.Stderr)
+	w := killWorker(t, e, dir, os.Getenv(killEnvBuf) != "", os.Stderr)
 	bpb := e.BytesPerBlock()
 	for step := uint64(1); ; step++ {
 		s := &plan.Step{Seq: step}
@@ -115,7 +117,9 @@ func TestPersistKillWriter(t *testing.T) {
 }
 
 // TestPersistSurvivesKill kills the writer at random points (at least 20
-// times) and verifies the tier after each kill.
+// times) and verifies the tier after each kill. Odd rounds write through
+// the page cache (DYN_KVBM_DISK_DISABLE_O_DIRECT), where a killed write can
+// stop part-way; even rounds use O_DIRECT where the filesystem has it.
 func TestPersistSurvivesKill(t *testing.T) {
 	if os.Getenv(killEnvDir) != "" {
 		t.Skip("this is the child")
@@ -130,7 +134,11 @@ func TestPersistSurvivesKill(t *testing.T) {
 	for k := range kills {
 		require.True(t, time.Now().Before(deadline), "kill loop ran out of time after %d kills", k)
 		cmd := exec.Command(os.Args[0], "-test.run=^TestPersistKillWriter$", "-test.v")
+		buffered := k%2 == 1
 		cmd.Env = append(os.Environ(), killEnvDir+"="+dir, fmt.Sprintf("%s=%d", killEnvSeed, rng.Uint64()))
+		if buffered {
+			cmd.Env = append(cmd.Env, killEnvBuf+"=1")
+		}
 		out, err := cmd.StdoutPipe()
 		require.NoError(t, err)
 		cmd.Stderr = t.Output()
@@ -152,7 +160,7 @@ func TestPersistSurvivesKill(t *testing.T) {
 		go func() { _, _ = io.Copy(io.Discard, out) }() // drain so Wait returns
 		_ = cmd.Wait()
 
-		w := killWorker(t, e, dir, t.Output())
+		w := killWorker(t, e, dir, buffered, t.Output())
 		rec := w.Recovered()
 		require.NotZero(t, len(rec.Blocks), "kill %d: nothing recovered after %d full steps", k, target)
 		totalRecovered += len(rec.Blocks)
@@ -174,7 +182,7 @@ func TestPersistSurvivesKill(t *testing.T) {
 				require.Equal(t, contentOf(b.SeqHash, bpb), got, "kill %d: block %d not byte-exact", k, b.Index)
 			}
 		}
-		t.Logf("kill %d after step %d: %d blocks recovered, %d discarded %v, %d empty", k, target,
+		t.Logf("kill %d (buffered %v) after step %d: %d blocks recovered, %d discarded %v, %d empty", k, buffered, target,
 			len(rec.Blocks), rec.NumDiscarded(), rec.Discarded, rec.Empty)
 		require.NoError(t, w.Close())
 	}

@@ -167,9 +167,21 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		return fail(fmt.Errorf("disk tier file %s: fstat: %w", path, err))
 	}
 	rec := Recovery{Path: path, Reused: st.Size > 0, OldBlocks: int(st.Size / slot), Discarded: map[string]int{}}
+	if d.direct && rec.Reused {
+		// Read-only probe: a write would destroy block 0.
+		if err := d.probeDirectRead(); err != nil {
+			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", path, "err", err)
+			if err := d.dropDirect(); err != nil {
+				return fail(fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err))
+			}
+		}
+	}
 	if st.Size > size {
-		// Blocks past the new end are lost; the rest keep their offsets.
-		rec.Discarded[DiscardBeyondSize] = rec.OldBlocks - o.NumBlocks
+		// Blocks past the new end are lost (counted if their header
+		// verifies); the rest keep their offsets.
+		if n := d.countValid(o.NumBlocks, int((st.Size+slot-1)/slot)); n > 0 {
+			rec.Discarded[DiscardBeyondSize] = n
+		}
 		if err := unix.Ftruncate(fd, size); err != nil {
 			return fail(fmt.Errorf("disk tier file %s: shrink to %d bytes: %w", path, size, err))
 		}
@@ -179,9 +191,10 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
 			size, o.NumBlocks, slot, dir, err))
 	}
-	if d.direct {
-		// Read-only probe: a write would destroy block 0.
-		if err := d.probeDirectRead(); err != nil {
+	if d.direct && !rec.Reused {
+		// A new file has nothing to lose: probe with a write, as a
+		// non-persistent tier does.
+		if err := probeDirect(d.fd); err != nil {
 			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", path, "err", err)
 			if err := d.dropDirect(); err != nil {
 				return fail(fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err))
@@ -416,6 +429,20 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 	}
 	// Index order: deterministic, and sequential for whoever reads them next.
 	slices.SortFunc(rec.Blocks, func(a, b RecoveredBlock) int { return a.Index - b.Index })
+}
+
+// countValid is how many of slots [lo, hi) hold a header that verifies.
+func (d *DiskRegion) countValid(lo, hi int) int {
+	buf := alignedBuf(HeaderBytes)
+	n := 0
+	for i := lo; i < hi; i++ {
+		if d.readHeader(i, buf) == nil {
+			if _, reason := d.decodeHeader(buf, i); reason == "" {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 func (d *DiskRegion) readHeader(i int, buf []byte) error {

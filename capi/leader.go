@@ -1,12 +1,13 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -48,7 +49,6 @@ type leaderHandle struct {
 	l       *leader.Leader
 	m       *metrics.Metrics
 	metrics *metrics.Server
-	cons    closer
 	once    sync.Once
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
@@ -61,15 +61,13 @@ type leaderHandle struct {
 	workerID      uint64
 }
 
-type closer interface{ Close() error }
-
 func (h *leaderHandle) close() {
 	h.once.Do(func() {
 		if h.metrics != nil {
 			_ = h.metrics.Close()
 		}
-		if h.cons != nil {
-			_ = h.cons.Close()
+		if h.consolidator != nil {
+			_ = h.consolidator.Close()
 		}
 		h.g4mu.Lock()
 		if h.g4Close != nil {
@@ -86,6 +84,9 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_leader_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o leaderOptions
 	if err := parseOptions("kvbm_leader_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -100,12 +101,11 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	h := &leaderHandle{m: metrics.New(), cfg: cfg, bytesPerBlock: o.BytesPerBlock, workerID: o.WorkerID}
 	var sink events.Sink = events.NopSink{}
 	if o.Consolidator != nil {
-		c, s, err := startConsolidator(o.Consolidator, cfg, h.m, log)
+		c, err := startConsolidator(o.Consolidator, cfg, h.m, log)
 		if err != nil {
 			return finish(err, errOut)
 		}
-		h.cons, sink = c, s
-		h.consolidator = c
+		h.consolidator, sink = c, c
 	}
 	g4opts, err := leaderG4(&o, cfg, h, log)
 	if err != nil {
@@ -132,11 +132,12 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g4opts != nil {
 		_ = object.RegisterMetrics(h.m.Registry)
 	}
+	restoreInProcess(l, cfg, max(o.NumWorkers, 1), h.m, log)
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
 		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
-		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
+		srv, err := h.m.ServeWith(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort), metrics.ServerOptionsFrom(cfg))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.
 			log.Warn("kvbm metrics endpoint not started", "err", err)
@@ -170,6 +171,9 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	defer guard(&rc, errOut)
 	h, err := leaderOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_leader_info", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	host, disk, hb, db, q := h.l.HitRates()
@@ -208,15 +212,10 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
+// leaderOf resolves a live leader handle (kvbm_leader_free deletes the
+// handle, so a freed leader is an unknown handle).
 func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	h, err := live[*leaderHandle](hd)
-	if err != nil {
-		return nil, err
-	}
-	if h.l == nil {
-		return nil, errorf(statusState, "leader is closed")
-	}
-	return h, nil
+	return live[*leaderHandle](hd)
 }
 
 //export kvbm_leader_match
@@ -229,6 +228,11 @@ func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int
 	}
 	if n < 0 || numComputed < 0 {
 		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_match", reqID),
+		checkIn("kvbm_leader_match", "token array", unsafe.Pointer(tokens), n),
+		checkOut("kvbm_leader_match", ptr(outTokens), ptr(outAsync))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
 	}
 	got, async := h.l.GetNumNewMatchedTokens(C.GoString(reqID), tokensView(tokens, n), uint64(salt), int(numComputed))
 	*outTokens = C.int64_t(got)
@@ -253,6 +257,13 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 	h, err := leaderOf(hd)
 	if err != nil {
 		return finish(err, errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_update_after_alloc", reqID),
+		checkIn("kvbm_leader_update_after_alloc", "block id array", unsafe.Pointer(blockIDs), n)); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	if numExternal < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_update_after_alloc: negative external token count %d", int64(numExternal)), errOut)
 	}
 	ids := append([]int64(nil), int64View(blockIDs, n)...)
 	h.l.UpdateStateAfterAlloc(C.GoString(reqID), ids, int(numExternal))
@@ -332,6 +343,10 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkIn("kvbm_leader_step", "update buffer", in, inLen),
+		checkOut("kvbm_leader_step", ptr(out), ptr(outLen))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	var si stepInput
 	if err := msgpack.Unmarshal(goBytes(in, inLen), &si); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_step: decode updates: %v", err), errOut)
@@ -365,6 +380,10 @@ func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.in
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_request_finished", reqID),
+		checkOut("kvbm_leader_request_finished", ptr(outPending))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	*outPending = 0
 	if h.l.RequestFinished(C.GoString(reqID)) {
 		*outPending = 1
@@ -391,6 +410,9 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_leader_plan_background
 func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
+	if err := checkOut("kvbm_leader_plan_background", ptr(out), ptr(outLen), ptr(outTicket)); err != nil {
+		return finish(err, errOut)
+	}
 	*outTicket = 0
 	h, err := leaderOf(hd)
 	if err != nil {

@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 

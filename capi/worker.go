@@ -1,19 +1,18 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
 import (
-	"github.com/kvbm/kvbm/goext/fingerprint"
-
 	"encoding/json"
 	"fmt"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
@@ -60,12 +59,17 @@ type workerHandle struct {
 	m       *metrics.Metrics
 	layout  *layout.Engine
 	summary map[string]any
+	// recovered is the persistent disk tier's recovered index (persist.go).
+	recovered []byte
 }
 
 //export kvbm_worker_new
 func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_new", ptr(out)); err != nil {
 		return finish(err, errOut)
 	}
 	var o workerOptions
@@ -89,16 +93,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	nw := max(o.NumWorkers, 1)
-	total := eng.BytesPerBlock() * int64(nw)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(eng.BytesPerBlock(), nw)
+	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
-	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
 	}
 	log := kvbmLogger()
 	m := workerMetrics()
@@ -123,6 +120,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		G4:          g4s,
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		DiskPersist:    cfg.DiskPersist,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
@@ -148,6 +146,10 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		setRank0Fingerprint(sum)
 		g4Close = func() { clearRank0Fingerprint(sum); release() }
 	}
+	var recovered []byte
+	if w.DiskPersistent() {
+		recovered = offerRecovered(o.Rank, nw, w.Recovered())
+	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
 		"fingerprint", fp.Sum().String(), "fingerprint_of", fp.Describe())
@@ -155,12 +157,13 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, summary: map[string]any{
+	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, recovered: recovered, summary: map[string]any{
 		"g4":              g4s != nil,
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
-		"fingerprint": fp.Sum().String(),
+		"fingerprint": fp.Sum().String(), "disk_persistent": w.DiskPersistent(),
+		"disk_recovered_blocks": len(w.Recovered().Blocks),
 	}}
 	*out = newHandle(h)
 	return statusOK
@@ -198,6 +201,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
 	for k, v := range h.summary {
 		info[k] = v
@@ -212,6 +218,9 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
 	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
@@ -263,6 +272,9 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	loaded, errs := h.w.Finished()

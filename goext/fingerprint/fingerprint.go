@@ -34,7 +34,7 @@ type Inputs struct {
 	DType string
 	// Layout is the engine layout (kind, layers, K/V, chunk shape); the
 	// number of G1 blocks is not part of it.
-	Layout layout.Kind
+	Layout     layout.Kind
 	NumLayers  int
 	OuterDim   int
 	InnerDim   int64

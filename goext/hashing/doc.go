@@ -1,4 +1,4 @@
-// Package hashing computes the two 64-bit hash families kvbm needs (SPEC §3):
+// Package hashing computes the two 64-bit hash families kvbm needs (design §3):
 //
 //   - KVBM keys, which index the host (G2) and disk (G3) registries: a salt
 //     hash derived from the request's cache salt and LoRA name, a per-block

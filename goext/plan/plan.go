@@ -83,6 +83,8 @@ type Step struct {
 	// Drops lists G2/G3 blocks whose contents are no longer valid (evicted
 	// or failed verification); workers forget their checksums.
 	Drops []Copy `msgpack:"x,omitempty"`
+	// Tags describe the blocks this step's G3 writes store (tags.go).
+	Tags []BlockTag `msgpack:"t,omitempty"`
 	// Uploads are G2 blocks to upload to G4 after the step's Saves (the
 	// worker copies each into its upload queue at once; the network part
 	// runs in the background).
@@ -162,7 +164,8 @@ func parseCopies(b []byte) ([]Copy, error) {
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
-	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0, len(s.Uploads) > 0} {
+	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0,
+		len(s.Tags) > 0, len(s.Uploads) > 0} {
 		if present {
 			n++
 		}
@@ -203,6 +206,14 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 			return err
 		}
 		if err := enc.EncodeBytes(buf); err != nil {
+			return err
+		}
+	}
+	if len(s.Tags) > 0 {
+		if err := enc.EncodeString("t"); err != nil {
+			return err
+		}
+		if err := enc.EncodeBytes(AppendTags(buf[:0], s.Tags)); err != nil {
 			return err
 		}
 	}
@@ -310,6 +321,14 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				s.Saves = cs
 			default:
 				s.Drops = cs
+			}
+		case "t":
+			b, err := dec.DecodeBytes()
+			if err != nil {
+				return err
+			}
+			if s.Tags, err = ParseTags(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err)
 			}
 		case "u":
 			b, err := dec.DecodeBytes()

@@ -10,7 +10,8 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "kvbm": true|false, "env": {...},
        "events": false | {"endpoint": "tcp://*:5557"},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
-                   {"reset": true}, {"corrupt_disk": true}, {"quiesce": true},
+                   {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
+                   {"quiesce": true},
                    {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
                    {"wait_metric": "kvbm_...", "at_least": n, "at_most": m, "timeout_s": 60,
                     "poke": [ids...] (generated, 1 token, between scrapes: keeps the engine stepping)},
@@ -277,7 +278,8 @@ def run(spec: dict) -> dict:
                 ttfts.append(ft)
             rec["ttft_s"] = ttfts
         elif act.get("reset"):
-            rec["reset"] = bool(llm.reset_prefix_cache())
+            # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
+            rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))
         elif act.get("corrupt_disk"):
             rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
         elif act.get("s3"):

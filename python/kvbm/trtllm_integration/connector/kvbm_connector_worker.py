@@ -115,6 +115,14 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
                  "disk_blocks=%d", os.getpid(), self._rank, self._tp, t.shape[0], info["bytes_per_block"],
                  info["num_layers"], info["host_blocks"], info["disk_blocks"])
 
+    def register_kv_cache_layout(self, layout):
+        """Newer TensorRT-LLM calls this instead of register_kv_caches with
+        KVCacheManagerV2 (pools and pages per layer group, loads the runtime
+        may cancel in part): not kvbm's model of the cache, so kvbm turns
+        itself off, and the leader in this process with it."""
+        self._disable("TensorRT-LLM's KVCacheManagerV2 is in use (register_kv_cache_layout); kvbm supports the V1 "
+                      "KV cache manager: set kv_cache_config.use_kv_cache_manager_v2 to false")
+
     def shutdown(self):
         if self._worker is not None:
             try:

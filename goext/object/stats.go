@@ -16,6 +16,7 @@ type counters struct {
 	onboarded     atomic.Uint64 // kvbm_onboard_blocks_obj2h: G4 loads planned by a leader
 	lookupHits    atomic.Uint64 // kvbm_g4_lookup_hits
 	lookupMisses  atomic.Uint64 // kvbm_g4_lookup_misses
+	heads         atomic.Uint64 // HEAD requests sent by lookups
 	dropped       atomic.Uint64 // uploads dropped: queue full or breaker open
 	errors        atomic.Uint64 // failed requests (PUT, GET, HEAD)
 	corrupt       atomic.Uint64 // downloads that did not verify
@@ -27,9 +28,9 @@ var stats counters
 
 // Stats is a snapshot of G4 counters.
 type Stats struct {
-	Uploaded, AlreadyStored, Downloaded, Onboarded, LookupHits, LookupMisses uint64
-	Dropped, Errors, Corrupt                                                 uint64
-	QueueDepth, BreakersOpen                                                 int64
+	Uploaded, AlreadyStored, Downloaded, Onboarded, LookupHits, LookupMisses, Heads uint64
+	Dropped, Errors, Corrupt                                                        uint64
+	QueueDepth, BreakersOpen                                                        int64
 }
 
 func (s *Stats) add(o Stats) {
@@ -39,6 +40,7 @@ func (s *Stats) add(o Stats) {
 	s.Onboarded += o.Onboarded
 	s.LookupHits += o.LookupHits
 	s.LookupMisses += o.LookupMisses
+	s.Heads += o.Heads
 	s.Dropped += o.Dropped
 	s.Errors += o.Errors
 	s.Corrupt += o.Corrupt
@@ -51,7 +53,7 @@ func Local() Stats {
 	return Stats{
 		Uploaded: stats.uploaded.Load(), AlreadyStored: stats.alreadyStored.Load(),
 		Downloaded: stats.downloaded.Load(), Onboarded: stats.onboarded.Load(), LookupHits: stats.lookupHits.Load(),
-		LookupMisses: stats.lookupMisses.Load(), Dropped: stats.dropped.Load(), Errors: stats.errors.Load(),
+		LookupMisses: stats.lookupMisses.Load(), Heads: stats.heads.Load(), Dropped: stats.dropped.Load(), Errors: stats.errors.Load(),
 		Corrupt: stats.corrupt.Load(), QueueDepth: stats.queued.Load(), BreakersOpen: stats.breakerOpen.Load(),
 	}
 }
@@ -107,6 +109,7 @@ func RegisterMetrics(r prometheus.Registerer) error {
 		{"kvbm_g4_downloads_verified", "G4 downloads that verified (header, fingerprint, checksum)", func(s Stats) float64 { return float64(s.Downloaded) }, false},
 		{"kvbm_g4_lookup_hits", "Blocks matched in object storage (G4)", func(s Stats) float64 { return float64(s.LookupHits) }, false},
 		{"kvbm_g4_lookup_misses", "Blocks looked up in object storage (G4) and not found", func(s Stats) float64 { return float64(s.LookupMisses) }, false},
+		{"kvbm_g4_lookup_requests", "HEAD requests sent by G4 lookups", func(s Stats) float64 { return float64(s.Heads) }, false},
 		{"kvbm_g4_already_stored", "Uploads skipped: the object was already stored (another instance)", func(s Stats) float64 { return float64(s.AlreadyStored) }, false},
 		{"kvbm_g4_upload_drops", "Uploads dropped: queue full or store unavailable (circuit breaker open)", func(s Stats) float64 { return float64(s.Dropped) }, false},
 		{"kvbm_g4_errors", "Failed object storage requests", func(s Stats) float64 { return float64(s.Errors) }, false},

@@ -36,8 +36,8 @@ type StoreOptions struct {
 	Registry *Registry
 	// QueueBlocks bounds the uploads waiting (each holds a copy of its
 	// block; 0: DefaultQueueBlocks, at most DefaultQueueBytes, at least 8);
-	// Uploads bounds those in flight; Lookups bounds one lookup's parallel
-	// HEAD requests.
+	// Uploads bounds those in flight; Lookups bounds the HEAD requests of
+	// all lookups in flight together.
 	QueueBlocks, Uploads, Lookups int
 	// Breaker: consecutive failures that open it, and how long it stays
 	// open before one request tests the store again.
@@ -59,7 +59,8 @@ type Store struct {
 	br      *breaker
 	log     *slog.Logger
 	timeout time.Duration
-	lookups int
+	// lookupSem bounds the HEAD requests of all lookups together.
+	lookupSem chan struct{}
 
 	queue   chan upload
 	bufs    sync.Pool
@@ -115,7 +116,7 @@ func NewStore(o StoreOptions) (*Store, error) {
 	}
 	s := &Store{c: o.Client, fp: o.Fingerprint, bpb: o.BlockBytes, reg: o.Registry,
 		br: newBreaker(o.BreakerThreshold, o.BreakerCooldown, o.Now), log: o.Logger,
-		timeout: o.RequestTimeout, lookups: o.Lookups, queue: make(chan upload, o.QueueBlocks)}
+		timeout: o.RequestTimeout, lookupSem: make(chan struct{}, o.Lookups), queue: make(chan upload, o.QueueBlocks)}
 	s.bufs.New = func() any { b := make([]byte, HeaderSize+s.bpb); return &b }
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	for range o.Uploads {
@@ -340,25 +341,33 @@ func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error 
 }
 
 // Lookup returns how many leading hashes are stored: hashes the registry
-// knows count at once, the others are asked with parallel HEAD requests
-// (at most StoreOptions.Lookups in flight) until ctx ends. Found hashes join
-// the registry. With the breaker open only the registry answers.
+// knows count at once. The first unknown one is asked alone (a prefix nobody
+// stored costs one request); if it is stored, the rest are asked with
+// parallel HEAD requests (at most StoreOptions.Lookups in flight for the
+// whole store) until ctx ends. Found hashes join the registry. With the
+// breaker open only the registry answers.
 func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 	known := s.reg.PrefixLen(hashes)
 	rest := hashes[known:]
 	if len(rest) == 0 || s.br.refusing() {
 		return known
 	}
+	// The first unknown block decides most lookups: a prefix nobody stored
+	// costs one request, not one per block.
+	if !s.head(ctx, rest[0]) {
+		return known
+	}
 	found := make([]bool, len(rest))
-	sem := make(chan struct{}, s.lookups)
+	found[0] = true
 	var wg sync.WaitGroup
-	for i, h := range rest {
+	for i := 1; i < len(rest); i++ {
+		h := rest[i]
 		if s.reg.Contains(h) {
 			found[i] = true
 			continue
 		}
 		select {
-		case sem <- struct{}{}:
+		case s.lookupSem <- struct{}{}:
 		case <-ctx.Done():
 		}
 		if ctx.Err() != nil {
@@ -366,23 +375,8 @@ func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 		}
 		wg.Add(1)
 		go func() {
-			defer func() { <-sem; wg.Done() }()
-			if !s.allow() {
-				return
-			}
-			ok, err := s.c.Head(ctx, s.Key(h))
-			if err != nil && ctx.Err() == nil {
-				stats.errors.Add(1)
-			}
-			if ctx.Err() == nil {
-				s.done(err)
-			} else {
-				s.br.abandon() // our deadline, not the store's failure
-			}
-			if ok {
-				s.reg.Add(h)
-				found[i] = true
-			}
+			defer func() { <-s.lookupSem; wg.Done() }()
+			found[i] = s.head(ctx, h)
 		}()
 	}
 	wg.Wait()
@@ -394,6 +388,30 @@ func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 		n++
 	}
 	return n
+}
+
+// head asks the store whether h is stored; a found hash joins the registry.
+func (s *Store) head(ctx context.Context, h uint64) bool {
+	if s.reg.Contains(h) {
+		return true
+	}
+	if !s.allow() {
+		return false
+	}
+	stats.heads.Add(1)
+	ok, err := s.c.Head(ctx, s.Key(h))
+	if ctx.Err() != nil {
+		s.br.abandon() // our deadline, not the store's failure
+		return false
+	}
+	if err != nil {
+		stats.errors.Add(1)
+	}
+	s.done(err)
+	if ok {
+		s.reg.Add(h)
+	}
+	return ok
 }
 
 // Close stops the uploaders; queued uploads are abandoned.

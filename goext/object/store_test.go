@@ -92,7 +92,9 @@ func TestRoundTripAndSharing(t *testing.T) {
 	b := newStore(t, srv, fp("m"), "kv-shared")
 	ctx := context.Background()
 	require.Equal(t, 8, b.Lookup(ctx, []uint64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}))
-	require.Equal(t, 0, b.Lookup(ctx, []uint64{99, 1}), "the prefix stops at the first missing hash")
+	h0 := object.Snapshot().Heads
+	require.Equal(t, 0, b.Lookup(ctx, []uint64{99, 1, 2, 3, 4, 5, 6, 7, 8}), "the prefix stops at the first missing hash")
+	require.Equal(t, uint64(1), object.Snapshot().Heads-h0, "a missing first block costs one request")
 	dst := make([]byte, blockBytes)
 	for h := uint64(1); h <= 8; h++ {
 		require.NoError(t, b.Download(ctx, h, dst))

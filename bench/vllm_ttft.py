@@ -15,11 +15,12 @@ G3 on disk, every block written through to disk).
 2. No reuse at all: unique prompts, generation throughput (tokens/s).
    Target: ≥ 95% of the strongest baseline (kvbm's write-through cost ≤ 5%).
 
-Full mode uses a model with Qwen2-0.5B's dimensions (hidden 896, 24 layers,
-14 heads, 2 KV heads; random weights, bf16); --quick a ~25M-parameter model
-and shorter documents.
+The model (random weights, generated locally) is a ~25M-parameter Qwen2-like
+one by default; --model 0.5b has Qwen2-0.5B's dimensions (hidden 896, 24
+layers, 14 heads, 2 KV heads; bf16), for a machine with more cores. --quick
+uses 1K-token documents instead of 2K.
 
-    python bench/vllm_ttft.py [--quick]
+    python bench/vllm_ttft.py [--quick] [--model small|0.5b] [--docs N]
 """
 
 from __future__ import annotations
@@ -49,15 +50,23 @@ def prompts(seed, n, length, vocab):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a ~25M-parameter model, 1K-token documents")
-    ap.add_argument("--docs", type=int, default=6, help="distinct documents re-visited")
+    ap.add_argument("--quick", action="store_true", help="1K-token documents, fewer requests")
+    ap.add_argument("--docs", type=int, default=None, help="distinct documents re-visited (default 6, quick 6)")
+    ap.add_argument("--model", choices=("small", "0.5b"), default="small",
+                    help="small: ~25M parameters (default, minutes on 2 cores); 0.5b: Qwen2-0.5B's dimensions "
+                         "(needs a bigger machine: a 2K-token prefill takes tens of seconds on 2 cores)")
     a = ap.parse_args()
-    if a.quick:
-        model = dict(SMALL, dir="/tmp/kvbm-demo-model-small")
-        length, n_unique, unique_len, out_len, mname = 1024, 4, 256, 16, "~25M-parameter Qwen2-like"
-    else:
+    if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")
-        length, n_unique, unique_len, out_len, mname = 2048, 8, 384, 32, "Qwen2-0.5B-like"
+        mname = "Qwen2-0.5B-like (hidden 896, 24 layers, 14 heads, 2 KV heads)"
+    else:
+        model = dict(SMALL, dir="/tmp/kvbm-demo-model-small")
+        mname = "~25M-parameter Qwen2-like (hidden 512, 8 layers, 2 KV heads)"
+    if a.quick:
+        length, n_unique, unique_len, out_len, docs_n = 1024, 4, 256, 16, 6
+    else:
+        length, n_unique, unique_len, out_len, docs_n = 2048, 8, 384, 32, 6
+    a.docs = a.docs or docs_n
     vocab = model["vocab"]
     doc_blocks = length // compare.BS
     g1 = 2 * (doc_blocks + 1) + 4  # two documents and change: the others are evicted

@@ -10,8 +10,8 @@ traffic with kvbm and without it, same prompts, one run per column:
     python -m kvbm.demo [--conversations 10] [--turns 4] [--chart PATH]
 
 The traffic: every conversation starts with the same system prompt; each turn
-appends a user message to the conversation's history (and the model's reply
-after it); the conversations take turns, so by the time one comes back its
+appends a user message (or a tool's output) to the conversation's history,
+and the model's reply after it; the conversations take turns, so by the time one comes back its
 history has been evicted from G1 by the others. Their histories together
 outgrow G1 plus the memory kvbm gets, so the enlarged G1 cannot hold them
 either; kvbm keeps what leaves host memory on disk.
@@ -76,7 +76,8 @@ def main(argv=None):
     ap.add_argument("--conversations", type=int, default=10)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=512, help="shared system prompt, tokens")
-    ap.add_argument("--user-len", type=int, default=64, help="tokens per user message")
+    ap.add_argument("--user-len", type=int, default=128,
+                    help="tokens per user message (or tool output, in agentic traffic)")
     ap.add_argument("--reply-len", type=int, default=16, help="tokens per reply (compared across columns)")
     ap.add_argument("--g1-blocks", type=int, default=48, help="vLLM's own KV cache, in 32-token blocks")
     ap.add_argument("--host-blocks", type=int, default=32, help="kvbm G2 (host memory) blocks")

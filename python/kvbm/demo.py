@@ -80,7 +80,7 @@ def main(argv=None):
                     help="tokens per user message (or tool output, in agentic traffic)")
     ap.add_argument("--reply-len", type=int, default=16, help="tokens per reply (compared across columns)")
     ap.add_argument("--g1-blocks", type=int, default=48, help="vLLM's own KV cache, in 32-token blocks")
-    ap.add_argument("--host-blocks", type=int, default=32, help="kvbm G2 (host memory) blocks")
+    ap.add_argument("--host-blocks", type=int, default=64, help="kvbm G2 (host memory) blocks")
     ap.add_argument("--disk-blocks", type=int, default=1024, help="kvbm G3 (disk) blocks")
     ap.add_argument("--skip-noop", action="store_true", help="leave out the no-op connector column")
     ap.add_argument("--chart", default=os.path.join(tempfile.gettempdir(), "kvbm-demo", "ttft-per-request.png"),

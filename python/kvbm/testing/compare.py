@@ -114,10 +114,12 @@ def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, action
     return out
 
 
-def tier_split(recs: list[dict], before: dict | None, times_key: str = "secs_each") -> dict:
+def tier_split(recs: list[dict], before: dict | None) -> dict:
     """Prompt tokens served by G1, G2, G3 and recomputed, over the timed
     requests of the records recs (in order); before: kvbm's metrics before
-    the first of them (None without kvbm)."""
+    the first of them (None without kvbm). kvbm's onboard counters count
+    engine-sized blocks (BS tokens); a connector's tokens are part of vLLM's
+    num_cached_tokens, so G1's share is what remains."""
     prompt = sum(sum(r["prompt_lens"]) for r in recs)
     cached = sum(sum(c or 0 for c in r["num_cached_tokens"]) for r in recs)
     g2 = g3 = 0

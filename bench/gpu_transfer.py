@@ -24,6 +24,9 @@ per-layer torch copies. GB/s = 10^9 bytes per second of moved payload
 (2,048 × 2 MiB = 4.29 GB each way).
 
     PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm] [--modes staged,kernel]
+
+A mode may carry tuning knobs, each `@name=value`: `batch@streams=4`,
+`staged@mib=128@slots=2@grid=66@threads=128@streams=1` (see KNOBS).
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ from kvbm._core import Worker  # noqa: E402
 from kvbm import _plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
+
+# Mode knobs (`mode@knob=value`) → the copier's environment variables.
+KNOBS = {
+    "mib": "KVBM_CUDA_STAGING_MIB",  # staging buffer per direction
+    "slots": "KVBM_CUDA_PIPELINE_DEPTH",  # staging slots
+    "grid": "KVBM_CUDA_STAGED_CTAS",  # gather/scatter thread blocks
+    "threads": "KVBM_CUDA_STAGED_THREADS",  # threads per gather/scatter thread block
+    "streams": "KVBM_CUDA_DMA_STREAMS",  # DMA streams per direction
+    "prio": "KVBM_CUDA_STAGED_PRIORITY",  # high or low: the gather/scatter stream's priority
+}
+
+
+def parse_mode(spec):
+    """'batch@streams=4' → ('batch', {'KVBM_CUDA_DMA_STREAMS': '4'})."""
+    name, *knobs = spec.split("@")
+    env = {}
+    for k in knobs:
+        key, _, val = k.partition("=")
+        if key not in KNOBS or not val:
+            raise SystemExit(f"gpu_transfer: unknown mode knob {k!r} in {spec!r}; knobs: {', '.join(KNOBS)}")
+        env[KNOBS[key]] = val
+    return name, env
 
 
 def make_cache(kind, nblocks):
@@ -86,10 +111,17 @@ def block_bytes(kind, tensors, b):
     return torch.cat([v.reshape(-1) for v in block_views(kind, tensors, b)]).view(torch.int16)
 
 
+# With --ranks: a barrier shared by the rank processes, passed before every
+# timed repetition so that all ranks move their bytes at the same time.
+BARRIER = None
+
+
 def timed(fn, repeat):
     out = []
     for _ in range(repeat):
         torch.cuda.synchronize()
+        if BARRIER is not None:
+            BARRIER.wait(timeout=600)
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -300,6 +332,7 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
 
         med = {k: statistics.median(v) for k, v in phases.items()}
         r.update(off=gbps(nbytes, t_off), on=gbps(nbytes, t_on), both=gbps(2 * nbytes, t_both),
+                 both_range=(2 * nbytes / 1e9 / max(t_both), 2 * nbytes / 1e9 / min(t_both)),
                  off_e2e=nbytes / 1e9 / (statistics.median(t_off) + med["bind_save"]),
                  on_e2e=nbytes / 1e9 / (statistics.median(t_on) + med["bind_load"]), bind=med)
 
@@ -334,6 +367,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive per-block torch copies")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="tensor-parallel ranks, one process each on cuda:rank (all on cuda:0 with one GPU), "
+                         "moving at the same time; per-rank GB/s against that rank's torch pinned copy, no matmul")
     ap.add_argument("--staged-variants", default="",
                     help="extra staged runs on the first layout, MiB:slots:grid each, e.g. 64:4:16,128:2:132")
     args = ap.parse_args()
@@ -345,6 +381,8 @@ def main():
     _native.register_signatures({"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, kvbm {_native.version()}")
     print("command: PYTHONPATH=python python3 bench/gpu_transfer.py " + " ".join(sys.argv[1:]), flush=True)
+    if args.ranks > 1:
+        return main_ranks(args)
 
     rng = random.Random(42)
     perm = rng.sample(range(args.blocks), 2 * args.moved)
@@ -379,13 +417,15 @@ def main():
         modes = args.modes.split(",") + (["direct"] if kind == "trtllm" else [])
         if kind == args.layouts.split(",")[0]:
             # Staged-mode tuning (MiB of staging per direction : slots : grid).
-            modes += [f"staged:{v}" for v in args.staged_variants.split(",") if v]
+            for v in args.staged_variants.split(","):
+                if v:
+                    mib, slots, grid = v.split(":")
+                    modes.append(f"staged@mib={mib}@slots={slots}@grid={grid}")
         for mode in modes:
-            knobs = dict(zip(("KVBM_CUDA_STAGING_MIB", "KVBM_CUDA_PIPELINE_DEPTH", "KVBM_CUDA_STAGED_CTAS"),
-                             mode.split(":")[1:]))
+            name, knobs = parse_mode(mode)
             os.environ.update(knobs)
             try:
-                r = bench_kvbm(kind, tensors, args.blocks, src, dst, mode.split(":")[0], args.repeat, args.matmuls)
+                r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, args.matmuls)
             finally:
                 for k in knobs:
                     os.environ.pop(k)
@@ -393,6 +433,7 @@ def main():
             print(f"  {kind}/{mode}: {r['g1']}; worker setup (pin {2 * nbytes / 2**30:.1f} GiB) {r['setup']:.2f} s; "
                   + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in r["bind"].items())
                   + f"; offload {r['off']:.1f}, onboard {r['on']:.1f}, both {r['both']:.1f} GB/s"
+                  + " ({:.1f}–{:.1f})".format(*r["both_range"])
                   + (f"; matmul {r['mm']:.0f} TFLOP/s while moving {r['mm_gbps']:.1f} GB/s" if "mm" in r else ""),
                   flush=True)
         if not args.no_naive:
@@ -421,6 +462,90 @@ def main():
                  f(mm, "{:.0f}"), f(100 * (1 - mm / r["mm_alone"]), "{:.1f}%") if mm else "-",
                  f(r.get("mm_gbps"))]
         print("| " + " | ".join(cells) + " |")
+
+
+
+def rank_main(rank, args, barrier, out):
+    """One tensor-parallel rank: its torch baseline and its kvbm workers,
+    every timed repetition started together with the other ranks'."""
+    global BARRIER
+    try:
+        dev = rank if torch.cuda.device_count() > rank else 0
+        torch.cuda.set_device(dev)
+        _native.register_signatures(
+            {"kvbm_worker_set_cuda_stream": (c_int, [c_uint64, c_uint64, POINTER(c_char_p)])})
+        BARRIER = barrier
+        perm = random.Random(42 + rank).sample(range(args.blocks), 2 * args.moved)
+        src, dst = perm[:args.moved], perm[args.moved:]
+        nbytes = args.moved * LAYERS * 2 * BS * HEADS * DIM * 2
+        a_off, a_on, a_both, bufs = bench_pinned(nbytes, args.repeat)
+        del bufs
+        torch.cuda.empty_cache()
+        rows = [dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both)]
+        for kind in args.layouts.split(","):
+            tensors = make_cache(kind, args.blocks)
+            torch.cuda.synchronize()
+            for mode in args.modes.split(","):
+                name, knobs = parse_mode(mode)
+                os.environ.update(knobs)
+                try:
+                    r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, 0)
+                finally:
+                    for k in knobs:
+                        os.environ.pop(k)
+                rows.append(dict(name=f"kvbm {kind}", mode=mode, g1=r["g1"], off=r["off"], on=r["on"], both=r["both"]))
+            del tensors
+            torch.cuda.empty_cache()
+        out.put((rank, dev, rows, None))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        barrier.abort()
+        out.put((rank, -1, [], f"{type(e).__name__}: {e}"))
+
+
+def main_ranks(args):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args, barrier, out)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < args.ranks:
+        try:
+            rank, dev, rows, err = out.get(timeout=5)
+        except Exception:  # noqa: BLE001 - queue.Empty; check the processes are alive
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                sys.exit(f"gpu_transfer: a rank process died (exit codes {dead})")
+            continue
+        if err:
+            sys.exit(f"gpu_transfer: rank {rank} failed: {err}")
+        results[rank] = (dev, rows)
+    for p in procs:
+        p.join()
+    print(f"\n{args.ranks} ranks moving at the same time, {args.moved} random blocks each way per rank out of "
+          f"{args.blocks}; median of {args.repeat}; %(a) against the same rank's torch pinned contiguous copy")
+    hdr = ["rank", "device", "path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "both ways GB/s", "%(a)"]
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "|".join("---" for _ in hdr) + "|")
+    totals = {}
+    for rank in sorted(results):
+        dev, rows = results[rank]
+        a = rows[0]
+        for r in rows:
+            print("| " + " | ".join([str(rank), f"cuda:{dev}", r["name"], r["mode"],
+                                     f"{r['off']:.1f}", f"{100 * r['off'] / a['off']:.0f}%",
+                                     f"{r['on']:.1f}", f"{100 * r['on'] / a['on']:.0f}%",
+                                     f"{r['both']:.1f}", f"{100 * r['both'] / a['both']:.0f}%"]) + " |")
+            t = totals.setdefault((r["name"], r["mode"]), [0.0, 0.0, 0.0])
+            for i, k in enumerate(("off", "on", "both")):
+                t[i] += r[k]
+    for (name, mode), (off, on, both) in totals.items():
+        print(f"| all | - | {name} | {mode} | {off:.1f} | - | {on:.1f} | - | {both:.1f} | - |")
+    for rank in sorted(results):
+        for r in results[rank][1][1:]:
+            print(f"  rank {rank}: {r['name']}/{r['mode']}: {r['g1']}")
 
 
 if __name__ == "__main__":

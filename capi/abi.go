@@ -14,8 +14,7 @@
 package main
 
 /*
-#include <stdint.h>
-#include <stdlib.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -28,15 +27,16 @@ import (
 	"unsafe"
 )
 
-// Status codes; mirrored in python/kvbm/_native.py.
+// Status codes: enum kvbm_status in kvbm.h (python/kvbm/_errors.py maps
+// each to an exception class; tests/test_abi.py checks they agree).
 const (
-	statusOK       = 0
-	statusInvalid  = 1 // bad argument or input
-	statusConfig   = 2 // invalid configuration (names the variable)
-	statusIO       = 3 // file system, network, memory mapping
-	statusState    = 4 // unknown handle, call in the wrong state
-	statusInternal = 5 // a panic was recovered; the library is now poisoned
-	statusPoisoned = 6 // an earlier panic poisoned the library
+	statusOK       = C.KVBM_OK
+	statusInvalid  = C.KVBM_ERR_INVALID  // bad argument or input
+	statusConfig   = C.KVBM_ERR_CONFIG   // invalid configuration (names the variable)
+	statusIO       = C.KVBM_ERR_IO       // file system, network, memory mapping
+	statusState    = C.KVBM_ERR_STATE    // unknown handle, call in the wrong state
+	statusInternal = C.KVBM_ERR_INTERNAL // a panic was recovered; the library is now poisoned
+	statusPoisoned = C.KVBM_ERR_POISONED // an earlier panic poisoned the library
 )
 
 // codedError carries a status code to the ABI boundary.
@@ -169,6 +169,41 @@ func deleteHandle(h C.uint64_t) {
 		cgo.Handle(uintptr(h)).Delete()
 	}
 }
+
+// maxABILen bounds a length the caller passes with a pointer (elements or
+// bytes). The caller's array cannot be measured, but a negative or absurd
+// length (an uninitialised or corrupted value) is refused before Go builds a
+// slice over it: a slice that long panics, or reads far past the array.
+const maxABILen = 1 << 31
+
+// checkIn checks an input pointer/length pair: 0 ≤ n ≤ maxABILen, and a
+// non-NULL pointer when n > 0.
+func checkIn(fn, what string, p unsafe.Pointer, n C.int64_t) error {
+	if n < 0 || n > maxABILen || (n > 0 && p == nil) {
+		return errorf(statusInvalid, "%s: invalid %s (n=%d, null=%t; at most %d)", fn, what, int64(n), p == nil, maxABILen)
+	}
+	return nil
+}
+
+// checkOut checks that no output pointer is NULL.
+func checkOut(fn string, ptrs ...unsafe.Pointer) error {
+	for _, p := range ptrs {
+		if p == nil {
+			return errorf(statusInvalid, "%s: null output pointer", fn)
+		}
+	}
+	return nil
+}
+
+// checkReqID checks a request id string.
+func checkReqID(fn string, id *C.char) error {
+	if id == nil {
+		return errorf(statusInvalid, "%s: null request id", fn)
+	}
+	return nil
+}
+
+func ptr[T any](p *T) unsafe.Pointer { return unsafe.Pointer(p) }
 
 // goBytes views C memory as a Go slice without copying; valid only during the call.
 func goBytes(p unsafe.Pointer, n C.int64_t) []byte {

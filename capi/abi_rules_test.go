@@ -4,7 +4,10 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -57,4 +60,37 @@ func isExport(doc *ast.CommentGroup) bool {
 		}
 	}
 	return false
+}
+
+// TestHeaderDeclaresEveryExport: kvbm.h is the one definition of the ABI.
+// The C compiler already rejects a prototype that disagrees with its export
+// (every preamble includes the header); this catches the other two drifts,
+// an export without a prototype and a prototype without an export.
+func TestHeaderDeclaresEveryExport(t *testing.T) {
+	header, err := os.ReadFile("kvbm.h")
+	require.NoError(t, err)
+	proto := regexp.MustCompile(`(?m)^[a-z0-9_]+[ *]+(kvbm_[a-z0-9_]+)\(`)
+	var declared []string
+	for _, m := range proto.FindAllStringSubmatch(string(header), -1) {
+		declared = append(declared, m[1])
+	}
+	var exported []string
+	files, err := filepath.Glob("*.go")
+	require.NoError(t, err)
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(name)
+		require.NoError(t, err)
+		for _, m := range regexp.MustCompile(`(?m)^//export (kvbm_[a-z0-9_]+)$`).FindAllStringSubmatch(string(src), -1) {
+			exported = append(exported, m[1])
+		}
+	}
+	// The one export written in C (pylist.c) has no //export line.
+	exported = append(exported, "kvbm_tokens_from_pylist")
+	slices.Sort(declared)
+	slices.Sort(exported)
+	require.Greater(t, len(exported), 30)
+	require.Equal(t, exported, declared, "kvbm.h prototypes vs exports")
 }

@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -64,6 +64,9 @@ func configFor(env map[string]string, requireTier bool) (*config.Config, error) 
 func kvbm_config_check(envJSON *C.char, requireTier C.int, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_config_check", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	var env map[string]string

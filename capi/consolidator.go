@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -12,7 +12,6 @@ import (
 
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/consolidator"
-	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/metrics"
 )
 
@@ -33,7 +32,7 @@ type consolidatorOptions struct {
 	Env map[string]string `json:"env"`
 }
 
-func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (*consolidator.Consolidator, events.Sink, error) {
+func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (*consolidator.Consolidator, error) {
 	cc := consolidator.Config{
 		ZMQBind:       o.ZMQBind,
 		WorkerID:      o.WorkerID,
@@ -50,7 +49,7 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 	case "trtllm", "tensorrt_llm":
 		cc.Engine = consolidator.EngineTrtllm
 	default:
-		return nil, nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm or trtllm)", o.Engine)
+		return nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm or trtllm)", o.Engine)
 	}
 	if o.EngineEndpoint != "" {
 		cc.EngineEndpoints = []string{o.EngineEndpoint}
@@ -60,26 +59,16 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 		if cc.NATSURL == "" {
 			cc.NATSURL = cfg.NatsServer
 		}
-		cc.Namespace = o.Namespace
-		if cc.Namespace == "" {
-			cc.Namespace = "dynamo"
-		}
-		cc.Component = o.Component
-		if cc.Component == "" {
-			if cc.Engine == consolidator.EngineTrtllm {
-				cc.Component = "tensorrt_llm"
-			} else {
-				cc.Component = "backend"
-			}
-		}
+		// "": the consolidator's defaults for the engine.
+		cc.Namespace, cc.Component = o.Namespace, o.Component
 	}
 	c, err := consolidator.New(cc)
 	if err != nil {
-		return nil, nil, withCode(statusIO, err)
+		return nil, withCode(statusIO, err)
 	}
 	log.Info("kvbm consolidator started", "engine", cc.Engine, "input", o.EngineEndpoint,
-		"zmq_out", c.ZMQEndpoint(), "nats", cc.NATSURL, "namespace", cc.Namespace, "component", cc.Component)
-	return c, c, nil
+		"zmq_out", c.ZMQEndpoint(), "nats", cc.NATSURL, "nats_subject", c.NATSSubject())
+	return c, nil
 }
 
 type consolidatorHandle struct {
@@ -96,6 +85,9 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_consolidator_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o consolidatorOptions
 	if err := parseOptions("kvbm_consolidator_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -105,7 +97,7 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 		return finish(err, errOut)
 	}
 	m := metrics.New()
-	c, _, err := startConsolidator(&o, cfg, m, kvbmLogger())
+	c, err := startConsolidator(&o, cfg, m, kvbmLogger())
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -120,6 +112,9 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 	defer guard(&rc, errOut)
 	h, err := live[*consolidatorHandle](hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_consolidator_stats", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	st := h.c.Stats()

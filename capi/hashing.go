@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -28,7 +28,7 @@ func tokensView(p *C.uint32_t, n C.int64_t) []uint32 {
 	return unsafe.Slice((*uint32)(unsafe.Pointer(p)), int(n))
 }
 
-// kvbm_salt_hash computes the KVBM salt hash of SPEC §3 (cache salt and LoRA
+// kvbm_salt_hash computes the KVBM salt hash of design §3 (cache salt and LoRA
 // name, each optional).
 //
 //export kvbm_salt_hash
@@ -64,12 +64,15 @@ func kvbm_sequence_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, 
 	if blockSize <= 0 {
 		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
 	}
-	if n < 0 || (n > 0 && tokens == nil) {
+	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
 		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
 	}
 	full := int64(n) / int64(blockSize)
 	if int64(outCap) < full || (full > 0 && out == nil) {
 		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
+	}
+	if outN == nil {
+		return finish(errorf(statusInvalid, "null output count"), errOut)
 	}
 	dst := unsafe.Slice((*uint64)(unsafe.Pointer(out)), int(full))[:0]
 	res := hashing.SequenceHashes(tokensView(tokens, n), int(blockSize), uint64(salt), dst)
@@ -77,7 +80,7 @@ func kvbm_sequence_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, 
 	return statusOK
 }
 
-// kvbm_router_hashes writes the router sequence hashes (SPEC §3, seed 1337) of
+// kvbm_router_hashes writes the router sequence hashes (design §3, seed 1337) of
 // every full block of tokens.
 //
 //export kvbm_router_hashes
@@ -90,12 +93,15 @@ func kvbm_router_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, lo
 	if blockSize <= 0 {
 		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
 	}
-	if n < 0 || (n > 0 && tokens == nil) {
+	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
 		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
 	}
 	full := int64(n) / int64(blockSize)
 	if int64(outCap) < full || (full > 0 && out == nil) {
 		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
+	}
+	if outN == nil {
+		return finish(errorf(statusInvalid, "null output count"), errOut)
 	}
 	var l string
 	if lora != nil {

@@ -1,12 +1,13 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -40,21 +41,18 @@ type leaderHandle struct {
 	l       *leader.Leader
 	m       *metrics.Metrics
 	metrics *metrics.Server
-	cons    closer
 	once    sync.Once
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
 }
-
-type closer interface{ Close() error }
 
 func (h *leaderHandle) close() {
 	h.once.Do(func() {
 		if h.metrics != nil {
 			_ = h.metrics.Close()
 		}
-		if h.cons != nil {
-			_ = h.cons.Close()
+		if h.consolidator != nil {
+			_ = h.consolidator.Close()
 		}
 	})
 }
@@ -63,6 +61,9 @@ func (h *leaderHandle) close() {
 func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_leader_new", ptr(out)); err != nil {
 		return finish(err, errOut)
 	}
 	var o leaderOptions
@@ -79,12 +80,11 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	h := &leaderHandle{m: metrics.New()}
 	var sink events.Sink = events.NopSink{}
 	if o.Consolidator != nil {
-		c, s, err := startConsolidator(o.Consolidator, cfg, h.m, log)
+		c, err := startConsolidator(o.Consolidator, cfg, h.m, log)
 		if err != nil {
 			return finish(err, errOut)
 		}
-		h.cons, sink = c, s
-		h.consolidator = c
+		h.consolidator, sink = c, c
 	}
 	l, err := leader.New(leader.Options{
 		Config:        cfg,
@@ -102,11 +102,12 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(withCode(statusConfig, err), errOut)
 	}
 	h.l = l
+	restoreInProcess(l, cfg, max(o.NumWorkers, 1), h.m, log)
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
 		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
-		srv, err := h.m.Serve(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort))
+		srv, err := h.m.ServeWith(fmt.Sprintf("0.0.0.0:%d", cfg.MetricsPort), metrics.ServerOptionsFrom(cfg))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.
 			log.Warn("kvbm metrics endpoint not started", "err", err)
@@ -142,6 +143,9 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_leader_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	host, disk, hb, db, q := h.l.HitRates()
 	info := map[string]any{
 		"host_blocks": h.l.NumHostBlocks(), "disk_blocks": h.l.NumDiskBlocks(), "disk_only": h.l.DiskOnly(),
@@ -169,15 +173,10 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
+// leaderOf resolves a live leader handle (kvbm_leader_free deletes the
+// handle, so a freed leader is an unknown handle).
 func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	h, err := live[*leaderHandle](hd)
-	if err != nil {
-		return nil, err
-	}
-	if h.l == nil {
-		return nil, errorf(statusState, "leader is closed")
-	}
-	return h, nil
+	return live[*leaderHandle](hd)
 }
 
 //export kvbm_leader_match
@@ -190,6 +189,11 @@ func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int
 	}
 	if n < 0 || numComputed < 0 {
 		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_match", reqID),
+		checkIn("kvbm_leader_match", "token array", unsafe.Pointer(tokens), n),
+		checkOut("kvbm_leader_match", ptr(outTokens), ptr(outAsync))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
 	}
 	got, async := h.l.GetNumNewMatchedTokens(C.GoString(reqID), tokensView(tokens, n), uint64(salt), int(numComputed))
 	*outTokens = C.int64_t(got)
@@ -214,6 +218,13 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 	h, err := leaderOf(hd)
 	if err != nil {
 		return finish(err, errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_update_after_alloc", reqID),
+		checkIn("kvbm_leader_update_after_alloc", "block id array", unsafe.Pointer(blockIDs), n)); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	if numExternal < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_update_after_alloc: negative external token count %d", int64(numExternal)), errOut)
 	}
 	ids := append([]int64(nil), int64View(blockIDs, n)...)
 	h.l.UpdateStateAfterAlloc(C.GoString(reqID), ids, int(numExternal))
@@ -293,6 +304,10 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkIn("kvbm_leader_step", "update buffer", in, inLen),
+		checkOut("kvbm_leader_step", ptr(out), ptr(outLen))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	var si stepInput
 	if err := msgpack.Unmarshal(goBytes(in, inLen), &si); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_step: decode updates: %v", err), errOut)
@@ -326,6 +341,10 @@ func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.in
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := errors.Join(checkReqID("kvbm_leader_request_finished", reqID),
+		checkOut("kvbm_leader_request_finished", ptr(outPending))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
 	*outPending = 0
 	if h.l.RequestFinished(C.GoString(reqID)) {
 		*outPending = 1
@@ -352,6 +371,9 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_leader_plan_background
 func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
+	if err := checkOut("kvbm_leader_plan_background", ptr(out), ptr(outLen), ptr(outTicket)); err != nil {
+		return finish(err, errOut)
+	}
 	*outTicket = 0
 	h, err := leaderOf(hd)
 	if err != nil {

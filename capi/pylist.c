@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvbm.h"
+
 int64_t kvbm_tokens_from_pylist(const void *list, int64_t n, const void *int_type, int32_t layout, uint32_t *out) {
 	if (list == NULL || out == NULL || n <= 0 || (layout != 1 && layout != 2)) {
 		return 0;

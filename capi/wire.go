@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -61,6 +61,9 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_wire_leader_new", ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
 	var o wireLeaderOptions
 	if err := parseOptions("kvbm_wire_leader_new", optsJSON, &o); err != nil {
 		return finish(err, errOut)
@@ -105,6 +108,9 @@ func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_wire_leader_handshake", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
 	hs, err := h.l.Handshake(ctx)
@@ -138,6 +144,9 @@ func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkIn("kvbm_wire_leader_broadcast", "operation buffer", buf, n); err != nil {
+		return finish(err, errOut)
+	}
 	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
 	// Broadcast copies nothing it keeps past its return on TCP and clones
@@ -161,6 +170,9 @@ func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	defer guard(&rc, errOut)
 	h, err := wireLeaderOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_wire_leader_info", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	ep := h.l.Endpoint()
@@ -231,6 +243,9 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	defer guard(&rc, errOut)
 	wh, err := workerOf(workerHd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_wire_worker_connect", ptr(out)); err != nil {
 		return finish(err, errOut)
 	}
 	var o wireWorkerOptions
@@ -322,6 +337,9 @@ func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uin
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_wire_worker_wait_ready", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
 	md, err := h.w.WaitReady(ctx)
@@ -333,7 +351,9 @@ func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uin
 	return statusOK
 }
 
-// kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages}.
+// kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages,
+// reconnects}: reconnects counts subscriptions redialed after the leader's
+// side channel dropped or went silent.
 //
 //export kvbm_wire_worker_info
 func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -342,8 +362,11 @@ func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_wire_worker_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": "",
-		"forged_messages": h.w.Forged()}
+		"forged_messages": h.w.Forged(), "reconnects": h.w.Reconnects()}
 	if e := h.w.Err(); e != nil {
 		info["error"] = e.Error()
 	}

@@ -1,7 +1,7 @@
 package main
 
 /*
-#include <stdint.h>
+#include "kvbm.h"
 */
 import "C"
 
@@ -12,6 +12,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/worker"
@@ -28,6 +29,11 @@ type workerOptions struct {
 	BlockSize  int            `json:"block_size"`
 	DtypeBytes int            `json:"dtype_bytes"`
 	Tensors    []tensorOption `json:"tensors"`
+	// Model and DType identify the weights and element type (the engine's
+	// model name or path and revision; e.g. "torch.bfloat16"): with the
+	// layout they form the fingerprint of blocks kept beyond this process.
+	Model string `json:"model"`
+	DType string `json:"dtype"`
 	// Env holds kvbm's variables as the caller sees them (see loadConfig).
 	Env map[string]string `json:"env"`
 }
@@ -48,12 +54,17 @@ type workerHandle struct {
 	m       *metrics.Metrics
 	layout  *layout.Engine
 	summary map[string]any
+	// recovered is the persistent disk tier's recovered index (persist.go).
+	recovered []byte
 }
 
 //export kvbm_worker_new
 func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_new", ptr(out)); err != nil {
 		return finish(err, errOut)
 	}
 	var o workerOptions
@@ -77,16 +88,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		return finish(err, errOut)
 	}
 	nw := max(o.NumWorkers, 1)
-	total := eng.BytesPerBlock() * int64(nw)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(eng.BytesPerBlock(), nw)
+	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
-	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
 	}
 	log := kvbmLogger()
 	m := workerMetrics()
@@ -96,8 +100,11 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 			return finish(withCode(statusIO, err), errOut)
 		}
 	}
+	fp := fingerprint.FromEngine(o.Model, o.DType, eng, nw, o.Rank)
 	w, err := worker.New(worker.Options{
-		Rank: o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		Fingerprint: fp,
+		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
+		DiskPersist:    cfg.DiskPersist,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})
@@ -111,16 +118,23 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		_ = w.Close()
 		return finish(withCode(statusIO, err), errOut)
 	}
+	var recovered []byte
+	if w.DiskPersistent() {
+		recovered = offerRecovered(o.Rank, nw, w.Recovered())
+	}
 	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
-		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath())
+		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
+		"fingerprint", fp.Sum().String(), "fingerprint_of", fp.Describe())
 	g1desc := "host"
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, summary: map[string]any{
+	h := &workerHandle{g1: g1c, w: w, m: m, layout: eng, recovered: recovered, summary: map[string]any{
 		"g1":              g1desc,
 		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
 		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
+		"fingerprint": fp.Sum().String(), "disk_persistent": w.DiskPersistent(),
+		"disk_recovered_blocks": len(w.Recovered().Blocks),
 	}}
 	*out = newHandle(h)
 	return statusOK
@@ -155,6 +169,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err != nil {
 		return finish(err, errOut)
 	}
+	if err := checkOut("kvbm_worker_info", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
 	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
 	for k, v := range h.summary {
 		info[k] = v
@@ -169,6 +186,9 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
 	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
@@ -220,6 +240,9 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	defer guard(&rc, errOut)
 	h, err := workerOf(hd)
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	loaded, errs := h.w.Finished()

@@ -47,7 +47,7 @@ def test_golden_hashes_through_python():
     import kvbm
     from kvbm import _native
 
-    # SPEC §3: default salt ("{}"), blocks [1,2,3,4] and [5,6,7,8].
+    # design §3: default salt ("{}"), blocks [1,2,3,4] and [5,6,7,8].
     assert _native.salt_hash() == 1389868326933519382
     seq = kvbm.sequence_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     assert seq == [8026409477313730465, 8178148779430958753]  # trailing partial block has no hash
@@ -167,3 +167,87 @@ def test_fork_then_call_raises():
     assert r.returncode == 0, r.stderr
     assert "child 0" in r.stdout
     assert "parent still works True" in r.stdout
+
+
+HEADER = os.path.join(ROOT, "capi", "kvbm.h")
+
+
+def _header_prototypes():
+    import re
+
+    with open(HEADER) as f:
+        src = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    protos = {}
+    for m in re.finditer(r"^([a-z0-9_]+[ *]+)(kvbm_[a-z0-9_]+)\(([^)]*)\);", src, flags=re.M):
+        params = [p.strip() for p in m.group(3).replace("\n", " ").split(",") if p.strip() not in ("", "void")]
+        # "uint8_t **out" -> "uint8_t **"; "const void *list" -> "void *"
+        types = [re.sub(r"\s*\b[a-z_][a-z0-9_]*$", "", p.replace("const ", "")).replace(" ", "") for p in params]
+        protos[m.group(2)] = (m.group(1).replace(" ", ""), types)
+    return protos
+
+
+def _ctypes_for(ctype):
+    """The ctypes types a binding may use for a C type of the header."""
+    import ctypes as c
+
+    base = {"int": c.c_int, "int32_t": c.c_int32, "int64_t": c.c_int64, "uint32_t": c.c_uint32,
+            "uint64_t": c.c_uint64, "uint8_t": c.c_uint8}
+    if ctype in ("void", ""):
+        return {None}
+    if ctype == "char*":
+        return {c.c_char_p, c.c_void_p}
+    if ctype in ("void*", "uint8_t*"):
+        return {c.c_void_p, c.c_char_p}
+    if ctype == "char**":
+        return {c.POINTER(c.c_char_p)}
+    if ctype.endswith("**"):
+        return {c.POINTER(c.POINTER(base[ctype[:-2]]))}
+    if ctype.endswith("*"):
+        return {c.POINTER(base[ctype[:-1]])}
+    return {base[ctype]}
+
+
+@pytest.mark.skipif(not os.path.exists(HEADER), reason="capi/kvbm.h is in the source tree only")
+def test_ctypes_bindings_match_header():
+    from kvbm import _native
+
+    protos = _header_prototypes()
+    sigs = _native.signatures()
+    # The C-written list reader is bound with PYFUNCTYPE (GIL held), not through this table.
+    assert set(protos) - set(sigs) == {"kvbm_tokens_from_pylist"}, "exports without a Python binding"
+    assert not set(sigs) - set(protos), "bindings for symbols the header does not declare"
+    for name, (res, args) in sigs.items():
+        hres, hargs = protos[name]
+        assert res in _ctypes_for(hres), f"{name}: result {res} vs header {hres}"
+        assert len(args) == len(hargs), f"{name}: {len(args)} arguments vs {len(hargs)} in the header"
+        for i, (a, h) in enumerate(zip(args, hargs)):
+            assert a in _ctypes_for(h), f"{name} argument {i}: {a} vs header {h}"
+
+
+@pytest.mark.skipif(not os.path.exists(HEADER), reason="capi/kvbm.h is in the source tree only")
+def test_status_codes_match_header():
+    import re
+
+    from kvbm._errors import BY_CODE
+
+    with open(HEADER) as f:
+        enum = dict((n, int(v)) for n, v in re.findall(r"(KVBM_(?:OK|ERR_[A-Z]+)) = (\d+)", f.read()))
+    assert enum.pop("KVBM_OK") == 0
+    assert sorted(enum.values()) == sorted(BY_CODE), "every error status maps to an exception class"
+    for name, code in enum.items():
+        assert BY_CODE[code].code == code, name
+
+
+def test_missing_symbol_is_an_error():
+    r = run_py(
+        """
+        import kvbm._native as n
+        n.register_signatures({"kvbm_no_such_export": (None, [])})
+        try:
+            n.lib()
+        except n.KvbmError as e:
+            print("error:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "error:" in r.stdout and "kvbm_no_such_export" in r.stdout

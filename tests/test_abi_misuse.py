@@ -25,6 +25,18 @@ def expect_error(name, *args, match):
     assert not _native.is_poisoned(), "library poisoned by " + name
 
 info = lambda h: ("kvbm_leader_info", h, byref(POINTER(c_uint8)()), byref(c_int64()))
+buf_out = lambda: (byref(POINTER(c_uint8)()), byref(c_int64()))
+HUGE = 1 << 62  # a garbage length: a Go slice this long panics, a smaller one reads past the array
+
+
+def make_worker():
+    import numpy as np
+    from kvbm._core import Worker
+    cache = np.zeros((2, 8, 4, 2, 8), dtype=np.uint16)
+    w = Worker(tensors=[(cache.ctypes.data, list(cache.shape), [s // 2 for s in cache.strides])],
+               kind="flash_attn", num_blocks=8, block_size=4, dtype_bytes=2)
+    w._keep = cache
+    return w
 """
 
 CASES = {
@@ -49,6 +61,85 @@ CASES = {
     "router hashes with NULL tokens": """
         out = (c_uint64 * 4)()
         expect_error("kvbm_router_hashes", None, 16, 4, None, out, 4, byref(c_int64()), match="invalid token array")
+    """,
+    "sequence hashes: bad token arrays and output count": """
+        out = (c_uint64 * 4)()
+        toks = (c_uint32 * 16)()
+        for n, t in ((-1, toks), (16, None), (HUGE, toks)):
+            expect_error("kvbm_sequence_hashes", t, n, 4, 0, out, 4, byref(c_int64()), match="invalid token array")
+        expect_error("kvbm_sequence_hashes", toks, 16, 4, 0, out, 4, None, match="null output count")
+    """,
+    "router hashes: huge count and NULL output count": """
+        out = (c_uint64 * 4)()
+        toks = (c_uint32 * 16)()
+        expect_error("kvbm_router_hashes", toks, HUGE, 4, None, out, 4, byref(c_int64()), match="invalid token array")
+        expect_error("kvbm_router_hashes", toks, 16, 4, None, out, 4, None, match="null output count")
+    """,
+    "NULL outputs of constructors and queries": """
+        expect_error("kvbm_salt_hash", None, 0, None, 0, None, match="null output")
+        expect_error("kvbm_config_check", None, 0, None, None, match="null output pointer")
+        expect_error("kvbm_leader_new", b"{}", None, match="null output pointer")
+        expect_error("kvbm_worker_new", b"{}", None, match="null output pointer")
+        expect_error("kvbm_consolidator_new", b"{}", None, match="null output pointer")
+        import kvbm._wire  # declares the side channel's exports
+        expect_error("kvbm_wire_leader_new", b"{}", None, match="null output pointer")
+        leader = Leader(block_size=4, bytes_per_block=64)
+        expect_error("kvbm_leader_info", leader._h, None, byref(c_int64()), match="null output pointer")
+        expect_error("kvbm_leader_info", leader._h, byref(POINTER(c_uint8)()), None, match="null output pointer")
+        expect_error("kvbm_leader_plan_background", leader._h, *buf_out(), None, match="null output pointer")
+        w = make_worker()
+        expect_error("kvbm_worker_info", w._h, None, None, match="null output pointer")
+        expect_error("kvbm_worker_finished", w._h, None, byref(c_int64()), match="null output pointer")
+        expect_error("kvbm_wire_worker_connect", w._h, b"{}", None, match="null output pointer")
+    """,
+    "leader match: bad tokens, request id, outputs": """
+        from ctypes import c_int32
+        leader = Leader(block_size=4, bytes_per_block=64)
+        toks = (c_uint32 * 16)()
+        outs = (byref(c_int64()), byref(c_int32()))
+        for n, t in ((16, None), (HUGE, toks)):
+            expect_error("kvbm_leader_match", leader._h, b"r", t, n, 0, 0, *outs, match="invalid token array")
+        expect_error("kvbm_leader_match", leader._h, b"r", toks, -1, 0, 0, *outs, match="negative length")
+        expect_error("kvbm_leader_match", leader._h, None, toks, 16, 0, 0, *outs, match="null request id")
+        expect_error("kvbm_leader_match", leader._h, b"r", toks, 16, 0, 0, None, outs[1], match="null output pointer")
+        expect_error("kvbm_leader_match", leader._h, b"r", toks, 16, 0, 0, outs[0], None, match="null output pointer")
+        assert leader.match("r", list(range(16)), 0, 0) == (0, False)  # still serving
+    """,
+    "leader update_after_alloc: bad block ids, request id, count": """
+        leader = Leader(block_size=4, bytes_per_block=64)
+        ids = (c_int64 * 4)()
+        for n, a in ((4, None), (-1, ids), (HUGE, ids)):
+            expect_error("kvbm_leader_update_after_alloc", leader._h, b"r", a, n, 0, match="invalid block id array")
+        expect_error("kvbm_leader_update_after_alloc", leader._h, None, ids, 4, 0, match="null request id")
+        expect_error("kvbm_leader_update_after_alloc", leader._h, b"r", ids, 4, -8, match="negative external")
+    """,
+    "leader step: bad update buffer and outputs": """
+        leader = Leader(block_size=4, bytes_per_block=64)
+        payload = bytes([0x93, 0x90, 0x90, 0x90])  # msgpack [[], [], []]
+        for n, b in ((8, None), (-1, payload), (HUGE, payload)):
+            expect_error("kvbm_leader_step", leader._h, b, n, *buf_out(), match="invalid update buffer")
+        expect_error("kvbm_leader_step", leader._h, payload, len(payload), None, byref(c_int64()),
+                     match="null output pointer")
+        assert leader.step([]) is not None  # still serving
+    """,
+    "leader request_finished: NULL request id and output": """
+        from ctypes import c_int32
+        leader = Leader(block_size=4, bytes_per_block=64)
+        expect_error("kvbm_leader_request_finished", leader._h, None, byref(c_int32()), match="null request id")
+        expect_error("kvbm_leader_request_finished", leader._h, b"r", None, match="null output pointer")
+    """,
+    "worker bind: bad plan buffer": """
+        w = make_worker()
+        for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
+            expect_error("kvbm_worker_bind", w._h, b, n, match="invalid plan buffer")
+    """,
+    "side-channel broadcast: bad operation buffer and info outputs": """
+        from kvbm._wire import WireLeader
+        wl = WireLeader(num_workers=1, transport="inproc")
+        for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
+            expect_error("kvbm_wire_leader_broadcast", wl._h, b, n, 1000, match="invalid operation buffer")
+        expect_error("kvbm_wire_leader_info", wl._h, None, None, match="null output pointer")
+        expect_error("kvbm_wire_leader_handshake", wl._h, 1, None, None, match="null output pointer")
     """,
     "degraded ranks: NULL array of 2^62": """
         leader = Leader(block_size=4, bytes_per_block=64)

@@ -1,6 +1,6 @@
 """The KV Event Consolidator with real peers: a pyzmq publisher sending both
 vLLM encodings, a pyzmq subscriber on the consolidated output, and a real
-nats-server receiving RouterEvent JSON (SPEC §7)."""
+nats-server receiving RouterEvent JSON (design §7)."""
 
 import asyncio
 import json

@@ -279,3 +279,21 @@ def test_list_reader_can_be_turned_off(monkeypatch):
     assert _native._pylist_reader() is False
     lst = list(range(2000))
     assert _native._list_to_u32(lst).tolist() == lst
+
+
+def test_worker_fingerprint_separates_models_and_dtypes(env):
+    caches = flash_attn_caches()
+
+    def fp(**kw):
+        w = Worker(tensors=describe(caches), kind="flash_attn", num_blocks=caches[0].shape[1], block_size=BS,
+                   dtype_bytes=caches[0].itemsize, **kw)
+        try:
+            return w.info()["fingerprint"]
+        finally:
+            w.close()
+
+    a = fp(model="org/tiny@main", dtype="torch.bfloat16")
+    assert len(a) == 32 and a == fp(model="org/tiny@main", dtype="torch.bfloat16")
+    assert a != fp(model="org/tiny@v2", dtype="torch.bfloat16")
+    assert a != fp(model="org/tiny@main", dtype="torch.float16")
+    assert a != fp(model="org/tiny@main", dtype="torch.bfloat16", rank=1, num_workers=2)

@@ -116,7 +116,7 @@ def test_round_trip(tmp_path, kind, mode, via):
     try:
         info = w.info()
         # batch falls back to staged on drivers without cuMemcpyBatchAsync;
-        # auto picks batch for TensorRT-LLM's 2 MiB contiguous blocks.
+        # auto picks batch for TensorRT-LLM's contiguous blocks.
         want = {"batch": ("batch", "staged"), "auto": ("batch", "staged")}.get(mode, (mode,))
         assert any(info["g1"].startswith("cuda:0 " + m) for m in want), info
 

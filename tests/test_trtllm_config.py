@@ -1,5 +1,5 @@
 """kvbm.trtllm_integration.consolidator_config: when the consolidator runs in
-a TensorRT-LLM engine and on which endpoints (SPEC §7.3)."""
+a TensorRT-LLM engine and on which endpoints (design §7.3)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def test_options_zmq_and_nats(monkeypatch):
     monkeypatch.setenv("DYN_NAMESPACE", "prod")
     monkeypatch.setenv("DYN_KVBM_WORKER_ID", "7")
     opts = cc.consolidator_options(OURS)
-    assert opts["nats"] is True and opts["namespace"] == "prod" and opts["component"] == "tensorrt_llm"
+    # The component is left to the consolidator's default for the engine ("tensorrt_llm").
+    assert opts["nats"] is True and opts["namespace"] == "prod" and not opts.get("component")
     assert opts["worker_id"] == 7
     monkeypatch.setenv("DYN_KVBM_WORKER_ID", "seven")
     with pytest.raises(ValueError, match="DYN_KVBM_WORKER_ID"):

@@ -11,6 +11,7 @@ import pytest
 
 from router_index import RouterIndex
 from trtllm_contract import (
+    APIS,
     Engine,
     FakeLlmRequest,
     InProcessPool,
@@ -96,16 +97,111 @@ def test_module_imports_without_tensorrt_llm():
     assert issubclass(c.DynamoKVBMConnectorWorker, c._common.KvCacheConnectorWorker)
 
 
+# TensorRT-LLM's connector base classes as abstract classes, with the
+# abstract methods of its API (restated from its interface).
+_FAKE_BASES = """
+from abc import ABC, abstractmethod
+
+
+class KvCacheConnectorScheduler(ABC):
+    def __init__(self, llm_args):
+        self._llm_args = llm_args
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output): ...
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request, num_computed_tokens): ...
+    @abstractmethod
+    def request_finished(self, request, cache_block_ids): ...
+    @abstractmethod
+    def update_state_after_alloc(self, request, block_ids): ...
+
+    def wait_for_initialization(self):
+        return None
+
+
+class KvCacheConnectorWorker(ABC):
+    def __init__(self, llm_args):
+        self._llm_args = llm_args
+        self._metadata = None
+
+    def bind_connector_meta(self, metadata):
+        self._metadata = metadata
+
+    def get_connector_meta(self):
+        return self._metadata
+
+    def _clear_connector_meta(self):
+        self._metadata = None
+
+    def register_forward_pass_callable(self):
+        return None
+
+    @abstractmethod
+    def register_kv_caches(self, kv_cache_tensor): ...
+    @abstractmethod
+    def start_load_kv(self, stream): ...
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx, stream): ...
+    @abstractmethod
+    def save_kv_layer(self, layer_idx, stream): ...
+    @abstractmethod
+    def wait_for_save(self, stream): ...
+    @abstractmethod
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids): ...
+"""
+
+
+@pytest.mark.parametrize("paths, want", [
+    (["kv_cache_connector.py"], "tensorrt_llm._torch.pyexecutor.kv_cache_connector"),
+    (["connectors/kv_cache_connector.py"], "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector"),
+], ids=["1.2", "main"])
+def test_connector_subclasses_the_engine_bases_at_either_module_path(tmp_path, paths, want):
+    """1.2 ships the bases in pyexecutor/kv_cache_connector.py, newer releases
+    in pyexecutor/connectors/: the connector classes derive from whichever is
+    installed and implement every abstract method (TensorRT-LLM instantiates
+    them)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "tensorrt_llm" / "_torch" / "pyexecutor"
+    (root / "connectors").mkdir(parents=True)
+    for d in (tmp_path / "tensorrt_llm", tmp_path / "tensorrt_llm" / "_torch", root, root / "connectors"):
+        (d / "__init__.py").write_text("")
+    for rel in paths:
+        (root / rel).write_text(_FAKE_BASES)
+    check = (
+        "import kvbm.trtllm_integration.connector as c\n"
+        "from kvbm.trtllm_integration.connector import _common\n"
+        f"assert _common.BASE_MODULE == {want!r}, _common.BASE_MODULE\n"
+        "import importlib\n"
+        "base = importlib.import_module(_common.BASE_MODULE)\n"
+        "assert issubclass(c.DynamoKVBMConnectorLeader, base.KvCacheConnectorScheduler)\n"
+        "assert issubclass(c.DynamoKVBMConnectorWorker, base.KvCacheConnectorWorker)\n"
+        "for cls in (c.DynamoKVBMConnectorLeader, c.DynamoKVBMConnectorWorker):\n"
+        "    assert not cls.__abstractmethods__, (cls.__name__, sorted(cls.__abstractmethods__))\n"
+        "assert c.DynamoKVBMConnectorLeader.wait_for_initialization is not base.KvCacheConnectorScheduler.wait_for_initialization\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("change, setting", [
     (dict(pp=2), "pipeline_parallel_size=2"),
     (dict(max_beam_width=4), "max_beam_width=4"),
     (dict(host_cache_size=1 << 30), "kv_cache_config.host_cache_size"),
     (dict(policy="MAX_UTILIZATION"), "capacity_scheduler_policy=MAX_UTILIZATION"),
+    (dict(kv_cache_manager_v2=True), "kv_cache_config.use_kv_cache_manager_v2=True"),
 ])
 def test_unsupported_settings_are_rejected_by_name(change, setting):
     from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
 
+    change = dict(change)
+    v2 = change.pop("kv_cache_manager_v2", None)
     args = make_llm_args(dict(BASE_SPEC, **change))
+    if v2 is not None:
+        args.kv_cache_config.use_kv_cache_manager_v2 = v2
     for cls in (DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker):
         with pytest.raises(ValueError, match=setting.replace("[", r"\[")):
             cls(args)
@@ -133,8 +229,9 @@ def test_policy_enum_is_accepted_by_name():
     check_supported(args)
 
 
-def test_offloaded_prefix_onboards_byte_exact_on_each_rank(make_engine):
-    eng = make_engine()
+@pytest.mark.parametrize("api", APIS)
+def test_offloaded_prefix_onboards_byte_exact_on_each_rank(make_engine, api):
+    eng = make_engine(api=api)
     assert [i["host_blocks"] for i in eng.infos] == [128, 128]
     assert eng.leader.info()["host_blocks"] == 128
     first = toks(5 * BS + 3)
@@ -155,8 +252,9 @@ def test_offloaded_prefix_onboards_byte_exact_on_each_rank(make_engine):
     assert len(saves_of(eng.plans)) == (len(b.tokens) - 1) // BS - 5
 
 
-def test_chunked_prefill_overlap_scheduler_and_resent_block_lists(make_engine):
-    eng = make_engine(chunk=2 * BS, overlap=True, resend_blocks=True)
+@pytest.mark.parametrize("api", APIS)
+def test_chunked_prefill_overlap_scheduler_and_resent_block_lists(make_engine, api):
+    eng = make_engine(chunk=2 * BS, overlap=True, resend_blocks=True, api=api)
     a = FakeLlmRequest(1, toks(6 * BS + 5), 12)
     eng.submit(a)
     eng.run()
@@ -191,8 +289,9 @@ def test_request_finished_while_its_last_block_is_saved(make_engine):
     assert b.matched == 2 * BS and loaded == [2]
 
 
-def test_preempted_request_is_replayed_with_its_prefix_loaded(make_engine):
-    eng = make_engine()
+@pytest.mark.parametrize("api", APIS)
+def test_preempted_request_is_replayed_with_its_prefix_loaded(make_engine, api):
+    eng = make_engine(api=api)
     a = FakeLlmRequest(1, toks(3 * BS + 2), 20)
     eng.submit(a)
     while a.generated < 7:
@@ -248,7 +347,8 @@ def test_rank0_worker_in_the_leader_process_reports_bytes_per_block(make_engine,
         pool.close()
 
 
-def test_leader_without_bytes_per_block_disables_itself(make_engine, tmp_path, caplog):
+@pytest.mark.parametrize("api", APIS)
+def test_leader_without_bytes_per_block_disables_itself(make_engine, tmp_path, caplog, api):
     from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader
 
     make_engine()  # sets the environment
@@ -256,6 +356,9 @@ def test_leader_without_bytes_per_block_disables_itself(make_engine, tmp_path, c
     os.environ["DYN_KVBM_CPU_CACHE_GB"] = "1"
     leader = DynamoKVBMConnectorLeader(make_llm_args(dict(BASE_SPEC, model_dir=str(tmp_path / "none"))))
     try:
+        if api == "main":
+            assert leader.wait_for_initialization() is None  # never raises into the engine
+            assert leader._disabled_reason is not None
         r = FakeLlmRequest(7, toks(20), 1)
         assert leader.get_num_new_matched_tokens(r, 0) == (0, False)
         assert leader.build_connector_meta(SchedulerOutput()) == b""
@@ -376,12 +479,10 @@ def test_leader_consolidator_merges_engine_and_kvbm_events_on_nats(make_engine, 
         eng = make_engine(env_extra={
             "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true", "DYN_KVBM_TRTLLM_ZMQ_PORT": str(zport),
             "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(pub_port), "DYN_KVBM_WORKER_ID": "3", "DYN_NAMESPACE": "ns",
+            # wait_for_initialization starts the leader and its consolidator.
+            "NATS_SERVER": f"nats://127.0.0.1:{nats_server}",
         }, spec_extra={"tp": 1}, workers=pool)
-        os.environ["NATS_SERVER"] = f"nats://127.0.0.1:{nats_server}"
-        try:
-            assert eng.leader.info()["host_blocks"] == 128  # starts the leader and its consolidator
-        finally:
-            os.environ.pop("NATS_SERVER")
+        assert eng.leader.info()["host_blocks"] == 128
         got = []
 
         def read_until(pred):
@@ -498,10 +599,13 @@ U64 = (1 << 64) - 1
     ((1 << 63) + 5, (1 << 63) + 6, False),
     ((1 << 63) + 5, 5, False),  # the high bit is not dropped
 ])
-def test_cache_salt_id_keeps_tenants_apart(make_engine, salt_a, salt_b, shared):
+@pytest.mark.parametrize("api", APIS)
+def test_cache_salt_id_keeps_tenants_apart(make_engine, salt_a, salt_b, shared, api):
     """TensorRT-LLM's LlmRequest.cache_salt_id: the same tokens under another
-    salt match nothing in G2; under the same salt they load byte-exact."""
-    eng = make_engine()
+    salt match nothing in G2; under the same salt they load byte-exact (1.2's
+    RequestData carries no salt: the LlmRequest's, read at matching, keys
+    the request's saves)."""
+    eng = make_engine(api=api)
     prompt = toks(4 * BS + 3)
     a = FakeLlmRequest(1, prompt, 2)
     a.cache_salt_id = salt_a
@@ -559,3 +663,107 @@ def test_cache_salt_id_is_mixed_as_its_decimal_string():
     assert _cache_salt(SimpleNamespace(cache_salt_id=None)) is None
     assert _native.salt_hash(_cache_salt(SimpleNamespace(cache_salt_id=U64))) != _native.salt_hash(
         _cache_salt(SimpleNamespace(cache_salt_id=U64 >> 1)))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_leader_starts_at_wait_for_initialization_or_on_first_use(make_engine, api):
+    """Newer TensorRT-LLM calls wait_for_initialization once every rank
+    registered its KV cache: the Go leader (its tiers, its consolidator)
+    starts there, not in the first request's matching; 1.2 never calls it
+    and the leader starts on first use."""
+    eng = make_engine(api=api)
+    assert (eng.leader._leader is not None) == (api == "main")
+    first = toks(3 * BS + 1)
+    run_and_onboard(eng, first, 1, first[:3 * BS] + [4, 4], expect_blocks=3)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_retention_priorities_from_the_engine_filter_offload_per_block(make_engine, api):
+    """A request's KvCacheRetentionConfig reaches the connector as one
+    priority per new block (newer RequestData.priorities): blocks [80, 80,
+    10] under a threshold of 35 offload the two 80s, and a later request
+    loads exactly those. 1.2 reports no priorities: every block has
+    TensorRT-LLM's default (35) and is offloaded."""
+    eng = make_engine(api=api, env_extra={"DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY": "35"})
+    a = FakeLlmRequest(1, toks(3 * BS + 1), 1)
+    a.retention = [80, 80, 10]
+    eng.submit(a)
+    eng.run()
+    kept = 2 if api == "main" else 3
+    assert len(saves_of(eng.plans)) == kept
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, kept), loaded.append(r.request_id))
+    b = eng.submit(FakeLlmRequest(2, a.tokens[:3 * BS] + [9, 9], 1))
+    eng.run()
+    assert b.matched == kept * BS and loaded == [2]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_split_context_lists_order_new_requests_by_chunk_state(make_engine, api):
+    """Newer ScheduledRequests keeps context requests still chunking apart
+    from those on their last chunk, and the connector manager lists the
+    chunking ones first: a request admitted later can come first in
+    SchedulerOutput. Both requests' blocks are saved under their own
+    prefixes and load byte-exact."""
+    eng = make_engine(api=api, chunk=2 * BS)
+    short = eng.submit(FakeLlmRequest(1, toks(BS + 1, start=300), 1))
+    long = eng.submit(FakeLlmRequest(2, toks(6 * BS + 1, start=600), 1))
+    eng.step()
+    first = [rd.request_id for rd in eng.outputs[0].new_requests]
+    assert first == ([2, 1] if api == "main" else [1, 2])
+    eng.run()
+    assert short.phase == long.phase == "done"
+    loaded = []
+    eng.on_loaded = lambda r: (eng.check_prefix(r, 0, r.matched // BS), loaded.append(r.request_id))
+    c = eng.submit(FakeLlmRequest(3, long.tokens[:6 * BS] + [1, 2], 1))
+    d = eng.submit(FakeLlmRequest(4, short.tokens[:BS] + [1, 2], 1))
+    eng.run()
+    assert (c.matched, d.matched) == (6 * BS, BS) and sorted(loaded) == [3, 4]
+
+
+def test_kv_cache_manager_v2_layout_turns_kvbm_off_on_both_sides(make_engine, caplog):
+    """Newer TensorRT-LLM with KVCacheManagerV2 (e.g. use_kv_cache_manager_v2=
+    auto resolving to it) registers a layout instead of the primary pool:
+    the worker turns kvbm off, the leader in its process follows at
+    wait_for_initialization, and requests are served without kvbm."""
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
+    from kvbm.trtllm_integration.connector._common import LOCAL
+
+    make_engine()  # sets the environment
+    LOCAL.reset()
+    args = make_llm_args(dict(BASE_SPEC, tp=1))
+    args.kv_cache_config.use_kv_cache_manager_v2 = "auto"
+    worker = DynamoKVBMConnectorWorker(args)
+    leader = DynamoKVBMConnectorLeader(args)
+    try:
+        assert "use_kv_cache_manager_v2=auto" in caplog.text
+        assert worker.register_kv_cache_layout(object()) is None
+        assert worker._worker is None and "KVCacheManagerV2" in worker._disabled_reason
+        leader.wait_for_initialization()
+        assert leader._leader is None and "KVCacheManagerV2" in leader._disabled_reason
+        r = FakeLlmRequest(1, toks(3 * BS + 1), 1)
+        assert leader.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert leader.build_connector_meta(SchedulerOutput()) == b""
+    finally:
+        leader.shutdown()
+        worker.shutdown()
+
+
+def test_cancelled_load_drops_it_and_turns_kvbm_off(make_engine):
+    """KVCacheManagerV2 may withdraw part of a promised load; kvbm plans loads
+    whole, so it drops the load (no plan carries it to the workers) and
+    stops promising loads."""
+    eng = make_engine()
+    a = eng.submit(FakeLlmRequest(1, toks(4 * BS + 1), 1))
+    eng.run()
+    assert a.phase == "done"
+    leader = eng.leader
+    b = FakeLlmRequest(2, a.tokens[:4 * BS] + [7], 1)
+    assert leader.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
+    leader.update_state_after_alloc(b, list(range(40, 45)))
+    assert leader.cancel_load(b, 2 * BS, 4 * BS) is None
+    assert leader._failed is not None and "cancelled tokens" in leader._failed
+    plan = leader.build_connector_meta(SchedulerOutput())
+    assert plan == b""
+    c = FakeLlmRequest(3, a.tokens[:4 * BS] + [8], 1)
+    assert leader.get_num_new_matched_tokens(c, 0) == (0, False)

@@ -1,5 +1,5 @@
 """ZmqKvEventPublisher: TensorRT-LLM KV event dicts → the consolidator's ZMQ
-input (SPEC §6.2), checked on the wire with a ZMQ SUB, and end to end through
+input (design §6.2), checked on the wire with a ZMQ SUB, and end to end through
 kvbm's consolidator to a real nats-server, read back into the router index."""
 
 from __future__ import annotations

@@ -251,3 +251,299 @@ def test_repeated_matching_of_a_waiting_request_is_cached_and_freed(engine):
     assert engine.sched.request_finished(w, []) == (False, None)
     assert leader._token_cache == {}
     engine.step(scheduler_output(finished=["w", "o"]), forward=False)
+
+
+# ------------------------------------------------------------------------------
+# Through FakeVllm: vLLM's scheduler and worker calls in their order, with
+# chunked prefill, preemption, aborts, and KV contents checked on every load.
+
+from kvbm.testing import vllm_fakes as vf  # noqa: E402
+
+
+def fake_vllm(num_blocks=NUM_BLOCKS, token_budget=64, groups=1, **kw):
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    kvc = vf.kv_cache_config(num_blocks, BS, LAYERS, HEADS, HEAD_DIM, groups=groups)
+    names = [n for g in kvc.kv_cache_groups for n in g.layer_names]
+    kv = {n: torch.zeros((2, num_blocks, HEADS, BS, HEAD_DIM), dtype=torch.float16) for n in names}
+    return vf.FakeVllm(DynamoConnector, vllm_config(BS), kvc, kv, token_budget=token_budget, **kw)
+
+
+@pytest.fixture
+def vllm(env):
+    made = []
+
+    def make(**kw):
+        made.append(fake_vllm(**kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def prompt(seed, n):
+    return [(seed * 7919 + i * 104729) % 30000 + 1 for i in range(n)]
+
+
+def test_fake_engine_serves_a_repeated_prompt_from_kvbm(vllm):
+    eng = vllm()
+    p = prompt(1, 5 * BS + 1)
+    eng.add(vf.FakeRequest("a", p))
+    eng.run()
+    b = eng.add(vf.FakeRequest("b", p))
+    eng.run()
+    assert b.external_hits == [5 * BS]
+    assert eng.wrong_kv == []
+    assert eng.recving_reports == ["b"]
+
+
+def test_chunked_prefill_offloads_each_block_once_as_it_fills(vllm):
+    """A prompt prefilled over several steps (token budget): each step saves
+    only blocks its forward pass completed, every block exactly once, and
+    the prompt is later served whole from kvbm."""
+    eng = vllm(token_budget=2 * BS + 1)
+    p = prompt(2, 6 * BS + 2)
+    a = eng.add(vf.FakeRequest("a", p, max_tokens=1))
+    computed_after, saved = [], []
+    while a.status != vf.FINISHED:
+        meta = eng.step()
+        saved.append([s[0] for s in plan_summary(meta.plan)["saves"]])
+        computed_after.append(a.num_computed_tokens if a.status != vf.FINISHED else len(p))
+    assert len(saved) >= 3, "the prompt was not chunked"
+    blocks = list(range(NUM_BLOCKS))[:7]  # the fake allocates G1 blocks in order
+    for step_saves, computed in zip(saved, computed_after):
+        assert all(blocks.index(b) < computed // BS for b in step_saves), (saved, computed_after)
+    assert sorted(b for s in saved for b in s) == blocks[:6]
+    eng.run()
+    b = eng.add(vf.FakeRequest("b", p))
+    eng.run()
+    assert b.external_hits == [6 * BS] and eng.wrong_kv == []
+
+
+def test_preempted_request_resumes_from_kvbm(vllm):
+    """G1 runs out while two requests decode: vLLM preempts the newer one
+    and frees its blocks; on resumption it is matched again, gets back from
+    kvbm what it had computed, and what it computes after resuming is saved
+    under its new G1 blocks."""
+    eng = vllm(num_blocks=8)
+    a = eng.add(vf.FakeRequest("a", prompt(3, 4 * BS - 1), max_tokens=4))
+    b = eng.add(vf.FakeRequest("b", prompt(4, 4 * BS - 1), max_tokens=3))
+    eng.run()
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
+    assert b.external_hits[0] == 0 and b.external_hits[1] >= 3 * BS, b.external_hits
+    assert any(b.request_id in so.scheduled_cached_reqs.resumed_req_ids for so in eng.outputs), "b was not resumed"
+    assert eng.wrong_kv == []
+    assert len(b.output) == 3
+    # Everything b computed, before and after the preemption, is in kvbm
+    # with the right contents.
+    full = list(b.all_token_ids)
+    c = eng.add(vf.FakeRequest("c", full, max_tokens=1))
+    eng.run()
+    assert c.external_hits == [(len(full) - 1) // BS * BS] and eng.wrong_kv == []
+
+
+@pytest.mark.parametrize("when", ["load_planned", "load_reported"])
+def test_request_aborted_while_loading_is_reported_once_and_frees_its_blocks(vllm, when):
+    """vLLM keeps the G1 blocks of an aborted WAITING_FOR_REMOTE_KVS request
+    until a worker reports its load, and asserts on a report for a request
+    it no longer holds: the load is reported exactly once, the blocks come
+    back, and kvbm's source blocks are released (the prompt still hits)."""
+    eng = vllm()
+    p = prompt(5, 5 * BS + 1)
+    eng.add(vf.FakeRequest("a", p))
+    eng.run()
+
+    def abort_once_planned(fake, meta):
+        if meta.plan and "b" in plan_summary(meta.plan)["loads"]:
+            fake.abort("b")
+
+    b = eng.add(vf.FakeRequest("b", p))
+    if when == "load_planned":  # arrives while the step that carries the load runs
+        eng.after_schedule = abort_once_planned
+    else:  # arrives after the worker reported the load, before the request is scheduled
+        deadline = time.monotonic() + 60
+        while "b" not in eng.finished_recving and time.monotonic() < deadline:
+            eng.step()
+        eng.abort("b")
+    eng.run()
+    assert b.status == vf.FINISHED and b.output == []
+    assert eng.recving_reports.count("b") == 1
+    eng.after_schedule = None
+    c = eng.add(vf.FakeRequest("c", p))
+    eng.run()
+    assert c.external_hits == [5 * BS] and eng.wrong_kv == []
+
+
+def _raise(*_args, **_kwargs):
+    raise RuntimeError("injected kvbm failure")
+
+
+# Each engine call of both roles, by the kvbm object call it makes.
+ENGINE_CALLS = [
+    ("sched", "get_num_new_matched_tokens", "match"),
+    ("sched", "update_state_after_alloc", "update_after_alloc"),
+    ("sched", "build_connector_meta", "step"),
+    ("sched", "request_finished", "request_finished"),
+    ("worker", "bind_connector_metadata", "bind"),
+    ("worker", "start_load_kv", "start_load"),
+    ("worker", "wait_for_save", "wait_for_save"),
+    ("worker", "get_finished", "finished"),
+]
+
+
+@pytest.mark.parametrize("when", ["before_admission", "while_loading"])
+@pytest.mark.parametrize("side,call,target", ENGINE_CALLS, ids=[c[1] for c in ENGINE_CALLS])
+def test_failure_at_each_engine_call_keeps_vllm_serving(vllm, side, call, target, when):
+    """kvbm fails inside one engine call (before a hit is admitted, or while
+    its load is with the worker): the call returns normally, kvbm is off for
+    that side, every request finishes, every G1 block comes back, and no
+    load is reported twice or with wrong contents."""
+    eng = vllm(token_budget=2 * BS + 1)
+    p, q = prompt(6, 5 * BS + 1), prompt(7, 4 * BS + 3)
+    eng.add(vf.FakeRequest("a", p))
+    eng.run()
+    conn = eng.sched if side == "sched" else eng.worker
+    obj = conn._leader if side == "sched" else conn._worker
+
+    def inject():
+        setattr(obj, target, _raise)
+
+    def inject_once_b_loads(fake, meta):
+        if meta.plan and "b" in plan_summary(meta.plan)["loads"]:
+            inject()
+            fake.after_schedule = None
+
+    if when == "before_admission":
+        inject()
+    else:
+        eng.after_schedule = inject_once_b_loads
+    reqs = [eng.add(vf.FakeRequest(r, toks, max_tokens=3)) for r, toks in (("b", p), ("c", q), ("d", p))]
+    eng.run()
+    assert conn._failed is not None and conn._failed.lstrip("_").startswith(call), conn._failed
+    assert all(r.status == vf.FINISHED and len(r.output) == 3 for r in reqs)
+    assert len(eng.free) == NUM_BLOCKS
+    assert eng.wrong_kv == []
+    # Every load vLLM waited for was reported, once (a failed load sends the
+    # request back through matching: a second admission, a second load).
+    for r in reqs:
+        assert eng.recving_reports.count(r.request_id) == r.loads_promised, (r.request_id, eng.recving_reports)
+    if when == "while_loading":
+        assert reqs[0].loads_promised >= 1
+    # Nothing kvbm does after the failure reaches the engine.
+    assert conn.get_block_ids_with_load_errors() == set()
+
+
+def test_worker_that_cannot_start_keeps_vllm_serving(env, monkeypatch):
+    """register_kv_caches fails (the worker cannot be created): the
+    scheduler still promises loads, and the worker answers each one as
+    failed, so vLLM recomputes instead of waiting."""
+    import kvbm._core
+
+    class Broken:
+        def __init__(self, *a, **k):
+            raise RuntimeError("injected: no pinned memory")
+
+    monkeypatch.setattr(kvbm._core, "Worker", Broken)
+    eng = fake_vllm()
+    try:
+        assert eng.worker._failed is not None and eng.worker._failed.startswith("register_kv_caches")
+        p = prompt(8, 3 * BS + 1)
+        eng.add(vf.FakeRequest("a", p))
+        eng.run()
+        b = eng.add(vf.FakeRequest("b", p))
+        eng.run()
+        assert b.status == vf.FINISHED and len(eng.free) == NUM_BLOCKS and eng.wrong_kv == []
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kind", ["mm_features", "prompt_embeds"])
+def test_multimodal_and_embedding_prompts_bypass_kvbm_both_ways(vllm, kind):
+    """Token ids do not identify the KV of a multimodal prompt (image
+    placeholders) or of prompt embeddings: such a request gets no hit from a
+    text prompt with the same ids, and what it computes is never offloaded
+    (a text prompt with the same ids must not receive it)."""
+    eng = vllm()
+    p = prompt(9, 4 * BS + 1)
+    special = {kind: [SimpleNamespace(identifier="img0")] if kind == "mm_features" else torch.zeros(1)}
+    m = eng.add(vf.FakeRequest("m", p, **special))
+    eng.run()
+    assert m.external_hits == [0]
+    assert all(not meta.plan or not plan_summary(meta.plan)["saves"] for meta in eng.metas), "multimodal KV offloaded"
+    t = eng.add(vf.FakeRequest("t", p))
+    eng.run()
+    assert t.external_hits == [0]
+    m2 = eng.add(vf.FakeRequest("m2", p, **special))
+    eng.run()
+    assert m2.external_hits == [0] and eng.wrong_kv == []
+    assert eng.sched._failed is None and eng.worker._failed is None
+
+
+def test_hybrid_model_disables_kvbm_on_both_sides_and_vllm_serves(vllm, caplog):
+    """Several KV cache groups (hybrid or mixed-shape model): kvbm turns
+    itself off with a log line naming why, on the scheduler and on the
+    worker (no host memory taken), and the engine serves without it."""
+    eng = vllm(groups=2)
+    for side in (eng.sched, eng.worker):
+        assert side._disabled_reason and "2 KV cache groups" in side._disabled_reason
+    assert eng.sched._leader is None and eng.worker._worker is None
+    p = prompt(10, 3 * BS + 1)
+    a = eng.add(vf.FakeRequest("a", p))
+    eng.run()
+    b = eng.add(vf.FakeRequest("b", p))
+    eng.run()
+    assert a.external_hits == b.external_hits == [0]
+    assert all(not meta.plan for meta in eng.metas)
+    assert "kvbm disabled for this engine" in caplog.text
+
+
+def events_config(endpoint="tcp://*:5557", enabled=True):
+    return SimpleNamespace(enable_kv_cache_events=enabled, endpoint=endpoint, publisher="zmq")
+
+
+@pytest.mark.parametrize("endpoint, env, message", [
+    ("ipc:///tmp/kv-events", {}, "kv_events_config.endpoint='ipc:///tmp/kv-events': expected tcp://host:port"),
+    ("tcp://*:70000", {}, "kv_events_config.endpoint port=70000"),
+    ("tcp://*:5557", {"DYN_KVBM_LEADER_ZMQ_PUB_PORT": "65000"}, "consolidator output port"),
+    ("tcp://*:5557", {"DYN_KVBM_KV_EVENTS_BIND_HOST": "tcp://0.0.0.0"}, "DYN_KVBM_KV_EVENTS_BIND_HOST"),
+])
+def test_consolidator_configuration_errors_fail_start_up_by_name(env, endpoint, monkeypatch, message):
+    """An endpoint the consolidator cannot use is a configuration error: the
+    scheduler-side connector fails vLLM's start-up naming the setting,
+    instead of serving without the consolidated event stream."""
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg = vllm_config(BS)
+    cfg.kv_events_config = events_config(endpoint)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        DynamoConnector(cfg, SimpleNamespace(name="SCHEDULER"), kv_cache_config())
+
+
+def test_consolidator_runs_only_for_kvbm_with_prefix_caching_and_events(env):
+    from kvbm.vllm_integration.consolidator_config import should_enable_consolidator
+
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg = vllm_config(BS)
+    cfg.kv_events_config = events_config()
+    assert should_enable_consolidator(cfg)
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
+    assert not should_enable_consolidator(cfg)
+    env.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
+    cfg.kv_events_config = events_config(enabled=False)
+    assert not should_enable_consolidator(cfg), "vLLM publishes no events"
+    cfg.kv_events_config = events_config()
+    cfg.cache_config.enable_prefix_caching = False
+    assert not should_enable_consolidator(cfg), "no prefix caching: no block events to merge"
+    cfg.cache_config.enable_prefix_caching = True
+    cfg.kv_transfer_config = SimpleNamespace(kv_connector="LMCacheConnectorV1", kv_connector_module_path=None,
+                                             kv_connector_extra_config={})
+    assert not should_enable_consolidator(cfg), "another connector"
+    cfg.kv_transfer_config = SimpleNamespace(
+        kv_connector="PdConnector", kv_connector_module_path=None,
+        kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"},
+                                                  {"kv_connector": "DynamoConnector"}]})
+    assert should_enable_consolidator(cfg), "kvbm inside Dynamo's PdConnector"

@@ -57,6 +57,29 @@ class RequestData:
 
 
 @dataclass
+class RequestData12:
+    """TensorRT-LLM 1.2's RequestData: no priorities, no cache salt."""
+
+    request_id: int
+    new_tokens: list
+    new_block_ids: list
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+# The connector API versions the stand-in reproduces:
+# * "1.2": RequestData12; SchedulerOutput lists context requests in schedule
+#   order, then generation requests; wait_for_initialization is never called.
+# * "main": RequestData with per-block retention priorities (None without a
+#   retention config) and cache_salt_id; ScheduledRequests splits context
+#   requests into those still chunking and those on their last chunk, and
+#   the manager lists context_requests_chunking + context_requests_last_chunk,
+#   then generation requests; wait_for_initialization follows
+#   register_kv_caches.
+APIS = ("1.2", "main")
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list = field(default_factory=list)
     cached_requests: list = field(default_factory=list)
@@ -131,6 +154,13 @@ class FakeLlmRequest:
         self.sampled_iter = -1
         self.lora_task_id = None
         self.cache_salt_id = None  # u64, derived by the LLM API from the request's salt string
+        # KvCacheRetentionConfig as the KV cache manager resolves it: the
+        # retention priority of block i is retention[min(i, len - 1)]; None
+        # without a retention config.
+        self.retention: Optional[list] = None
+
+    def block_priority(self, i: int) -> int:
+        return self.retention[min(i, len(self.retention) - 1)]
 
     def get_tokens(self, beam: int):
         assert beam == 0
@@ -300,7 +330,9 @@ class Engine:
     """One TensorRT-LLM instance: the leader here, the workers in processes."""
 
     def __init__(self, leader, pool: WorkerPool, spec: dict, *, chunk: int | None = None, overlap: bool = False,
-                 resend_blocks: bool = False):
+                 resend_blocks: bool = False, api: str = "main"):
+        assert api in APIS, api
+        self.api = api
         self.leader = leader
         self.pool = pool
         self.bs = spec["bs"]
@@ -322,6 +354,10 @@ class Engine:
         self.loads_finished: dict[int, int] = {}  # request id → iteration its load was released
         self.events: list[tuple] = []
         self.on_loaded = None  # callback(request) when a load is released on all ranks
+        self.outputs: list[SchedulerOutput] = []
+        if api == "main":
+            # PyExecutor, once every rank registered its KV cache.
+            leader.wait_for_initialization()
 
     # -- helpers
     def alloc(self, n: int) -> list[int]:
@@ -379,6 +415,7 @@ class Engine:
         so = SchedulerOutput()
         scheduled = []
         writes = []
+        chunking, last_chunk, generation = [], [], []
         for r in self.active:
             if r.phase == "context":
                 sched = len(r.tokens) - r.ctx_pos
@@ -386,6 +423,7 @@ class Engine:
                     sched = min(sched, self.chunk)
                 rd = self._request_data(r, r.tokens, r.ctx_pos, sched)
                 lo, hi = r.ctx_pos, r.ctx_pos + sched
+                (chunking if self.api == "main" and hi < len(r.tokens) else last_chunk).append((r, rd))
             elif r.phase == "generation":
                 pos = len(r.tokens) - 1
                 if pos // bs >= len(r.blocks):
@@ -393,13 +431,16 @@ class Engine:
                 visible = r.tokens[:-1] if self.overlap and r.sampled_iter == self.iter - 1 else r.tokens
                 rd = self._request_data(r, visible, len(visible) - 1, 1)
                 lo, hi = pos, pos + 1
+                generation.append((r, rd))
             else:
                 continue
-            (so.new_requests if not r.reported else so.cached_requests).append(rd)
-            r.reported = True
             scheduled.append((r, hi))
             for i in range(lo // bs, (hi - 1) // bs + 1):
                 writes.append((r.blocks[i], self.key(r, min((i + 1) * bs, hi))))
+        for r, rd in chunking + last_chunk + generation:
+            (so.new_requests if not r.reported else so.cached_requests).append(rd)
+            r.reported = True
+        self.outputs.append(so)
 
         # 3. _kv_connector_start_batch (only when something was scheduled,
         # loading requests included) and the forward pass.
@@ -438,8 +479,13 @@ class Engine:
         new_tokens = list(visible[r.rep_tokens:])
         r.rep_tokens = max(r.rep_tokens, len(visible))
         new_blocks = list(r.blocks) if (self.resend and r.reported) else list(r.blocks[r.rep_blocks:])
+        first_new = len(r.blocks) - len(new_blocks)
         r.rep_blocks = len(r.blocks)
-        return RequestData(r.request_id, new_tokens, new_blocks, computed, sched, cache_salt_id=r.cache_salt_id)
+        if self.api == "1.2":
+            return RequestData12(r.request_id, new_tokens, new_blocks, computed, sched)
+        prios = None if r.retention is None else [r.block_priority(first_new + i) for i in range(len(new_blocks))]
+        return RequestData(r.request_id, new_tokens, new_blocks, computed, sched, priorities=prios,
+                           cache_salt_id=r.cache_salt_id)
 
     def _get_finished(self) -> None:
         saving, loading = self.new_saving, self.new_loading

@@ -19,7 +19,18 @@ const MaxBlocks = math.MaxInt32
 var (
 	availableMemory = memAvailable
 	availableDisk   = diskAvailable
+	openFilesLimit  = nofileLimit
 )
+
+// nofileLimit is this process's soft limit on open files (RLIMIT_NOFILE);
+// ok is false where it cannot be read or is unlimited.
+func nofileLimit() (limit uint64, ok bool) {
+	var r syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &r); err != nil || r.Cur == math.MaxUint64 {
+		return 0, false
+	}
+	return r.Cur, true
+}
 
 // memAvailable is the kernel's estimate of memory available for new
 // allocations without swapping (MemAvailable in /proc/meminfo), in bytes;
@@ -104,4 +115,42 @@ func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 	check(c.DiskEnabled(), c.DiskCacheOverrideBlocks, c.DiskCacheGB, EnvDiskCacheGB, EnvDiskCacheOverrideBlocks,
 		"disk space in "+c.DiskCacheDir, func() (uint64, bool) { return availableDisk(c.DiskCacheDir) })
 	return errors.Join(errs...)
+}
+
+// TierBlocks sizes the host (G2) and disk (G3) tiers, in blocks, for
+// numWorkers ranks of bytesPerBlock bytes each (design §2): CheckBlocks, then
+// HostBlocks / DiskBlocks of the total. A configured tier that holds no
+// block is an error naming its variable, and so is no tier at all
+// (ErrNoTier). The leader, the side channel's handshake and every worker
+// size the tiers with this one function, so they agree.
+func (c *Config) TierBlocks(bytesPerBlock int64, numWorkers int) (host, disk int, err error) {
+	if bytesPerBlock < 1 || numWorkers < 1 {
+		return 0, 0, fmt.Errorf("tier sizing: %d workers × %d bytes per block: both must be positive", numWorkers, bytesPerBlock)
+	}
+	total := bytesPerBlock * int64(numWorkers)
+	if total/int64(numWorkers) != bytesPerBlock {
+		return 0, 0, fmt.Errorf("tier sizing: %d workers × %d bytes per block overflows", numWorkers, bytesPerBlock)
+	}
+	if err := c.CheckBlocks(total); err != nil {
+		return 0, 0, err
+	}
+	none := func(gbVar, overrideVar string, gb float64) error {
+		return &VarError{Name: gbVar, Value: strconv.FormatFloat(gb, 'g', -1, 64), Reason: fmt.Sprintf(
+			"holds no block of %d bytes (%d workers × %d bytes per block); raise it or set %s",
+			total, numWorkers, bytesPerBlock, overrideVar)}
+	}
+	if c.HostEnabled() {
+		if host = c.HostBlocks(total); host < 1 {
+			return 0, 0, none(EnvCPUCacheGB, EnvCPUCacheOverrideBlocks, c.CPUCacheGB)
+		}
+	}
+	if c.DiskEnabled() {
+		if disk = c.DiskBlocks(total); disk < 1 {
+			return 0, 0, none(EnvDiskCacheGB, EnvDiskCacheOverrideBlocks, c.DiskCacheGB)
+		}
+	}
+	if host == 0 && disk == 0 {
+		return 0, 0, ErrNoTier
+	}
+	return host, disk, nil
 }

@@ -109,3 +109,28 @@ func TestMachineCapacityReadable(t *testing.T) {
 	require.True(t, ok)
 	require.Positive(t, disk)
 }
+
+// One sizing rule for the leader, the handshake and every worker.
+func TestTierBlocks(t *testing.T) {
+	machine(t, 16e9, 100e9)
+	dir := t.TempDir()
+	c, err := load(t, map[string]string{EnvCPUCacheGB: "1", EnvDiskCacheOverrideBlocks: "7", EnvDiskCacheDir: dir})
+	require.NoError(t, err)
+	host, disk, err := c.TierBlocks(1e6, 2) // 2 MB a block over both ranks
+	require.NoError(t, err)
+	require.Equal(t, 500, host)
+	require.Equal(t, 7, disk, "an override wins over GB")
+
+	_, _, err = c.TierBlocks(1e9, 2) // 1 GB of 2 GB blocks
+	requireVarError(t, err, EnvCPUCacheGB, "holds no block")
+
+	_, _, err = c.TierBlocks(0, 1)
+	require.ErrorContains(t, err, "must be positive")
+	_, _, err = c.TierBlocks(1<<62, 4)
+	require.ErrorContains(t, err, "overflows")
+
+	none, err := load(t, map[string]string{})
+	require.NoError(t, err, "loading needs no tier; sizing does")
+	_, _, err = none.TierBlocks(1e6, 1)
+	require.ErrorIs(t, err, ErrNoTier)
+}

@@ -1,4 +1,4 @@
-// Package config reads every kvbm environment variable (SPEC §8) once, into
+// Package config reads every kvbm environment variable (design §8) once, into
 // one typed Config.
 //
 // Rules, in the order users hit them:
@@ -30,6 +30,7 @@ const (
 	EnvDiskCacheOverrideBlocks      = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
 	EnvLeaderWorkerInitTimeoutSecs  = "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"
@@ -42,6 +43,11 @@ const (
 	EnvMaxTransferBatchSize         = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE"
 	EnvMetrics                      = "DYN_KVBM_METRICS"
 	EnvMetricsPort                  = "DYN_KVBM_METRICS_PORT"
+	EnvMetricsMaxConnections        = "DYN_KVBM_METRICS_MAX_CONNECTIONS"
+	EnvMetricsReadHeaderTimeoutSecs = "DYN_KVBM_METRICS_READ_HEADER_TIMEOUT_SECS"
+	EnvMetricsReadTimeoutSecs       = "DYN_KVBM_METRICS_READ_TIMEOUT_SECS"
+	EnvMetricsWriteTimeoutSecs      = "DYN_KVBM_METRICS_WRITE_TIMEOUT_SECS"
+	EnvMetricsIdleTimeoutSecs       = "DYN_KVBM_METRICS_IDLE_TIMEOUT_SECS"
 	EnvCacheStatsMaxRequests        = "DYN_KVBM_CACHE_STATS_MAX_REQUESTS"
 	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
 	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
@@ -51,7 +57,7 @@ const (
 	EnvNatsServer                   = "NATS_SERVER"
 )
 
-// Defaults (SPEC §8).
+// Defaults (design §8).
 const (
 	DefaultDiskCacheDir            = "/tmp/"
 	DefaultLeaderWorkerInitTimeout = 1800 * time.Second
@@ -68,9 +74,21 @@ const (
 	DefaultMaxConcurrentTransfers = 4
 	DefaultMaxTransferBatchSize   = 16
 	DefaultMetricsPort            = 6880
-	DefaultCacheStatsMaxRequests  = 1000
-	DefaultCacheStatsLogInterval  = 5 * time.Second
-	DefaultNatsServer             = "nats://localhost:4222"
+	// The metrics endpoint's bounds (goext/metrics.ServerOptions): a scrape
+	// is one small request every few seconds, so a handful of scrapers need
+	// far fewer connections than this, and an idle or trickling connection
+	// is closed long before descriptors run short.
+	DefaultMetricsMaxConnections    = 64
+	DefaultMetricsReadHeaderTimeout = 5 * time.Second
+	DefaultMetricsReadTimeout       = 10 * time.Second
+	DefaultMetricsWriteTimeout      = 30 * time.Second
+	DefaultMetricsIdleTimeout       = 30 * time.Second
+	// MaxMetricsConnections bounds DYN_KVBM_METRICS_MAX_CONNECTIONS: every
+	// connection holds a file descriptor of the engine's process.
+	MaxMetricsConnections        = 4096
+	DefaultCacheStatsMaxRequests = 1000
+	DefaultCacheStatsLogInterval = 5 * time.Second
+	DefaultNatsServer            = "nats://localhost:4222"
 	// DefaultZMQMaxMessageMB: a ZeroMQ peer that declares a bigger message
 	// is disconnected (goext/zmqguard). Well above the largest legitimate
 	// one: a plan takes 18 bytes per block copy, an event batch one step.
@@ -87,6 +105,8 @@ type Config struct {
 	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
 	DiskCacheDir            string  // directory of the disk tier file
 	DiskDisableODirect      bool    // open the disk tier file without O_DIRECT
+	// DiskPersist keeps the disk tier file across restarts (docs/persistent-g3.md).
+	DiskPersist bool
 
 	DisableDiskOffloadFilter     bool // offload every G2 block to G3, not only repeated ones
 	HostOffloadPrefixMinPriority int  // G1→G2 offload only at or above this priority
@@ -103,6 +123,14 @@ type Config struct {
 
 	Metrics     bool // serve Prometheus on 0.0.0.0:MetricsPort/metrics
 	MetricsPort int
+	// Bounds of the metrics endpoint: connections held at once, and the time
+	// a connection may take to send its headers, its whole request, to take
+	// the response, and idle between requests.
+	MetricsMaxConnections    int
+	MetricsReadHeaderTimeout time.Duration
+	MetricsReadTimeout       time.Duration
+	MetricsWriteTimeout      time.Duration
+	MetricsIdleTimeout       time.Duration
 
 	CacheStatsMaxRequests int           // hit-rate window, in requests
 	CacheStatsLogInterval time.Duration // hit-rate log period
@@ -135,6 +163,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
+		DiskPersist:             p.boolean(EnvDiskPersist, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
 		HostOffloadPrefixMinPriority: p.count(EnvHostOffloadPrefixMinPriority, 0, 0),
@@ -151,6 +180,12 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		Metrics:     p.boolean(EnvMetrics, false),
 		MetricsPort: p.port(EnvMetricsPort, DefaultMetricsPort),
+
+		MetricsMaxConnections:    p.count(EnvMetricsMaxConnections, DefaultMetricsMaxConnections, 1),
+		MetricsReadHeaderTimeout: p.seconds(EnvMetricsReadHeaderTimeoutSecs, DefaultMetricsReadHeaderTimeout),
+		MetricsReadTimeout:       p.seconds(EnvMetricsReadTimeoutSecs, DefaultMetricsReadTimeout),
+		MetricsWriteTimeout:      p.seconds(EnvMetricsWriteTimeoutSecs, DefaultMetricsWriteTimeout),
+		MetricsIdleTimeout:       p.seconds(EnvMetricsIdleTimeoutSecs, DefaultMetricsIdleTimeout),
 
 		CacheStatsMaxRequests: p.count(EnvCacheStatsMaxRequests, DefaultCacheStatsMaxRequests, 1),
 		CacheStatsLogInterval: p.seconds(EnvCacheStatsLogIntervalSecs, DefaultCacheStatsLogInterval),
@@ -173,9 +208,31 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		if err := checkWritableDir(c.DiskCacheDir); err != nil {
 			p.fail(EnvDiskCacheDir, c.DiskCacheDir, err.Error())
 		} else if reason := checkCapacity(uint64(gbToBytes(c.DiskCacheGB)), "disk space in "+c.DiskCacheDir,
-			func() (uint64, bool) { return availableDisk(c.DiskCacheDir) }); reason != "" {
+			func() (uint64, bool) {
+				free, ok := availableDisk(c.DiskCacheDir)
+				if ok && c.DiskPersist {
+					free += persistentTierBytes(c.DiskCacheDir)
+				}
+				return free, ok
+			}); reason != "" {
 			p.fail(EnvDiskCacheGB, fmt.Sprint(c.DiskCacheGB), reason)
 		}
+	}
+	// Checked when set: the default fits any open-file limit worth running an engine under.
+	if _, set := p.get(EnvMetricsMaxConnections); !set || !p.ok(EnvMetricsMaxConnections) {
+	} else if c.MetricsMaxConnections > MaxMetricsConnections {
+		p.fail(EnvMetricsMaxConnections, fmt.Sprint(c.MetricsMaxConnections),
+			fmt.Sprintf("must be at most %d (each connection holds a file descriptor of the engine's process)",
+				MaxMetricsConnections))
+	} else if limit, ok := openFilesLimit(); ok && uint64(c.MetricsMaxConnections) > limit/2 {
+		p.fail(EnvMetricsMaxConnections, fmt.Sprint(c.MetricsMaxConnections),
+			fmt.Sprintf("more than half of this process's open-file limit (%d): a flood of metrics "+
+				"connections would leave the engine without descriptors", limit))
+	}
+	if p.ok(EnvMetricsReadHeaderTimeoutSecs, EnvMetricsReadTimeoutSecs) &&
+		c.MetricsReadHeaderTimeout > c.MetricsReadTimeout {
+		p.fail(EnvMetricsReadHeaderTimeoutSecs, fmt.Sprint(int64(c.MetricsReadHeaderTimeout/time.Second)),
+			"must not exceed "+EnvMetricsReadTimeoutSecs+" (the headers are part of the request)")
 	}
 	// A size the machine cannot hold fails here, at start-up; the block
 	// counts are checked again against the block size (CheckBlocks).
@@ -260,8 +317,8 @@ func (c *Config) Summary() string {
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
-		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s)\n",
-			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter))
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist))
 	}
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
 	fmt.Fprintf(&b, "  transfers: %d concurrent batches of up to %d blocks\n",
@@ -270,7 +327,9 @@ func (c *Config) Summary() string {
 		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout, c.LeaderWorkerLiveness)
 	fmt.Fprintf(&b, "  zmq: messages up to %d MiB\n", c.ZMQMaxMessageMB)
 	if c.Metrics {
-		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics\n", c.MetricsPort)
+		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics (up to %d connections; timeouts: headers %s, "+
+			"request %s, response %s, idle %s)\n", c.MetricsPort, c.MetricsMaxConnections,
+			c.MetricsReadHeaderTimeout, c.MetricsReadTimeout, c.MetricsWriteTimeout, c.MetricsIdleTimeout)
 	} else {
 		b.WriteString("  metrics: off\n")
 	}

@@ -28,20 +28,25 @@ func TestDefaults(t *testing.T) {
 	c, err := load(t, nil)
 	require.NoError(t, err)
 	require.Equal(t, &Config{
-		DiskCacheDir:            "/tmp/",
-		LeaderWorkerInitTimeout: 1800 * time.Second,
-		LeaderWorkerLiveness:    10 * time.Second,
-		LeaderZMQHost:           "127.0.0.1",
-		LeaderZMQPubPort:        56001,
-		LeaderZMQAckPort:        56002,
-		MaxConcurrentTransfers:  4,
-		MaxTransferBatchSize:    16,
-		MetricsPort:             6880,
-		CacheStatsMaxRequests:   1000,
-		CacheStatsLogInterval:   5 * time.Second,
-		EnableConsolidator:      true,
-		NatsServer:              "nats://localhost:4222",
-		ZMQMaxMessageMB:         64,
+		DiskCacheDir:             "/tmp/",
+		LeaderWorkerInitTimeout:  1800 * time.Second,
+		LeaderWorkerLiveness:     10 * time.Second,
+		LeaderZMQHost:            "127.0.0.1",
+		LeaderZMQPubPort:         56001,
+		LeaderZMQAckPort:         56002,
+		MaxConcurrentTransfers:   4,
+		MaxTransferBatchSize:     16,
+		MetricsPort:              6880,
+		MetricsMaxConnections:    64,
+		MetricsReadHeaderTimeout: 5 * time.Second,
+		MetricsReadTimeout:       10 * time.Second,
+		MetricsWriteTimeout:      30 * time.Second,
+		MetricsIdleTimeout:       30 * time.Second,
+		CacheStatsMaxRequests:    1000,
+		CacheStatsLogInterval:    5 * time.Second,
+		EnableConsolidator:       true,
+		NatsServer:               "nats://localhost:4222",
+		ZMQMaxMessageMB:          64,
 	}, c)
 	require.False(t, c.HostEnabled())
 	require.False(t, c.DiskEnabled())
@@ -102,6 +107,7 @@ func TestVariables(t *testing.T) {
 		EnvConsolidatorMaxBlocks:  func(c *Config) any { return c.ConsolidatorMaxBlocks },
 		EnvCacheStatsMaxRequests:  func(c *Config) any { return c.CacheStatsMaxRequests },
 		EnvZMQMaxMessageMB:        func(c *Config) any { return c.ZMQMaxMessageMB },
+		EnvMetricsMaxConnections:  func(c *Config) any { return c.MetricsMaxConnections },
 	} {
 		add(env,
 			tc{name: "valid", value: "8", check: num(get, 8)},
@@ -114,6 +120,11 @@ func TestVariables(t *testing.T) {
 		EnvLeaderWorkerInitTimeoutSecs: func(c *Config) any { return c.LeaderWorkerInitTimeout },
 		EnvLeaderWorkerLivenessSecs:    func(c *Config) any { return c.LeaderWorkerLiveness },
 		EnvCacheStatsLogIntervalSecs:   func(c *Config) any { return c.CacheStatsLogInterval },
+		// DYN_KVBM_METRICS_READ_HEADER_TIMEOUT_SECS: TestMetricsServerLimits
+		// (it may not exceed the request timeout).
+		EnvMetricsReadTimeoutSecs:  func(c *Config) any { return c.MetricsReadTimeout },
+		EnvMetricsWriteTimeoutSecs: func(c *Config) any { return c.MetricsWriteTimeout },
+		EnvMetricsIdleTimeoutSecs:  func(c *Config) any { return c.MetricsIdleTimeout },
 	} {
 		add(env,
 			tc{name: "valid", value: "60", check: num(get, time.Minute)},
@@ -233,6 +244,39 @@ func TestAllErrorsReportedTogether(t *testing.T) {
 		require.Contains(t, msg, s)
 	}
 	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), 4)
+}
+
+// The metrics endpoint's connection cap is bounded by a fixed maximum and by
+// the process's open-file limit, and its header timeout by its request
+// timeout; each refusal names the variable.
+func TestMetricsServerLimits(t *testing.T) {
+	_, err := load(t, map[string]string{EnvMetricsMaxConnections: "5000"})
+	requireVarError(t, err, EnvMetricsMaxConnections, "at most 4096")
+
+	old := openFilesLimit
+	t.Cleanup(func() { openFilesLimit = old })
+	openFilesLimit = func() (uint64, bool) { return 256, true }
+	c, err := load(t, map[string]string{EnvMetricsMaxConnections: "128"})
+	require.NoError(t, err)
+	require.Equal(t, 128, c.MetricsMaxConnections)
+	_, err = load(t, map[string]string{EnvMetricsMaxConnections: "129"})
+	requireVarError(t, err, EnvMetricsMaxConnections, "open-file limit (256)")
+	openFilesLimit = func() (uint64, bool) { return 16, true }
+	_, err = load(t, nil)
+	require.NoError(t, err, "the default is not held against the limit")
+
+	for value, reason := range map[string]string{"0": "at least 1", "-5": "must not be negative", "5s": "not an integer"} {
+		_, err = load(t, map[string]string{EnvMetricsReadHeaderTimeoutSecs: value})
+		requireVarError(t, err, EnvMetricsReadHeaderTimeoutSecs, reason)
+	}
+	c, err = load(t, map[string]string{EnvMetricsReadHeaderTimeoutSecs: "2"})
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, c.MetricsReadHeaderTimeout)
+	_, err = load(t, map[string]string{EnvMetricsReadHeaderTimeoutSecs: "20"})
+	requireVarError(t, err, EnvMetricsReadHeaderTimeoutSecs, "must not exceed "+EnvMetricsReadTimeoutSecs)
+	c, err = load(t, map[string]string{EnvMetricsReadHeaderTimeoutSecs: "20", EnvMetricsReadTimeoutSecs: "20"})
+	require.NoError(t, err)
+	require.Equal(t, 20*time.Second, c.MetricsReadHeaderTimeout)
 }
 
 func TestLeaderPortsMustDiffer(t *testing.T) {

@@ -32,6 +32,14 @@ const (
 	zmqHighWaterMark = 10_000
 )
 
+// DefaultNamespace is the NATS subject namespace when Config.Namespace is
+// empty (Dynamo's default namespace).
+const DefaultNamespace = "dynamo"
+
+// defaultComponent is the NATS subject component per engine when
+// Config.Component is empty.
+var defaultComponent = map[Engine]string{EngineVllm: "backend", EngineTrtllm: "tensorrt_llm"}
+
 // Config configures a Consolidator. At least one output (ZMQBind or
 // NATSURL) is required; inputs are optional (kvbm's in-process events
 // arrive through Publish).
@@ -48,10 +56,13 @@ type Config struct {
 	// port (see ZMQEndpoint). Empty: no ZMQ output.
 	ZMQBind string
 	// NATSURL enables RouterEvent JSON output to NATS (e.g.
-	// "nats://localhost:4222", SPEC's NATS_SERVER). Empty: no NATS output.
+	// "nats://localhost:4222", NATS_SERVER). Empty: no NATS output.
 	NATSURL   string
-	Namespace string // NATS subject namespace (required with NATSURL)
-	Component string // NATS subject component (required with NATSURL), e.g. "tensorrt_llm"
+	// Namespace and Component name the NATS subject. Defaults: namespace
+	// DefaultNamespace; component "tensorrt_llm" for TensorRT-LLM and
+	// "backend" for vLLM, the components Dynamo's workers register.
+	Namespace string
+	Component string
 	// LegacySubject publishes on the pre-2025-12 suffix "kv_events" instead
 	// of "kv-events".
 	LegacySubject bool
@@ -89,7 +100,7 @@ type Stats struct {
 	NATSBuffered   int    // RouterEvents waiting for NATS
 }
 
-// Consolidator merges engine and kvbm KV events (SPEC §7). It implements
+// Consolidator merges engine and kvbm KV events (design §7). It implements
 // events.Sink for kvbm's in-process tier events.
 //
 // Goroutines, all owned by the Consolidator and stopped by Close:
@@ -234,6 +245,12 @@ func (cfg *Config) normalize() error {
 		cfg.ZMQBind = ep
 	}
 	if cfg.NATSURL != "" {
+		if cfg.Namespace == "" {
+			cfg.Namespace = DefaultNamespace
+		}
+		if cfg.Component == "" {
+			cfg.Component = defaultComponent[cfg.Engine]
+		}
 		if err := events.ValidateSubjectToken("NATS namespace", cfg.Namespace); err != nil {
 			return fmt.Errorf("consolidator: %w", err)
 		}
@@ -298,6 +315,15 @@ func normalizeEndpoint(what, ep, star string, bind bool) (string, error) {
 // ZMQEndpoint is the bound ZMQ output address (with the real port when
 // ZMQBind asked for port 0); "" without ZMQ output.
 func (c *Consolidator) ZMQEndpoint() string { return c.pubEP }
+
+// NATSSubject is the subject RouterEvents are published on ("" without NATS
+// output).
+func (c *Consolidator) NATSSubject() string {
+	if c.nats == nil {
+		return ""
+	}
+	return c.nats.subject
+}
 
 // Publish implements events.Sink: it applies one kvbm tier event (Holder
 // KvbmHost or KvbmDisk; the external hash is SeqHash, the parent Parent if

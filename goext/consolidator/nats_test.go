@@ -287,3 +287,24 @@ func TestNATSDownAtStart(t *testing.T) {
 	checkStored(t, nextMsg(t, msgs), 0, 0, 1, nil, tokA, "")
 	checkStored(t, nextMsg(t, msgs), 0, 1, 2, u64p(1), tokB, "")
 }
+
+// Empty namespace and component take Dynamo's defaults for the engine; the
+// consolidator is their one definition (the adapters pass only what the user set).
+func TestNATSSubjectDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		engine  Engine
+		ns      string
+		subject string
+	}{
+		{EngineVllm, "", "namespace.dynamo.component.backend.kv-events"},
+		{EngineTrtllm, "", "namespace.dynamo.component.tensorrt_llm.kv-events"},
+		{EngineTrtllm, "prod", "namespace.prod.component.tensorrt_llm.kv-events"},
+	} {
+		// An address nothing listens on: NATS being down is not an error.
+		c, err := New(Config{Engine: tc.engine, NATSURL: "nats://127.0.0.1:1", Namespace: tc.ns,
+			ReconnectMin: time.Millisecond, ReconnectMax: 10 * time.Millisecond})
+		require.NoError(t, err)
+		require.Equal(t, tc.subject, c.NATSSubject())
+		require.NoError(t, c.Close())
+	}
+}

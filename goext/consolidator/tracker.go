@@ -1,6 +1,6 @@
 // Package consolidator merges the engine's KV events (G1) with kvbm's host
 // (G2) and disk (G3) tier events into one stream for KV-aware routers
-// (SPEC §7): one STORE per logical block, one REMOVE when no holder has it
+// (design §7): one STORE per logical block, one REMOVE when no holder has it
 // any more.
 package consolidator
 
@@ -76,7 +76,7 @@ func (b *block) holders() (set uint8) {
 	return set
 }
 
-// Tracker is the deduplication state machine of SPEC §7.2. It is not safe
+// Tracker is the deduplication state machine of design §7.2. It is not safe
 // for concurrent use: the Consolidator serialises all calls under its lock.
 //
 // Its memory is bounded: beyond maxBlocks logical blocks it forgets the
@@ -153,7 +153,7 @@ func NewTracker(engine Engine, logger *slog.Logger, opts ...TrackerOption) *Trac
 	return t
 }
 
-// holderName renders a holder as the log lines of SPEC §7.2 do: the engine
+// holderName renders a holder as the log lines of design §7.2 do: the engine
 // as Vllm or Trtllm, kvbm's tiers as KvbmHost and KvbmDisk.
 func (t *Tracker) holderName(h events.Holder) string {
 	if h == events.HolderEngine {
@@ -166,7 +166,7 @@ func validHolder(h events.Holder) bool {
 	return h >= events.HolderEngine && h <= events.HolderKvbmDisk
 }
 
-// Key returns the dedup key of a block: the router sequence hash (SPEC §3)
+// Key returns the dedup key of a block: the router sequence hash (design §3)
 // of its tokens chained onto its parent's key, or its local hash when the
 // parent is absent or not tracked (an unknown parent keys the block as a
 // first block, as the reference does).
@@ -397,7 +397,7 @@ func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	return true
 }
 
-// ClearAll forgets every block and queues CLEAR (SPEC §7.2). kvbm's later
+// ClearAll forgets every block and queues CLEAR (design §7.2). kvbm's later
 // removals of blocks it still held are then warned about as unknown, and
 // its re-registrations published as new STOREs, as in the reference.
 func (t *Tracker) ClearAll() {
@@ -413,7 +413,7 @@ func (t *Tracker) ClearAll() {
 }
 
 // ClearHolder drops holder h as a holder of every block (the engine's
-// AllBlocksCleared, or a reset of one of kvbm's tiers), SPEC §7.2: blocks
+// AllBlocksCleared, or a reset of one of kvbm's tiers), design §7.2: blocks
 // no other holder keeps are removed, each with a REMOVE under its first
 // hash, so the router keeps the blocks kvbm can still onboard. When no other
 // holder keeps anything, it is ClearAll: one CLEAR.

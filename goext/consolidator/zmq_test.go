@@ -194,7 +194,7 @@ func TestConfigValidation(t *testing.T) {
 		{"input without scheme", Config{ZMQBind: "tcp://127.0.0.1:0", EngineEndpoints: []string{"localhost:5557"}}, "not a ZMQ endpoint"},
 		{"input port 0", Config{ZMQBind: "tcp://127.0.0.1:0", EngineEndpoints: []string{"tcp://127.0.0.1:0"}}, "not in 1..65535"},
 		{"output port out of range", Config{ZMQBind: "tcp://0.0.0.0:70000"}, "not in 0..65535"},
-		{"nats without namespace", Config{NATSURL: "nats://127.0.0.1:1", Component: "backend"}, "NATS namespace is empty"},
+		{"nats namespace with a space", Config{NATSURL: "nats://127.0.0.1:1", Namespace: "my ns", Component: "backend"}, "NATS namespace"},
 		{"nats component with a dot", Config{NATSURL: "nats://127.0.0.1:1", Namespace: "dynamo", Component: "a.b"}, "NATS component"},
 		{"negative buffer", Config{ZMQBind: "tcp://127.0.0.1:0", BufferLimit: -1}, "buffer limit -1"},
 		{"bad engine", Config{ZMQBind: "tcp://127.0.0.1:0", Engine: 7}, "neither vLLM nor TensorRT-LLM"},

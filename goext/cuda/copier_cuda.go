@@ -53,8 +53,27 @@ const DefaultMode = Staged
 // batchMinRun: Auto picks Batch over Staged when every contiguous piece of a
 // block in G1 is at least this long and the driver has cuMemcpyBatchAsync.
 // On an H200, 32 KiB pieces (vLLM FlashAttention, 8 heads × 128 × 16
-// tokens) reached only 44/36 GB/s that way; 64 KiB pieces 51/50 GB/s.
+// tokens) reached only 32–49 GB/s one way that way and the two directions
+// did not add up; 64 KiB pieces (FlashInfer) 50/50 GB/s, 90–92% of a
+// contiguous copy, 2 MiB pieces (TensorRT-LLM's whole block) 95–96%, both
+// with the engine's matmuls barely slowed.
 const batchMinRun = 64 << 10
+
+// DefaultDMAStreams is Options.DMAStreams' default for Staged and Direct
+// (one per staging slot), DefaultBatchStreams for Batch. On an H200 a
+// second DMA stream per direction let Staged move 87 GB/s both ways while
+// the engine's matmuls ran instead of 75, and Batch over TensorRT-LLM's
+// 2 MiB blocks reached 95 GB/s both ways on 4 streams instead of 89 on one
+// (docs/cuda.md).
+const (
+	DefaultDMAStreams   = 2
+	DefaultBatchStreams = 4
+)
+
+// DefaultStagedThreads is Options.StagedThreads' default. Thread blocks of
+// 64 or 32 threads, which might share an SM with the engine's kernels,
+// slowed an H200's matmuls as much as 256 (docs/cuda.md).
+const DefaultStagedThreads = 256
 
 var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch"}
 
@@ -98,6 +117,23 @@ type Options struct {
 	// device-to-device pass over a 64 MiB slot then takes tens of
 	// microseconds, so it slips in between the engine's kernels.
 	StagedCTAs int
+	// StagedThreads is the thread-block size of the gather/scatter kernel
+	// in Staged mode (default DefaultStagedThreads; KVBM_CUDA_STAGED_THREADS,
+	// 32..256, a multiple of 32).
+	StagedThreads int
+	// StagedLowPriority runs the gather/scatter kernel on a stream of the
+	// lowest priority instead of the highest (KVBM_CUDA_STAGED_PRIORITY=low):
+	// its thread blocks then start only where the engine's kernels leave
+	// SMs idle, typically the last wave of a kernel.
+	StagedLowPriority bool
+	// DMAStreams is how many DMA streams each direction spreads its copies
+	// over (default DefaultDMAStreams, for Batch DefaultBatchStreams;
+	// KVBM_CUDA_DMA_STREAMS, at most 8). Batch splits a
+	// batch's copies between them, Staged and Direct alternate them; the
+	// driver can then run a direction's copies on more than one copy
+	// engine, so per-copy overhead overlaps and one busy engine does not
+	// hold up the other direction.
+	DMAStreams int
 	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
@@ -118,7 +154,8 @@ type region struct {
 // the calls of that direction.
 type lane struct {
 	mu     sync.Mutex
-	stream cu.Stream // DMA copies (and the Kernel/Direct modes' work)
+	stream cu.Stream   // DMA copies (and the Kernel mode's work); dma[0]
+	dma    []cu.Stream // every DMA stream of the direction, stream first
 	// Staged mode: the gather/scatter kernels run on kstream (highest
 	// priority, so its few thread blocks get SMs ahead of the engine's
 	// queued work); kDone[s]/dDone[s] mark the kernel's and the DMA's last
@@ -186,6 +223,24 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20)
 	envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1)
 	envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1)
+	envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1)
+	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
+	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
+	case "", "high":
+	case "low":
+		opts.StagedLowPriority = true
+	default:
+		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
+	}
+	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
+		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
+	}
+	if opts.StagedThreads <= 0 {
+		opts.StagedThreads = DefaultStagedThreads
+	}
+	if opts.DMAStreams > 8 {
+		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
+	}
 	if opts.StagingBytes <= 0 {
 		opts.StagingBytes = 128 << 20
 	}
@@ -211,14 +266,21 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		c.mode = DefaultMode
 		// Blocks made of long contiguous pieces (TensorRT-LLM: one 2 MiB
 		// piece; FlashInfer: K and V of a layer, 64 KiB here) cross PCIe
-		// without any kernel through the driver's batched copy as fast or
-		// nearly as fast, with the engine's matmuls undisturbed (docs/cuda.md).
+		// without any kernel through the driver's batched copy nearly as
+		// fast, with the engine's matmuls barely disturbed (docs/cuda.md).
 		if c.minRun >= batchMinRun && batchInit() == nil {
 			c.mode = Batch
 		}
 	default:
 		c.mode = opts.Mode
 	}
+	if c.opts.DMAStreams <= 0 {
+		c.opts.DMAStreams = DefaultDMAStreams
+		if c.mode == Batch {
+			c.opts.DMAStreams = DefaultBatchStreams
+		}
+	}
+	opts = c.opts
 	c.depth = opts.PipelineDepth
 	c.stagingSlots = int(max(1, opts.StagingBytes/int64(c.depth)/c.bpb))
 
@@ -260,9 +322,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	if c.stagedGrid <= 0 {
 		c.stagedGrid = sms
 	}
-	_, greatest, err := cu.StreamPriorityRange()
+	least, greatest, err := cu.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("cuda copier: stream priority range: %w", err)
+	}
+	kprio := greatest
+	if opts.StagedLowPriority {
+		kprio = least
 	}
 	if c.fenceEv, err = cu.MakeEvent(cu.DisableTiming); err != nil {
 		return nil, fmt.Errorf("cuda copier: create event: %w", err)
@@ -270,10 +336,15 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	for i := range c.lanes {
 		l := &lane{}
 		c.lanes[i] = l
-		if l.stream, err = cu.MakeStream(cu.NonBlocking); err != nil {
-			return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+		for range opts.DMAStreams {
+			s, err := cu.MakeStream(cu.NonBlocking)
+			if err != nil {
+				return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+			}
+			l.dma = append(l.dma, s)
 		}
-		if l.kstream, err = cu.MakeStreamWithPriority(greatest, cu.NonBlocking); err != nil {
+		l.stream = l.dma[0]
+		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
 			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
 		}
 		for range c.depth {
@@ -416,10 +487,17 @@ func (c *Copier) Device() int { return c.ordinal }
 
 func (c *Copier) String() string {
 	if c.mode == Staged {
-		return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d, %d×%d-block staging slots)%s", c.ordinal, c.mode, c.vecOK, c.stagedGrid, c.depth, c.stagingSlots, c.batchNote)
+		prio := ""
+		if c.opts.StagedLowPriority {
+			prio = ", low priority"
+		}
+		return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d×%d%s, %d×%d-block staging slots, %d DMA streams)%s", c.ordinal, c.mode, c.vecOK, c.stagedGrid, c.opts.StagedThreads, prio, c.depth, c.stagingSlots, c.opts.DMAStreams, c.batchNote)
 	}
 	if c.mode == Batch {
-		return fmt.Sprintf("cuda:%d %s copies (cuMemcpyBatchAsync, no kernel)", c.ordinal, c.mode)
+		return fmt.Sprintf("cuda:%d %s copies (cuMemcpyBatchAsync on %d streams, no kernel)", c.ordinal, c.mode, c.opts.DMAStreams)
+	}
+	if c.mode == Direct {
+		return fmt.Sprintf("cuda:%d %s copies (%d DMA streams)", c.ordinal, c.mode, c.opts.DMAStreams)
 	}
 	return fmt.Sprintf("cuda:%d %s copies (vec16=%v, grid %d)", c.ordinal, c.mode, c.vecOK, c.grid)
 }
@@ -454,9 +532,14 @@ func (c *Copier) Fence() error {
 	c.fenceMu.Lock()
 	defer c.fenceMu.Unlock()
 	return c.with(func() error {
-		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(),
-			rawStream(&c.lanes[0].stream), rawStream(&c.lanes[1].stream),
-			rawStream(&c.lanes[0].kstream), rawStream(&c.lanes[1].kstream))
+		var streams []uintptr
+		for _, l := range c.lanes {
+			for i := range l.dma {
+				streams = append(streams, rawStream(&l.dma[i]))
+			}
+			streams = append(streams, rawStream(&l.kstream))
+		}
+		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(), streams...)
 	})
 }
 
@@ -532,7 +615,7 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		}
 		// Wait even after an enqueue error: work already queued may still
 		// touch the buffers the caller is about to reuse.
-		if serr := errors.Join(l.stream.Synchronize(), l.kstream.Synchronize()); serr != nil {
+		if serr := l.synchronize(); serr != nil {
 			err = errors.Join(err, fmt.Errorf("cuda copier: synchronize: %w", serr))
 		}
 		return err
@@ -540,34 +623,29 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 }
 
 func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	// Blocks adjacent in G1 and in host memory go as one copy.
-	for i := 0; i < len(blocks); {
+	// Blocks adjacent in G1 and in host memory go as one copy; copies
+	// alternate between the DMA streams.
+	for i, k := 0, 0; i < len(blocks); {
 		j := i + 1
 		for j < len(blocks) && blocks[j] == blocks[j-1]+1 && c.blockStride == c.bpb && host[j] == host[j-1]+uintptr(c.bpb) {
 			j++
 		}
-		if err := c.dma(l.stream, toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
+		if err := c.dma(l.dma[k%len(l.dma)], toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
 			return fmt.Errorf("cuda copier: copy G1 block %d: %w", blocks[i], err)
 		}
-		i = j
+		i, k = j, k+1
 	}
 	return nil
 }
 
 // runBatch moves every chunk with the driver's batched copy, merging chunks
-// adjacent in both G1 and host memory, at most batchMax copies per call.
+// adjacent in both G1 and host memory. The copies are split into one
+// contiguous share per DMA stream, at most batchMax copies per call.
 func (c *Copier) runBatch(l *lane, toG1 bool, blocks []int, host []uintptr) error {
 	const batchMax = 8192
 	e := c.eng
-	var dsts, srcs, sizes []uint64
-	flush := func() error {
-		if len(sizes) == 0 {
-			return nil
-		}
-		err := memcpyBatch(dsts, srcs, sizes, toG1, c.ordinal, rawStream(&l.stream))
-		dsts, srcs, sizes = dsts[:0], srcs[:0], sizes[:0]
-		return err
-	}
+	n := len(blocks) * e.NumLayers * e.OuterDim
+	dsts, srcs, sizes := make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)
 	for i, b := range blocks {
 		for ly := 0; ly < e.NumLayers; ly++ {
 			for o := 0; o < e.OuterDim; o++ {
@@ -577,21 +655,23 @@ func (c *Copier) runBatch(l *lane, toG1 bool, blocks []int, host []uintptr) erro
 				if toG1 {
 					d, s = g, h
 				}
-				if n := len(sizes); n > 0 && dsts[n-1]+sizes[n-1] == d && srcs[n-1]+sizes[n-1] == s {
-					sizes[n-1] += uint64(e.ChunkBytes)
+				if k := len(sizes); k > 0 && dsts[k-1]+sizes[k-1] == d && srcs[k-1]+sizes[k-1] == s {
+					sizes[k-1] += uint64(e.ChunkBytes)
 					continue
-				}
-				if len(sizes) == batchMax {
-					if err := flush(); err != nil {
-						return fmt.Errorf("cuda copier: batched copy: %w", err)
-					}
 				}
 				dsts, srcs, sizes = append(dsts, d), append(srcs, s), append(sizes, uint64(e.ChunkBytes))
 			}
 		}
 	}
-	if err := flush(); err != nil {
-		return fmt.Errorf("cuda copier: batched copy: %w", err)
+	ns := min(len(l.dma), len(sizes))
+	for k := range ns {
+		lo, hi := k*len(sizes)/ns, (k+1)*len(sizes)/ns
+		for ; lo < hi; lo += batchMax {
+			m := min(hi, lo+batchMax)
+			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&l.dma[k])); err != nil {
+				return fmt.Errorf("cuda copier: batched copy: %w", err)
+			}
+		}
 	}
 	return nil
 }
@@ -618,14 +698,14 @@ func (c *Copier) runKernel(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	if err != nil {
 		return err
 	}
-	return c.launch(l.stream, c.grid, toG1, ids, dAddrs, len(blocks), addrs)
+	return c.launch(l.stream, c.grid, 256, toG1, ids, dAddrs, len(blocks), addrs)
 }
 
 // runStaged pipelines the batch through the lane's staging slots. Offload,
 // chunk j in slot s = j mod depth:
 //
-//	kstream: wait dDone[s] (the DMA of chunk j-depth left slot s) → gather chunk j into slot s → record kDone[s]
-//	stream:  wait kDone[s] → DMA slot s → host → record dDone[s]
+//	kstream:        wait dDone[s] (the DMA of chunk j-depth left slot s) → gather chunk j into slot s → record kDone[s]
+//	dma[j mod n]:   wait kDone[s] → DMA slot s → host → record dDone[s]
 //
 // Onboard mirrors it (DMA host → slot first, then the scatter kernel). The
 // kernels use a small fixed grid; PCIe is crossed by the copy engines only,
@@ -668,6 +748,7 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	for j, lo := 0, 0; lo < len(blocks); j, lo = j+1, lo+per {
 		hi := min(lo+per, len(blocks))
 		s := j % c.depth
+		ds := l.dma[j%len(l.dma)] // this chunk's DMA stream
 		off := cu.DevicePtr(8 * lo)
 		if !toG1 {
 			if j >= c.depth {
@@ -675,14 +756,14 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 					return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
 				}
 			}
-			if err := c.launch(l.kstream, c.stagedGrid, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
+			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
-			if err := errors.Join(l.kDone[s].Record(l.kstream), l.stream.Wait(l.kDone[s], 0)); err != nil {
+			if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
 				return fmt.Errorf("cuda copier: order staging copies: %w", err)
 			}
 		} else if j >= c.depth {
-			if err := l.stream.Wait(l.kDone[s], 0); err != nil {
+			if err := ds.Wait(l.kDone[s], 0); err != nil {
 				return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
 			}
 		}
@@ -691,19 +772,19 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 			for k < hi && host[k] == host[k-1]+uintptr(c.bpb) {
 				k++
 			}
-			if err := c.dma(l.stream, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
+			if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
 				return fmt.Errorf("cuda copier: staging copy of G1 block %d: %w", blocks[i], err)
 			}
 			i = k
 		}
-		if err := l.dDone[s].Record(l.stream); err != nil {
+		if err := l.dDone[s].Record(ds); err != nil {
 			return fmt.Errorf("cuda copier: record staging copy: %w", err)
 		}
 		if toG1 {
 			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
 				return fmt.Errorf("cuda copier: order staging copies: %w", err)
 			}
-			if err := c.launch(l.kstream, c.stagedGrid, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
+			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
 			if err := l.kDone[s].Record(l.kstream); err != nil {
@@ -747,7 +828,7 @@ func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (id
 // launch runs the copy kernel over n batch entries on s with at most maxGrid
 // thread blocks. addrs are the entries' host-side (or staging) addresses,
 // checked for 16-byte alignment.
-func (c *Copier) launch(s cu.Stream, maxGrid int, toG1 bool, ids, dAddrs cu.DevicePtr, n int, addrs []uintptr) error {
+func (c *Copier) launch(s cu.Stream, maxGrid, threads int, toG1 bool, ids, dAddrs cu.DevicePtr, n int, addrs []uintptr) error {
 	fn := c.fnVec
 	if !c.vecOK || c.bpb%16 != 0 {
 		fn = c.fnB1
@@ -773,10 +854,22 @@ func (c *Copier) launch(s cu.Stream, maxGrid int, toG1 bool, ids, dAddrs cu.Devi
 	for i := range args {
 		params[i] = unsafe.Pointer(&args[i])
 	}
-	if err := fn.Launch(grid, 1, 1, 256, 1, 1, 0, s, params); err != nil {
+	if err := fn.Launch(grid, 1, 1, threads, 1, 1, 0, s, params); err != nil {
 		return fmt.Errorf("cuda copier: launch copy kernel (%d blocks): %w", n, err)
 	}
 	return nil
+}
+
+// synchronize waits for every stream of the lane.
+func (l *lane) synchronize() error {
+	var errs []error
+	for i := range l.dma {
+		errs = append(errs, l.dma[i].Synchronize())
+	}
+	if l.kstream != (cu.Stream{}) {
+		errs = append(errs, l.kstream.Synchronize())
+	}
+	return errors.Join(errs...)
 }
 
 func (l *lane) freeDesc() error {
@@ -801,20 +894,18 @@ func (c *Copier) release() error {
 			continue
 		}
 		l.mu.Lock()
-		for _, st := range []*cu.Stream{&l.stream, &l.kstream} {
-			if *st != (cu.Stream{}) {
-				errs = append(errs, st.Synchronize())
-			}
-		}
+		errs = append(errs, l.synchronize())
 		errs = append(errs, l.freeDesc())
 		if l.staging != 0 {
 			errs = append(errs, cu.MemFree(l.staging))
 			l.staging = 0
 		}
-		for _, st := range []*cu.Stream{&l.stream, &l.kstream} {
-			if *st != (cu.Stream{}) {
-				errs = append(errs, st.Destroy())
-			}
+		for i := range l.dma {
+			errs = append(errs, l.dma[i].Destroy())
+		}
+		l.dma, l.stream = nil, cu.Stream{}
+		if l.kstream != (cu.Stream{}) {
+			errs = append(errs, l.kstream.Destroy())
 		}
 		for i := range l.kDone {
 			errs = append(errs, cu.DestroyEvent(&l.kDone[i]))

@@ -190,7 +190,8 @@ func TestParseMode(t *testing.T) {
 	require.ErrorContains(t, err, "DYN_KVBM_CUDA_COPY")
 }
 
-// TestAutoMode: Batch for long contiguous pieces when the driver has it.
+// TestAutoMode: Batch for blocks of long contiguous pieces (≥ 64 KiB) when
+// the driver has it, Staged for shorter pieces; and the DMA streams' defaults.
 func TestAutoMode(t *testing.T) {
 	needGPU(t)
 	// TensorRT-LLM, 2 layers × K/V × 16 KiB chunks: one 64 KiB piece a block.
@@ -198,11 +199,20 @@ func TestAutoMode(t *testing.T) {
 	c, err := New(g.eng, Options{})
 	require.NoError(t, err)
 	defer c.Close()
-	want := Staged
+	want, streams := Staged, DefaultDMAStreams
 	if batchInit() == nil {
-		want = Batch
+		want, streams = Batch, DefaultBatchStreams
 	}
 	require.Equal(t, want, c.Mode(), c.String())
+	require.Len(t, c.lanes[1].dma, streams)
+	// FlashAttention, K and V of a layer apart: 32 KiB pieces.
+	g = newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2)
+	c2, err := New(g.eng, Options{})
+	require.NoError(t, err)
+	defer c2.Close()
+	require.Equal(t, Staged, c2.Mode(), c2.String())
+	require.Len(t, c2.lanes[0].dma, DefaultDMAStreams)
+	require.Contains(t, c2.String(), fmt.Sprintf("×%d,", DefaultStagedThreads))
 }
 
 func TestDirectNeedsContiguousBlocks(t *testing.T) {
@@ -331,14 +341,39 @@ func TestRoundTrip(t *testing.T) {
 				})
 				if m == Staged {
 					t.Run(name+"/depth2x3", func(t *testing.T) {
-						c, err := New(g.eng, Options{Mode: m, PipelineDepth: 2, StagingBytes: 6 * g.eng.BytesPerBlock(), StagedCTAs: 1})
+						// 3 DMA streams over 2 slots: a slot's DMA copies
+						// change stream from one use to the next.
+						c, err := New(g.eng, Options{Mode: m, PipelineDepth: 2, StagingBytes: 6 * g.eng.BytesPerBlock(), StagedCTAs: 1, StagedThreads: 32, DMAStreams: 3, StagedLowPriority: true})
 						require.NoError(t, err)
 						roundTrip(t, g, c, viaDisk)
 					})
 				}
+				if m == Batch || m == Direct || m == Staged {
+					for _, ns := range []int{1, 5} {
+						t.Run(fmt.Sprintf("%s/streams%d", name, ns), func(t *testing.T) {
+							c, err := New(g.eng, Options{Mode: m, StagingBytes: 3 * g.eng.BytesPerBlock(), MaxBatch: 16, DMAStreams: ns})
+							require.NoError(t, err)
+							require.Len(t, c.lanes[0].dma, ns)
+							roundTrip(t, g, c, viaDisk)
+						})
+					}
+				}
 			}
 		}
 	}
+}
+
+func TestBadOptions(t *testing.T) {
+	needGPU(t)
+	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
+	_, err := New(g.eng, Options{StagedThreads: 48})
+	require.ErrorContains(t, err, "KVBM_CUDA_STAGED_THREADS=48")
+	_, err = New(g.eng, Options{DMAStreams: 9})
+	require.ErrorContains(t, err, "KVBM_CUDA_DMA_STREAMS=9")
+	c, err := New(g.eng, Options{Mode: Staged, StagedLowPriority: true})
+	require.NoError(t, err)
+	require.Contains(t, c.String(), "low priority")
+	require.NoError(t, c.Close())
 }
 
 func TestUnregisteredHostBuffer(t *testing.T) {

@@ -13,10 +13,10 @@ import (
 )
 
 // ErrFrameCount is returned for a ZMQ message that has neither 2 nor 3
-// frames (SPEC §7.1).
+// frames (design §7.1).
 var ErrFrameCount = errors.New("unexpected frame count (expected 2 or 3)")
 
-// Decoder decodes engine KV event messages (SPEC §7.1): vLLM's
+// Decoder decodes engine KV event messages (design §7.1): vLLM's
 // msgspec-encoded batches in both their array and map encodings, and the
 // map-shaped events of our TensorRT-LLM publisher.
 //
@@ -287,7 +287,7 @@ func (dec *Decoder) tagKind(tag []byte) (Kind, bool) {
 	return 0, false
 }
 
-// arrayEvent decodes a tagged array, by position (SPEC §7.1):
+// arrayEvent decodes a tagged array, by position (design §7.1):
 //
 //	["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 //	 lora_id, medium, lora_name, extra_keys, ...]
@@ -442,7 +442,7 @@ func (dec *Decoder) mapEvent() error {
 	return nil
 }
 
-// validate checks the event's fields against its kind (SPEC §7.1) and
+// validate checks the event's fields against its kind (design §7.1) and
 // returns the typed event; dec.bad is set when it is invalid.
 func (dec *Decoder) validate() EngineEvent {
 	ev := &dec.ev

@@ -127,7 +127,7 @@ func TestDecodeMapBatch(t *testing.T) {
 }
 
 func TestDecodeTrtllmPublisherShape(t *testing.T) {
-	// Our TensorRT-LLM ZmqKvEventPublisher (SPEC §6.2): one event per
+	// Our TensorRT-LLM ZmqKvEventPublisher (design §6.2): one event per
 	// batch, map events, hashes ≥ 2^63 sent as two's-complement i64.
 	h1 := uint64(0xfedcba9876543210)
 	h2 := uint64(42)

@@ -23,7 +23,7 @@ func (k Kind) String() string {
 	return fmt.Sprintf("Kind(%d)", uint8(k))
 }
 
-// EngineEvent is one decoded engine KV event (SPEC §7.1). Hashes are the
+// EngineEvent is one decoded engine KV event (design §7.1). Hashes are the
 // engine's opaque external hashes as u64 (signed values bit-cast, byte
 // digests reduced to their last 8 bytes big-endian).
 //

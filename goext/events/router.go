@@ -23,7 +23,7 @@ const (
 	LegacyKVEventSubject = "kv_events"
 )
 
-// RouterEvent is the JSON event a KV-aware router consumes (SPEC §7.3):
+// RouterEvent is the JSON event a KV-aware router consumes (design §7.3):
 //
 //	{"worker_id": u64, "storage_tier": "device",
 //	 "event": {"event_id": u64, "data": {...}, "dp_rank": u32}}

@@ -29,7 +29,7 @@ func (h Holder) String() string {
 type BlockEvent struct {
 	Removed bool   // false: stored (registered); true: evicted
 	Holder  Holder // HolderKvbmHost or HolderKvbmDisk
-	// SeqHash is kvbm's salted sequence hash of the block (SPEC §3).
+	// SeqHash is kvbm's salted sequence hash of the block (design §3).
 	SeqHash uint64
 	// Parent is the sequence hash of the previous block; HasParent is false
 	// for the first block of a sequence. Unused for removals.

@@ -7,7 +7,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-// ConsolidatedEvent is one event the consolidator publishes (SPEC §7.2/7.3):
+// ConsolidatedEvent is one event the consolidator publishes (design §7.2/7.3):
 // a STORE of one logical block, the REMOVE of one, or CLEAR.
 type ConsolidatedEvent struct {
 	Kind Kind
@@ -21,7 +21,7 @@ type ConsolidatedEvent struct {
 	TokenIDs   []uint32 // STORE: exactly this block's tokens
 	BlockSize  int
 	LoraName   string
-	// TokensHash is the router local hash of TokenIDs with LoraName (SPEC
+	// TokensHash is the router local hash of TokenIDs with LoraName (design
 	// §3), RouterEvent.tokens_hash. The tracker computes it anyway for its
 	// dedup key, so publishers need not hash again.
 	TokensHash uint64
@@ -36,7 +36,7 @@ func ZMQFrames(seq uint64, payload []byte) [][]byte {
 }
 
 // EncodeZMQPayload encodes a consolidated batch the way vLLM encodes its own
-// (SPEC §7.3): msgpack [ts, events, 0] with events as tagged arrays:
+// (design §7.3): msgpack [ts, events, 0] with events as tagged arrays:
 //
 //	["BlockStored", [hash], parent|nil, [token ids], block_size, nil (lora_id), nil (medium), lora_name|nil]
 //	["BlockRemoved", [hash], nil (medium)]

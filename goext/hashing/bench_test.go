@@ -45,7 +45,7 @@ func BenchmarkSequenceHashes(b *testing.B) {
 
 // BenchmarkRawXXH3 is the baseline: the same bytes, pre-encoded, hashed in
 // the same block-sized pieces with plain xxh3.HashSeed and no chaining. It
-// is the floor any implementation of SPEC §3 pays.
+// is the floor any implementation of design §3 pays.
 func BenchmarkRawXXH3(b *testing.B) {
 	tokens := benchPrompt()
 	raw := make([]byte, 4*len(tokens))

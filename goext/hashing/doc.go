@@ -1,4 +1,4 @@
-// Package hashing computes the two 64-bit hash families kvbm needs (SPEC §3):
+// Package hashing computes the two 64-bit hash families kvbm needs (design §3):
 //
 //   - KVBM keys, which index the host (G2) and disk (G3) registries: a salt
 //     hash derived from the request's cache salt and LoRA name, a per-block
@@ -16,3 +16,8 @@
 // prompt is re-hashed when it arrives), so the bulk entry points allocate
 // nothing when the caller supplies a destination slice with capacity.
 package hashing
+
+// SchemeVersion numbers the hash construction above. Anything that keeps
+// blocks beyond one process (a persistent disk tier, object storage) records
+// it, so a change to the construction never matches blocks hashed the old way.
+const SchemeVersion = 1

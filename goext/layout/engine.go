@@ -211,7 +211,7 @@ func NewEngine(s Spec) (*Engine, error) {
 	return e, nil
 }
 
-// detect picks a Kind from the shapes alone (SPEC §5: a dimension ≥ num_blocks
+// detect picks a Kind from the shapes alone (design §5: a dimension ≥ num_blocks
 // marks where the blocks are).
 func detect(s Spec) (Kind, error) {
 	shape := s.Tensors[0].Shape
@@ -365,7 +365,7 @@ func (e *Engine) Host() Host {
 }
 
 // BytesPerBlock is one block's size across all layers on this worker
-// (num_layers × outer_dim × block_size × inner_dim × dtype_bytes, SPEC §2).
+// (num_layers × outer_dim × block_size × inner_dim × dtype_bytes, design §2).
 func (e *Engine) BytesPerBlock() int64 { return e.Host().BytesPerBlock() }
 
 func (e *Engine) String() string {

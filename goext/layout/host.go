@@ -59,7 +59,7 @@ func LayerIndex(name string) (int, error) {
 	return idx, nil
 }
 
-// OrderLayers returns the positions of names sorted by layer index (SPEC §5:
+// OrderLayers returns the positions of names sorted by layer index (design §5:
 // layers are ordered by the index in their name, not by dict order).
 func OrderLayers(names []string) ([]int, error) {
 	idx := make([]int, len(names))

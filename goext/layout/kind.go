@@ -1,5 +1,5 @@
 // Package layout describes where the bytes of one KV block live: inside the
-// engine's own KV tensors (G1, SPEC §5) and inside kvbm's host and disk tiers
+// engine's own KV tensors (G1, design §5) and inside kvbm's host and disk tiers
 // (G2/G3, the "fully contiguous" layout). It only does arithmetic on shapes,
 // strides and addresses; it never touches memory.
 //
@@ -22,7 +22,7 @@ import (
 	"strings"
 )
 
-// Kind names an engine KV tensor layout (SPEC §5).
+// Kind names an engine KV tensor layout (design §5).
 type Kind uint8
 
 const (

@@ -8,7 +8,7 @@ import (
 	"github.com/kvbm/kvbm/goext/plan"
 )
 
-// Background operations (SPEC §2, tensor parallelism): with
+// Background operations (design §2, tensor parallelism): with
 // Options.Background, G2→G3 moves no longer ride in the engine's step plans.
 // They travel over the leader⇄worker side channel instead, and a G3 block is
 // registered (announced to the consolidator through the Sink, matchable) only
@@ -102,6 +102,7 @@ func (l *Leader) PlanBackground() (step []byte, ticket uint64, err error) {
 	l.bgNext++
 	ticket = l.bgNext
 	l.bgOps[ticket] = op
+	l.tagBackground(&st, op)
 	b, err := st.Encode()
 	if err != nil {
 		l.commitLocked(ticket, false)

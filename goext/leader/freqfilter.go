@@ -2,7 +2,7 @@ package leader
 
 import "time"
 
-// Frequency filter parameters (SPEC §4, as the reference).
+// Frequency filter parameters (design §4, as the reference).
 const (
 	freqMinOffload  = 2                 // a block goes to disk once its counter reaches this
 	freqDecayPeriod = 600 * time.Second // every period all counters drop by one

@@ -1,4 +1,4 @@
-// Package leader is kvbm's scheduler-side brain (SPEC §2, §4): one per engine
+// Package leader is kvbm's scheduler-side brain (design §2, §4): one per engine
 // instance, in the engine's scheduler process. It owns the logical G2 (host)
 // and G3 (disk) pools, one slot per request, the external matching rule,
 // onboard planning into the engine's G1 blocks, write-through offload
@@ -47,13 +47,13 @@ type Options struct {
 	Config *config.Config
 	// BlockSize is the engine's block size in tokens.
 	BlockSize int
-	// BytesPerBlock is one worker's share of one block (SPEC §2), as reported
+	// BytesPerBlock is one worker's share of one block (design §2), as reported
 	// by the workers; NumWorkers is how many there are (tensor parallel size).
 	BytesPerBlock int64
 	NumWorkers    int
 	// Sink receives G2/G3 registrations and evictions; nil discards them.
 	Sink events.Sink
-	// Metrics receives SPEC §9 counters and gauges; nil: a private set.
+	// Metrics receives design §9 counters and gauges; nil: a private set.
 	Metrics *metrics.Metrics
 	// Logger; nil: slog.Default().
 	Logger *slog.Logger
@@ -85,6 +85,8 @@ type Leader struct {
 	minPrio  int        // DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY; 0 = off
 	filter   *freqFilter
 	maxMoves int
+	persist  bool // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
+	restored bool // RestoreDisk ran
 
 	slots     map[string]*slot
 	spare     []*slot                  // finished slots kept for their buffers
@@ -124,7 +126,7 @@ type tierBlock struct {
 	idx  int
 }
 
-// New sizes the tiers (SPEC §2) and creates the leader.
+// New sizes the tiers (design §2) and creates the leader.
 func New(opts Options) (*Leader, error) {
 	if opts.Config == nil {
 		return nil, errors.New("leader: Options.Config is nil")
@@ -139,35 +141,17 @@ func New(opts Options) (*Leader, error) {
 		return nil, fmt.Errorf("leader: %d workers: need at least one", opts.NumWorkers)
 	}
 	cfg := opts.Config
-	total := opts.BytesPerBlock * int64(opts.NumWorkers)
-	if err := cfg.CheckBlocks(total); err != nil {
+	hostBlocks, diskBlocks, err := cfg.TierBlocks(opts.BytesPerBlock, opts.NumWorkers)
+	if err != nil {
 		return nil, fmt.Errorf("leader: %w", err)
 	}
-	hostBlocks, diskBlocks := 0, 0
-	if cfg.HostEnabled() {
-		hostBlocks = cfg.HostBlocks(total)
-		if hostBlocks < 1 {
-			return nil, fmt.Errorf("leader: host tier: DYN_KVBM_CPU_CACHE_GB=%g holds no block of %d bytes "+
-				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
-				cfg.CPUCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
-		}
-	}
-	if cfg.DiskEnabled() {
-		diskBlocks = cfg.DiskBlocks(total)
-		if diskBlocks < 1 {
-			return nil, fmt.Errorf("leader: disk tier: DYN_KVBM_DISK_CACHE_GB=%g holds no block of %d bytes "+
-				"(%d workers × %d bytes per block); raise it or set DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
-				cfg.DiskCacheGB, total, opts.NumWorkers, opts.BytesPerBlock)
-		}
-	}
-	if hostBlocks == 0 && diskBlocks == 0 {
-		return nil, fmt.Errorf("leader: %w", config.ErrNoTier)
-	}
+	total := opts.BytesPerBlock * int64(opts.NumWorkers)
 
 	l := &Leader{
 		bs:        opts.BlockSize,
 		minPrio:   cfg.HostOffloadPrefixMinPriority,
 		maxMoves:  opts.MaxMovesPerStep,
+		persist:   cfg.DiskPersist,
 		slots:     make(map[string]*slot),
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),
@@ -202,7 +186,7 @@ func New(opts Options) (*Leader, error) {
 	if diskBlocks > 0 {
 		l.disk = pool.New(plan.G3, diskBlocks, sink, events.HolderKvbmDisk)
 		if l.host == nil {
-			// Disk-only mode (SPEC §4): write-through goes G1→G3 directly.
+			// Disk-only mode (design §4): write-through goes G1→G3 directly.
 			l.saveTo = l.disk
 		}
 	}
@@ -287,8 +271,9 @@ func (l *Leader) ResetCache() {
 // pins it. A pinned invalidated block is still being read by a load; it goes
 // back to the free list silently when released (its stale contents are never
 // read again: only registered blocks are read, and registering follows a write).
+// A persistent disk tier drops it at once too (dropPinned, recover.go).
 func (l *Leader) dropIfFree(p *pool.Pool, idx int) {
-	if p.Info(idx).State == pool.Free {
+	if p.Info(idx).State == pool.Free || l.dropPinned(p) {
 		l.drops[tierBlock{p.Tier(), idx}] = struct{}{}
 	}
 }

@@ -28,7 +28,7 @@ func (l *Leader) slotFor(reqID string, salt uint64) *slot {
 	return s
 }
 
-// GetNumNewMatchedTokens applies SPEC §4's external matching rule to a
+// GetNumNewMatchedTokens applies design §4's external matching rule to a
 // request whose first numComputed tokens are already in G1 (the engine's own
 // prefix-cache hit). tokens are all the request's tokens; salt is its salt
 // hash (hashing.SaltHash; 0 = default).
@@ -150,7 +150,7 @@ func (l *Leader) unstage(s *slot) {
 // numExternalTokens is what the engine accepted; it may be less than the match
 // (the unused tail is unpinned). 0 with a staged match means the engine will
 // not load: the staged blocks are released. vLLM calls this a second time with
-// 0 after the async load: a planned or running load is kept (SPEC §6.1).
+// 0 after the async load: a planned or running load is kept (design §6.1).
 // The copies go out with the next Step; onboard metrics and matched tokens
 // are counted here, when the load is planned.
 func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExternalTokens int) {
@@ -265,7 +265,7 @@ func (l *Leader) LoadErrors(g1BlockIDs []int64) {
 // RequestFinished forgets the request. Its hit counts join the hit-rate
 // window, and a staged or planned load is cancelled (pins released).
 //
-// It always returns false (SPEC §6.1: true only while a save is in flight):
+// It always returns false (design §6.1: true only while a save is in flight):
 // Step plans and emits a request's saves in the same call, and workers
 // execute a step's saves inside that step, before the engine can reuse the G1
 // blocks it frees now, so no save is ever outstanding. A load already with the

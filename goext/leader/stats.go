@@ -11,7 +11,7 @@ type requestHits struct {
 }
 
 // hitWindow keeps the hit counts of the last n finished requests with running
-// sums, so the rates cost O(1) per request (SPEC §9: blocks matched in a tier /
+// sums, so the rates cost O(1) per request (design §9: blocks matched in a tier /
 // blocks queried, over the last DYN_KVBM_CACHE_STATS_MAX_REQUESTS requests).
 type hitWindow struct {
 	ring                []requestHits

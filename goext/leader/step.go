@@ -54,7 +54,7 @@ type RequestUpdate struct {
 //     not evaluated yet is copied G1→G2 (G1→G3 in disk-only mode) and
 //     registered; a block whose hash the tier already has is not copied again
 //     but counts as a re-registration for the disk frequency filter. The
-//     priority filter (SPEC §4) offloads the longest prefix of blocks whose
+//     priority filter (design §4) offloads the longest prefix of blocks whose
 //     priority is at least DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY and
 //     stops the request's offload for good at its first block below it.
 //   - Drops: blocks invalidated since the last Step and not rewritten by it.
@@ -94,6 +94,7 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 		clear(l.drops)
 	}
 
+	l.tagStep(&st)
 	l.updateGauges()
 	if l.statsLog.due(l.now(), l.hits) {
 		l.log.Info(l.hits.logLine(l.workerID))
@@ -197,7 +198,7 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
 	l.planSaves(s, u, st)
 }
 
-// planSaves is write-through offload for one request (SPEC §4).
+// planSaves is write-through offload for one request (design §4).
 func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 	if l.saveTo == nil || s.stopped || l.degraded {
 		return

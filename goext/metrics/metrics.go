@@ -1,4 +1,4 @@
-// Package metrics holds kvbm's Prometheus metrics (SPEC §9 names, no labels,
+// Package metrics holds kvbm's Prometheus metrics (design §9 names, no labels,
 // as the reference) and the optional /metrics HTTP endpoint.
 package metrics
 
@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
@@ -136,15 +137,28 @@ type ServerOptions struct {
 	IdleTimeout       time.Duration // a kept-alive connection between requests
 }
 
-// Defaults of ServerOptions. A scrape is one small request every few
-// seconds; a handful of scrapers need far fewer connections than MaxConns.
+// Defaults of ServerOptions (those of the DYN_KVBM_METRICS_* variables). A
+// scrape is one small request every few seconds; a handful of scrapers need
+// far fewer connections than MaxConns.
 const (
-	DefaultMaxConns          = 64
-	DefaultReadHeaderTimeout = 5 * time.Second
-	DefaultReadTimeout       = 10 * time.Second
-	DefaultWriteTimeout      = 30 * time.Second
-	DefaultIdleTimeout       = 30 * time.Second
+	DefaultMaxConns          = config.DefaultMetricsMaxConnections
+	DefaultReadHeaderTimeout = config.DefaultMetricsReadHeaderTimeout
+	DefaultReadTimeout       = config.DefaultMetricsReadTimeout
+	DefaultWriteTimeout      = config.DefaultMetricsWriteTimeout
+	DefaultIdleTimeout       = config.DefaultMetricsIdleTimeout
 )
+
+// ServerOptionsFrom takes the endpoint's bounds from kvbm's configuration
+// (DYN_KVBM_METRICS_MAX_CONNECTIONS and the _TIMEOUT_SECS variables).
+func ServerOptionsFrom(c *config.Config) ServerOptions {
+	return ServerOptions{
+		MaxConns:          c.MetricsMaxConnections,
+		ReadHeaderTimeout: c.MetricsReadHeaderTimeout,
+		ReadTimeout:       c.MetricsReadTimeout,
+		WriteTimeout:      c.MetricsWriteTimeout,
+		IdleTimeout:       c.MetricsIdleTimeout,
+	}
+}
 
 func (o *ServerOptions) fill() {
 	set := func(d *time.Duration, def time.Duration) {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/config"
 )
 
 // openFDs counts this process's open file descriptors.
@@ -166,4 +168,64 @@ func TestEndpointServesAnotherSetsFamilies(t *testing.T) {
 	require.Contains(t, text, `kvbm_transfer_bytes{direction="g1_to_g2"} 4096`)
 	require.Contains(t, text, "kvbm_offload_blocks_d2h 3")
 	require.Equal(t, 1, strings.Count(text, "\nkvbm_offload_blocks_d2h "))
+}
+
+// TestServerOptionsFromEnvironment: the DYN_KVBM_METRICS_* variables set the
+// endpoint's bounds: with DYN_KVBM_METRICS_MAX_CONNECTIONS=2 a third idle
+// connection is closed at once, and the two held ones when the header
+// timeout (DYN_KVBM_METRICS_READ_HEADER_TIMEOUT_SECS=1) expires.
+func TestServerOptionsFromEnvironment(t *testing.T) {
+	env := map[string]string{
+		config.EnvMetricsMaxConnections:        "2",
+		config.EnvMetricsReadHeaderTimeoutSecs: "1",
+		config.EnvMetricsReadTimeoutSecs:       "2",
+		config.EnvMetricsWriteTimeoutSecs:      "3",
+		config.EnvMetricsIdleTimeoutSecs:       "4",
+	}
+	cfg, err := config.FromLookup(func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+	require.NoError(t, err)
+	o := ServerOptionsFrom(cfg)
+	require.Equal(t, ServerOptions{MaxConns: 2, ReadHeaderTimeout: time.Second, ReadTimeout: 2 * time.Second,
+		WriteTimeout: 3 * time.Second, IdleTimeout: 4 * time.Second}, o)
+
+	s, err := New().ServeWith("127.0.0.1:0", o)
+	require.NoError(t, err)
+	defer s.Close()
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			_ = c.Close()
+		}
+	}()
+	for range 2 {
+		c, err := net.Dial("tcp", s.Addr)
+		require.NoError(t, err)
+		held = append(held, c)
+	}
+	// The third is refused once the two above are accepted; a connection
+	// accepted while the server is still taking the first two may be held
+	// for a moment, so retry until one is closed at once.
+	checkFor(t, 10*time.Second, 20*time.Millisecond, func() error {
+		c, err := net.Dial("tcp", s.Addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if _, err := c.Read(make([]byte, 1)); err == nil || isTimeout(err) {
+			return fmt.Errorf("a connection beyond DYN_KVBM_METRICS_MAX_CONNECTIONS stayed open")
+		}
+		return nil
+	})
+	for i, c := range held {
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err := c.Read(make([]byte, 1))
+		require.Error(t, err)
+		require.False(t, isTimeout(err), "idle connection %d not closed by the header timeout", i)
+	}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }

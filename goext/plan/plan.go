@@ -74,6 +74,8 @@ type Step struct {
 	// Drops lists G2/G3 blocks whose contents are no longer valid (evicted
 	// or failed verification); workers forget their checksums.
 	Drops []Copy `msgpack:"x,omitempty"`
+	// Tags describe the blocks this step's G3 writes store (tags.go).
+	Tags []BlockTag `msgpack:"t,omitempty"`
 }
 
 // Empty reports whether the step carries no work.
@@ -138,7 +140,7 @@ func parseCopies(b []byte) ([]Copy, error) {
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
-	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0} {
+	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0, len(s.Tags) > 0} {
 		if present {
 			n++
 		}
@@ -179,6 +181,14 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 			return err
 		}
 		if err := enc.EncodeBytes(buf); err != nil {
+			return err
+		}
+	}
+	if len(s.Tags) > 0 {
+		if err := enc.EncodeString("t"); err != nil {
+			return err
+		}
+		if err := enc.EncodeBytes(AppendTags(buf[:0], s.Tags)); err != nil {
 			return err
 		}
 	}
@@ -256,6 +266,14 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				s.Saves = cs
 			default:
 				s.Drops = cs
+			}
+		case "t":
+			b, err := dec.DecodeBytes()
+			if err != nil {
+				return err
+			}
+			if s.Tags, err = ParseTags(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err)
 			}
 		default:
 			if err := dec.Skip(); err != nil {

@@ -3,7 +3,7 @@
 // pinned, and which one to evict next. It never touches bytes; the worker owns
 // those and follows the leader's plan.
 //
-// Block life cycle (SPEC §4):
+// Block life cycle (design §4):
 //
 //	free ──Allocate──▶ allocated (refs=1, unregistered)
 //	allocated ──Register──▶ registered (findable by sequence hash)
@@ -177,7 +177,7 @@ func (p *Pool) Holds(idx int, seqHash uint64) bool {
 
 // Match appends to dst the block indexes of the longest contiguous prefix of
 // hashes that is registered here and returns the extended slice. It stops at
-// the first miss (SPEC §4): a later hit after a gap is useless because the
+// the first miss (design §4): a later hit after a gap is useless because the
 // engine can only skip a prefix. Match neither pins nor touches.
 func (p *Pool) Match(hashes []uint64, dst []int) []int {
 	for _, h := range hashes {

@@ -10,10 +10,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 )
 
@@ -25,7 +27,11 @@ type DiskOptions struct {
 	BlockBytes int64 // payload per block; the file stride is this rounded up to Alignment
 	// DisableODirect forces buffered I/O (DYN_KVBM_DISK_DISABLE_O_DIRECT).
 	DisableODirect bool
-	Logger         *slog.Logger
+	// Persist keeps the file across restarts under a name derived from
+	// Fingerprint and Rank, with a header per block (persist.go).
+	Persist     bool
+	Fingerprint fingerprint.Fingerprint
+	Logger      *slog.Logger
 }
 
 // DiskRegion is the disk tier: one preallocated file, block i at offset
@@ -37,7 +43,16 @@ type DiskRegion struct {
 	direct     bool
 	numBlocks  int
 	blockBytes int64
-	stride     int64
+	stride     int64 // I/O size of a payload (blockBytes aligned up)
+	slot       int64 // distance between blocks: stride, plus HeaderBytes when persistent
+	payloadAt  int64 // payload offset within a slot: HeaderBytes when persistent (the header comes first)
+
+	// Persistent tiers only (persist.go).
+	persistent bool
+	fp         fingerprint.Fingerprint
+	recovery   Recovery
+	live       []atomic.Bool // block's header may verify on disk: invalidate before rewriting
+	hw         *headerWriter
 }
 
 // probeDirect checks that O_DIRECT I/O really works on fd; some filesystems
@@ -72,12 +87,20 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 		return nil, fmt.Errorf("disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
 	}
 	removeStaleFiles(dir, log)
+	if o.Persist {
+		d, err := openPersistent(o, dir, log)
+		if !errors.Is(err, errPersistBusy) {
+			return d, err
+		}
+		log.Warn("kvbm disk tier: the persistent tier file is held by another live process; "+
+			"this process uses a fresh file that is removed at exit", "err", err)
+	}
 	stride := layout.AlignUp(o.BlockBytes, Alignment)
 	size := stride * int64(o.NumBlocks)
 	if size/int64(o.NumBlocks) != stride {
 		return nil, fmt.Errorf("disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
 	}
-	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride}
+	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride, slot: stride}
 	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
 		return nil, err
 	}
@@ -220,7 +243,7 @@ func (d *DiskRegion) NumBlocks() int { return d.numBlocks }
 // BlockBytes is the payload size of one block.
 func (d *DiskRegion) BlockBytes() int64 { return d.blockBytes }
 
-// Stride is the size of every I/O and the distance between blocks in the file.
+// Stride is the size of every payload I/O (BlockBytes aligned up).
 func (d *DiskRegion) Stride() int64 { return d.stride }
 
 func (d *DiskRegion) check(i int, buf []byte) error {
@@ -242,7 +265,7 @@ func (d *DiskRegion) WriteBlock(i int, buf []byte) error {
 	if err := d.check(i, buf); err != nil {
 		return err
 	}
-	off := int64(i) * d.stride
+	off := int64(i)*d.slot + d.payloadAt
 	for len(buf) > 0 {
 		n, err := unix.Pwrite(d.fd, buf, off)
 		if errors.Is(err, unix.EINTR) {
@@ -264,7 +287,7 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 	if err := d.check(i, buf); err != nil {
 		return err
 	}
-	off := int64(i) * d.stride
+	off := int64(i)*d.slot + d.payloadAt
 	for len(buf) > 0 {
 		n, err := unix.Pread(d.fd, buf, off)
 		if errors.Is(err, unix.EINTR) {
@@ -281,14 +304,26 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 	return nil
 }
 
-// Close removes and closes the file. The file is removed while its lock is
-// still held, so no cleanup elsewhere can see it unlocked. A crashed process
+// Close removes and closes the file; a persistent tier's file is kept
+// instead, after its queued headers are written and fdatasync. The file is
+// removed while its lock is still held, so no cleanup elsewhere can see it
+// unlocked. A crashed process
 // leaves its file behind, unlocked (the kernel drops the lock with the last
 // descriptor); the pid in the name tells an operator whose it was.
 func (d *DiskRegion) Close() error {
 	var errs []error
 	path := d.path
-	if path != "" {
+	if d.hw != nil && d.fd >= 0 {
+		d.hw.close() // queued headers first: they are part of what is kept
+	}
+	if d.persistent && d.fd >= 0 {
+		// The file stays for the next process; what was written reaches
+		// the device before the lock goes.
+		if err := unix.Fdatasync(d.fd); err != nil {
+			errs = append(errs, fmt.Errorf("disk tier %s: fdatasync: %w", path, err))
+		}
+	}
+	if path != "" && !d.persistent {
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("disk tier %s: remove: %w", path, err))
 		}

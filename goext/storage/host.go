@@ -1,6 +1,7 @@
 // Package storage owns kvbm's own memory: the host tier (G2) as one region
 // mapped outside the Go heap, and the disk tier (G3) as one preallocated file
-// read and written in whole, aligned blocks.
+// read and written in whole, aligned blocks — optionally kept across
+// restarts with a header per block (persist.go).
 package storage
 
 import (

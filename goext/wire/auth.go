@@ -129,6 +129,14 @@ func (t sealedWorker) send(frames [][]byte) error {
 	return t.workerTransport.send(t.s.seal(frames))
 }
 
+// redialSub passes through to a transport that can redial its subscription.
+func (t sealedWorker) redialSub() error {
+	if r, ok := t.workerTransport.(subRedialer); ok {
+		return r.redialSub()
+	}
+	return nil
+}
+
 func (t sealedWorker) recv() ([][]byte, error) {
 	frames, err := t.workerTransport.recv()
 	if err != nil {

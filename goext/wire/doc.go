@@ -1,4 +1,4 @@
-// Package wire is the leader⇄worker side channel (SPEC §2): the handshake that
+// Package wire is the leader⇄worker side channel (design §2): the handshake that
 // sizes the host and disk tiers from what every tensor-parallel rank reports,
 // operations that are not tied to an engine step (a plan.Step broadcast to
 // every rank, completed by per-rank acks), and heartbeats that notice a rank
@@ -54,7 +54,7 @@
 //     they connect, so workers may start before or after the leader, in any
 //     order). It checks the reports agree: world size, bytes_per_block,
 //     num_device_blocks, and no rank reported by two processes.
-//  2. It sizes G2/G3 from bytes_per_block × NumWorkers (SPEC §2) and
+//  2. It sizes G2/G3 from bytes_per_block × NumWorkers (design §2) and
 //     broadcasts leader_metadata until every rank acked it. A worker acks
 //     only after its allocation finished (single flight: repeats of the
 //     message while allocating are answered with "allocating").
@@ -88,6 +88,12 @@
 // Each transition is logged once. Workers answer pings from their receive
 // loop, so a long transfer does not look like silence.
 //
-// A worker notices its leader going away (connection closed, or the
-// shutdown message from Close): Worker.Done is closed and Worker.Err says why.
+// A worker notices its leader going away (the shutdown message from Close,
+// or a lost connection whose port no longer accepts): Worker.Done is closed
+// and Worker.Err says why. A lost connection to a leader that still listens
+// (its PUB dropped a subscriber that stalled past the write timeout, a
+// network fault), or a leader silent for WorkerOptions.LeaderSilence (3 s by
+// default, several pings), makes the worker redial its subscription: zmq4's
+// SUB does not redial on its own. The leader re-admits the rank on its next
+// answer.
 package wire

@@ -89,24 +89,13 @@ func (e *SuspectRanksError) Unwrap() error { return ErrRankSuspect }
 // bytes_per_block and the number of ranks.
 type SizeFunc func(bytesPerBlock int64, numWorkers int) (hostBlocks, diskBlocks int, err error)
 
-// ConfigSize is SPEC §2's sizing from kvbm's configuration: the same rule
-// leader.New applies (config.HostBlocks / DiskBlocks of bytes_per_block ×
-// workers).
+// ConfigSize is design §2's sizing from kvbm's configuration
+// (config.TierBlocks, as leader.New and every worker size them).
 func ConfigSize(c *config.Config) SizeFunc {
 	return func(bpb int64, n int) (int, int, error) {
-		total := bpb * int64(n)
-		if err := c.CheckBlocks(total); err != nil {
+		host, disk, err := c.TierBlocks(bpb, n)
+		if err != nil {
 			return 0, 0, fmt.Errorf("sizing for %d workers × %d bytes per block: %w", n, bpb, err)
-		}
-		host, disk := 0, 0
-		if c.HostEnabled() {
-			host = c.HostBlocks(total)
-		}
-		if c.DiskEnabled() {
-			disk = c.DiskBlocks(total)
-		}
-		if host == 0 && disk == 0 {
-			return 0, 0, fmt.Errorf("sizing for %d workers × %d bytes per block: %w", n, bpb, config.ErrNoTier)
 		}
 		return host, disk, nil
 	}

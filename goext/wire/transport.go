@@ -227,10 +227,24 @@ func quietClose(s zmq4.Socket) error {
 type tcpWorker struct {
 	ctx    context.Context
 	cancel context.CancelFunc
-	sub    zmq4.Socket
 	push   zmq4.Socket
-	mu     sync.Mutex
+	mu     sync.Mutex // serialises sends
 	closed atomic.Bool
+	pubURL string
+	log    *slog.Logger
+
+	subMu sync.Mutex  // guards sub, which redialSub replaces
+	sub   zmq4.Socket // nil after close
+}
+
+func newSub(ctx context.Context, log *slog.Logger) (zmq4.Socket, error) {
+	// WithDialerMaxRetries(0): one attempt per Dial; callers own the retry policy.
+	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
+	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("subscribe: %w", err)
+	}
+	return sub, nil
 }
 
 // dialTCP connects SUB and PUSH, retrying every retry until it succeeds or
@@ -244,15 +258,16 @@ func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.L
 		case <-ctx.Done():
 		}
 	}()
-	t := &tcpWorker{ctx: ctx, cancel: cancel}
+	t := &tcpWorker{ctx: ctx, cancel: cancel, pubURL: ep.PubURL(), log: log}
 	// WithDialerMaxRetries(0): one attempt per Dial; the loop below is the
 	// retry policy and stops on Close.
-	t.sub = zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
 	t.push = zmq4.NewPush(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
-	if err := t.sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+	sub, err := newSub(ctx, log)
+	if err != nil {
 		_ = t.close()
-		return nil, fmt.Errorf("subscribe: %w", err)
+		return nil, err
 	}
+	t.sub = sub
 	warned := false
 	for _, s := range []struct {
 		sock zmq4.Socket
@@ -288,14 +303,61 @@ func (t *tcpWorker) send(frames [][]byte) error {
 }
 
 func (t *tcpWorker) recv() ([][]byte, error) {
-	msg, err := t.sub.Recv()
-	if t.closed.Load() || t.ctx.Err() != nil {
-		return nil, errTransportClosed
+	for {
+		t.subMu.Lock()
+		sub := t.sub
+		t.subMu.Unlock()
+		if sub == nil {
+			return nil, errTransportClosed
+		}
+		msg, err := sub.Recv()
+		if t.closed.Load() || t.ctx.Err() != nil {
+			return nil, errTransportClosed
+		}
+		t.subMu.Lock()
+		replaced := t.sub != sub
+		t.subMu.Unlock()
+		if replaced {
+			// redialSub closed this socket under the receive: read the new one.
+			if err == nil && len(msg.Frames) > 0 {
+				return msg.Frames, nil
+			}
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return msg.Frames, nil
 	}
+}
+
+// redialSub replaces the SUB socket with a newly dialed one. zmq4's SUB does
+// not redial a connection the publisher dropped (the leader's guard drops a
+// subscriber that took no data for its write timeout, e.g. a worker process
+// stalled for a few seconds): without a redial the worker would never hear
+// the leader again and stay suspected for good.
+func (t *tcpWorker) redialSub() error {
+	if t.closed.Load() {
+		return errTransportClosed
+	}
+	sub, err := newSub(t.ctx, t.log)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	return msg.Frames, nil
+	if err := sub.Dial(zmqguard.Endpoint(t.pubURL)); err != nil {
+		_ = quietClose(sub)
+		return err
+	}
+	t.subMu.Lock()
+	old := t.sub
+	if old == nil || t.closed.Load() {
+		t.subMu.Unlock()
+		_ = quietClose(sub)
+		return errTransportClosed
+	}
+	t.sub = sub
+	t.subMu.Unlock()
+	return quietClose(old)
 }
 
 func (t *tcpWorker) close() error {
@@ -303,5 +365,13 @@ func (t *tcpWorker) close() error {
 		return nil
 	}
 	t.cancel()
-	return errors.Join(quietClose(t.sub), quietClose(t.push))
+	t.subMu.Lock()
+	sub := t.sub
+	t.sub = nil
+	t.subMu.Unlock()
+	var errSub error
+	if sub != nil {
+		errSub = quietClose(sub)
+	}
+	return errors.Join(errSub, quietClose(t.push))
 }

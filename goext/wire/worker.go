@@ -8,6 +8,8 @@ import (
 	"math/rand/v2"
 	"os"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -34,7 +36,23 @@ type WorkerOptions struct {
 	RetryInterval time.Duration
 	// Secret authenticates the TCP transport: the leader's (auth.go).
 	Secret string
-	Logger *slog.Logger
+	// LeaderSilence: over TCP, a worker that hears nothing from the leader
+	// for this long (the leader pings every PingInterval) redials its
+	// subscription, so that a connection the leader dropped (a worker that
+	// stalled past the leader's write timeout) is replaced; the leader
+	// re-admits the rank on its next answer. 0: DefaultLeaderSilence.
+	LeaderSilence time.Duration
+	Logger        *slog.Logger
+}
+
+// DefaultLeaderSilence is WorkerOptions.LeaderSilence's default: several
+// leader pings (DefaultPingInterval), well below the leader's suspicion
+// timeout (DefaultSuspectAfter).
+const DefaultLeaderSilence = 3 * time.Second
+
+// subRedialer is a worker transport whose subscription can be redialed.
+type subRedialer interface {
+	redialSub() error
 }
 
 // Worker is one rank's end of the side channel. Connect starts it in the
@@ -48,6 +66,9 @@ type Worker struct {
 	log      *slog.Logger
 	instance uint64
 	forged   forgeries // unauthenticated messages dropped
+
+	lastHeard  atomic.Int64  // UnixNano of the last authentic leader message (or of the last redial)
+	reconnects atomic.Uint64 // subscriptions redialed after leader silence
 
 	stop  chan struct{} // closed by Close
 	done  chan struct{} // closed when the run loop ended
@@ -78,6 +99,9 @@ func Connect(opts WorkerOptions) (*Worker, error) {
 	}
 	if opts.RetryInterval <= 0 {
 		opts.RetryInterval = DefaultRetryInterval
+	}
+	if opts.LeaderSilence <= 0 {
+		opts.LeaderSilence = DefaultLeaderSilence
 	}
 	w := &Worker{
 		opts:     opts,
@@ -193,6 +217,13 @@ func (w *Worker) run() {
 	default:
 	}
 	w.log.Debug("kvbm worker side channel connected", "transport", tr.String(), "pub", w.opts.Endpoint.PubURL())
+	w.lastHeard.Store(time.Now().UnixNano())
+	if r, ok := t.(subRedialer); ok {
+		ended := make(chan struct{})
+		defer close(ended)
+		w.wg.Add(1)
+		go w.watchLeader(r, ended)
+	}
 	// Report at once: the leader may already be waiting. PUSH delivery is
 	// reliable once connected; the leader's periodic request covers the rest.
 	w.send(0, fnWorkerMetadata, w.metadata())
@@ -206,12 +237,31 @@ func (w *Worker) run() {
 			select {
 			case <-w.stop:
 				w.finish(ErrClosed)
+				return
 			default:
-				w.log.Warn("kvbm worker: lost the leader's side channel", "err", err)
-				w.finish(fmt.Errorf("%w: %v", errLeaderGone, err))
 			}
+			if r, ok := t.(subRedialer); ok && !errors.Is(err, errTransportClosed) {
+				// The connection went away but the leader said no goodbye
+				// (its PUB dropped a subscriber that stalled, or a network
+				// fault): connect again; the leader re-admits the rank on
+				// its next answer.
+				w.log.Warn("kvbm worker: lost the leader's side channel connection; reconnecting", "err", err)
+				switch gone := w.redial(r); {
+				case gone == nil:
+					continue
+				case errors.Is(gone, errTransportClosed):
+					w.finish(ErrClosed)
+				default:
+					w.log.Warn("kvbm worker: the leader's side channel is gone", "err", gone)
+					w.finish(fmt.Errorf("%w: %v", errLeaderGone, gone))
+				}
+				return
+			}
+			w.log.Warn("kvbm worker: lost the leader's side channel", "err", err)
+			w.finish(fmt.Errorf("%w: %v", errLeaderGone, err))
 			return
 		}
+		w.lastHeard.Store(time.Now().UnixNano())
 		m, err := decodeLeader(frames)
 		if err != nil {
 			w.log.Warn("kvbm worker side channel: ignoring message", "err", err)
@@ -247,6 +297,67 @@ func (w *Worker) run() {
 		}
 	}
 }
+
+// watchLeader redials the subscription when the leader has been silent for
+// LeaderSilence, then again every LeaderSilence while it stays silent (the
+// leader may be down or restarting). It ends with the run loop.
+func (w *Worker) watchLeader(r subRedialer, ended <-chan struct{}) {
+	defer w.wg.Done()
+	silence := w.opts.LeaderSilence
+	tick := time.NewTicker(silence / 4)
+	defer tick.Stop()
+	for {
+		select {
+		case <-w.stop:
+			return
+		case <-ended:
+			return
+		case <-tick.C:
+		}
+		quiet := time.Since(time.Unix(0, w.lastHeard.Load()))
+		if quiet < silence {
+			continue
+		}
+		err := r.redialSub()
+		w.lastHeard.Store(time.Now().UnixNano()) // the next attempt waits a full period
+		if err != nil {
+			w.log.Debug("kvbm worker side channel: redialing the leader's PUB socket", "err", err)
+			continue
+		}
+		n := w.reconnects.Add(1)
+		w.log.Info("kvbm worker: no message from the leader's side channel; reconnected its subscription to it",
+			"silent", quiet.Round(time.Millisecond), "pub", w.opts.Endpoint.PubURL(), "reconnects", n)
+	}
+}
+
+// redial redials the subscription every RetryInterval until it succeeds
+// (nil), the worker closes (errTransportClosed) or nothing listens on the
+// leader's port any more: the leader closed (its goodbye may be lost with
+// the connection) or exited.
+func (w *Worker) redial(r subRedialer) error {
+	for {
+		err := r.redialSub()
+		if err == nil {
+			w.lastHeard.Store(time.Now().UnixNano())
+			n := w.reconnects.Add(1)
+			w.log.Info("kvbm worker: reconnected its subscription to the leader's side channel",
+				"pub", w.opts.Endpoint.PubURL(), "reconnects", n)
+			return nil
+		}
+		if errors.Is(err, errTransportClosed) || errors.Is(err, syscall.ECONNREFUSED) {
+			return err
+		}
+		select {
+		case <-w.stop:
+			return errTransportClosed
+		case <-time.After(w.opts.RetryInterval):
+		}
+	}
+}
+
+// Reconnects is the number of times the subscription was redialed after the
+// leader went silent.
+func (w *Worker) Reconnects() uint64 { return w.reconnects.Load() }
 
 func (w *Worker) onLeaderMetadata(m leaderMsg) {
 	var md LeaderMetadata

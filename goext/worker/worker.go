@@ -1,4 +1,4 @@
-// Package worker is kvbm's byte mover, one per tensor-parallel rank (SPEC §2).
+// Package worker is kvbm's byte mover, one per tensor-parallel rank (design §2).
 // It holds the engine's registered KV tensors (G1), owns this rank's shard of
 // the host (G2) and disk (G3) tiers, and executes the leader's plan.Step:
 //
@@ -24,7 +24,7 @@
 // Metrics split: the worker counts what only it can see — bytes moved per
 // direction (kvbm_transfer_bytes, labels g1_to_g2, g2_to_g1, g2_to_g3,
 // g1_to_g3, g3_to_g1, g3_to_g2) and batch latency (kvbm_transfer_seconds).
-// The leader counts the SPEC §9 block counters (kvbm_offload_blocks_*,
+// The leader counts the design §9 block counters (kvbm_offload_blocks_*,
 // kvbm_onboard_blocks_*) from its plan, and kvbm_load_errors from the failed
 // G1 blocks the engine reports back — once per block, where every
 // tensor-parallel worker counting its own failures would count it N times.
@@ -43,6 +43,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/plan"
@@ -59,7 +60,7 @@ var (
 	ErrNoTier       = errors.New("tier not configured on this worker")
 )
 
-// Defaults of DYN_KVBM_MAX_CONCURRENT_TRANSFERS and DYN_KVBM_MAX_TRANSFER_BATCH_SIZE (SPEC §8).
+// Defaults of DYN_KVBM_MAX_CONCURRENT_TRANSFERS and DYN_KVBM_MAX_TRANSFER_BATCH_SIZE (design §8).
 const (
 	DefaultMaxConcurrent = 4
 	DefaultBatchSize     = 16
@@ -79,10 +80,16 @@ func diskSlots(maxConcurrent int) int {
 
 // Options configure a Worker.
 type Options struct {
-	Rank       int // tensor-parallel rank (disk file name, logs)
-	HostBlocks int // G2 blocks on this rank (0: no host tier)
-	DiskBlocks int // G3 blocks on this rank (0: no disk tier)
-	DiskDir    string
+	// Fingerprint describes what makes this rank's blocks interchangeable
+	// with another process's (see package fingerprint): tiers that outlive
+	// the process key their blocks by it.
+	Fingerprint fingerprint.Inputs
+	Rank        int // tensor-parallel rank (disk file name, logs)
+	HostBlocks  int // G2 blocks on this rank (0: no host tier)
+	DiskBlocks  int // G3 blocks on this rank (0: no disk tier)
+	DiskDir     string
+	// DiskPersist keeps the disk tier file across restarts (persist.go).
+	DiskPersist bool
 	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
 	DisableODirect bool
 	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight
@@ -148,9 +155,10 @@ type Worker struct {
 	// flight G3→G1 reads ran at 52–64% of a plain sequential file read, with 8
 	// at 105% (bench/transfer), so disk batches get diskDepth× the slots.
 	diskLim   *transfer.Limiter
-	hostValid []atomic.Bool   // G2 block holds the bytes of a completed write
-	diskValid []atomic.Bool   // G3 block holds the bytes of a completed write
-	diskSum   []atomic.Uint64 // XXH3 of each G3 block's payload as written
+	hostValid []atomic.Bool                   // G2 block holds the bytes of a completed write
+	diskValid []atomic.Bool                   // G3 block holds the bytes of a completed write
+	diskSum   []atomic.Uint64                 // XXH3 of each G3 block's payload as written
+	tags      []atomic.Pointer[plan.BlockTag] // persistent tier: staged tag per G3 block (persist.go)
 	degraded  atomic.Bool
 
 	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
@@ -246,6 +254,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 		w.diskFile, err = storage.NewDiskRegion(storage.DiskOptions{
 			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
 			DisableODirect: w.opts.DisableODirect, Logger: w.log,
+			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(),
 		})
 		if err != nil {
 			cleanup()
@@ -258,6 +267,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 		}
 		w.diskValid = make([]atomic.Bool, w.opts.DiskBlocks)
 		w.diskSum = make([]atomic.Uint64, w.opts.DiskBlocks)
+		w.adoptRecovered()
 	}
 	if c := w.opts.G1; c != nil {
 		for _, r := range []*storage.HostRegion{w.host, w.bounce} {
@@ -346,6 +356,7 @@ func (w *Worker) Bind(s *plan.Step) error {
 	// Drops first: the leader may drop a block and hand it out again in the
 	// same step, so the step's own writes must land after the drop.
 	w.applyDrops(s.Drops)
+	w.stageTags(s)
 	return nil
 }
 
@@ -358,6 +369,7 @@ func (w *Worker) applyDrops(drops []plan.Copy) {
 		case d.Src == plan.G3 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.diskValid)):
 			w.diskValid[d.SrcBlock].Store(false)
 			w.diskSum[d.SrcBlock].Store(0)
+			w.forgetOnDisk(int(d.SrcBlock))
 		default:
 			w.log.Warn("kvbm worker: ignoring drop of an unknown block", "tier", d.Src, "block", d.SrcBlock)
 		}
@@ -535,6 +547,7 @@ func (w *Worker) Run(s *plan.Step) (loadErrors []int64, err error) {
 	defer w.saves.Done()
 
 	w.applyDrops(s.Drops)
+	w.stageTags(s)
 	if len(s.Loads) > 0 {
 		w.fence("load")
 		loadErrors = w.execLoads(s.Loads)
@@ -919,7 +932,7 @@ func (w *Worker) writeDisk(dst int, buf []byte) error {
 		return fmt.Errorf("G3 block %d: %w", dst, ErrDiskDegraded)
 	}
 	sum := xxh3.Hash(buf[:w.bpb])
-	if err := w.disk.WriteBlock(dst, buf); err != nil {
+	if err := w.writeDiskBlock(dst, buf, sum); err != nil {
 		w.degrade(err)
 		return err
 	}
@@ -943,6 +956,7 @@ func (w *Worker) readDisk(src int, buf []byte) error {
 	}
 	if got, want := xxh3.Hash(buf[:w.bpb]), w.diskSum[src].Load(); got != want {
 		w.diskValid[src].Store(false)
+		w.forgetOnDisk(src)
 		return fmt.Errorf("G3 block %d: %w (stored %016x, read %016x)", src, ErrChecksum, want, got)
 	}
 	return nil

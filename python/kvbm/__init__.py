@@ -6,6 +6,10 @@ survive a fork. The library is loaded lazily by the first object that needs it
 (see :mod:`kvbm._native`).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 from kvbm._errors import (  # noqa: F401  (re-exported)
@@ -18,15 +22,19 @@ from kvbm._errors import (  # noqa: F401  (re-exported)
     KvbmStateError,
 )
 
+if TYPE_CHECKING:
+    from kvbm._native import Tokens
 
-def sequence_hashes(tokens, block_size, *, salt=None, lora_name=None):
-    """KVBM sequence hashes (SPEC §3) of every full block of ``tokens``."""
+
+def sequence_hashes(tokens: Tokens, block_size: int, *, salt: str | None = None,
+                    lora_name: str | None = None) -> list[int]:
+    """KVBM sequence hashes (design §3) of every full block of ``tokens``."""
     from kvbm import _native
 
     return _native.sequence_hashes(tokens, block_size, salt_hash=_native.salt_hash(salt, lora_name))
 
 
-def router_hashes(tokens, block_size, *, lora_name=None):
+def router_hashes(tokens: Tokens, block_size: int, *, lora_name: str | None = None) -> list[int]:
     """Router sequence hashes (seed 1337) of every full block of ``tokens``."""
     from kvbm import _native
 

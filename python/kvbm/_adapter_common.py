@@ -12,11 +12,45 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, overload
 
 from kvbm import _plan
 
 
-def guarded(default=None):
+class Guardable(Protocol):
+    """What :func:`guarded` needs of the object whose methods it wraps."""
+
+    @property
+    def _failed(self) -> str | None: ...
+
+    def _fail(self, where: str, err: Exception) -> None: ...
+
+
+_S = TypeVar("_S", bound=Guardable)
+_A = ParamSpec("_A")
+_R = TypeVar("_R")
+_D = TypeVar("_D")
+
+
+# A guarded method returns what it returns or, after a failure, the default.
+@overload
+def guarded() -> Callable[[Callable[Concatenate[_S, _A], _R]], Callable[Concatenate[_S, _A], _R | None]]: ...
+
+
+@overload
+def guarded(
+    default: Callable[[Any], _D],
+) -> Callable[[Callable[Concatenate[_S, _A], _R]], Callable[Concatenate[_S, _A], _R | _D]]: ...
+
+
+@overload
+def guarded(
+    default: _D,
+) -> Callable[[Callable[Concatenate[_S, _A], _R]], Callable[Concatenate[_S, _A], _R | _D]]: ...
+
+
+def guarded(default: Any = None) -> Callable[[Callable[Concatenate[_S, _A], _R]], Callable[Concatenate[_S, _A], Any]]:
     """Decorator for engine-facing methods of an object with ``_failed``
     (None while healthy) and ``_fail(where, err)``.
 
@@ -24,16 +58,19 @@ def guarded(default=None):
     callable default is called with the object (for fresh mutable values).
     """
 
-    def deco(fn):
+    def fallback(obj: _S) -> Any:
+        return default(obj) if callable(default) else default
+
+    def deco(fn: Callable[Concatenate[_S, _A], _R]) -> Callable[Concatenate[_S, _A], Any]:
         @functools.wraps(fn)
-        def wrapper(self, *args, **kwargs):
+        def wrapper(self: _S, *args: _A.args, **kwargs: _A.kwargs) -> Any:
             if self._failed is not None:
-                return default(self) if callable(default) else default
+                return fallback(self)
             try:
                 return fn(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - the engine must survive
                 self._fail(fn.__name__, e)
-                return default(self) if callable(default) else default
+                return fallback(self)
 
         return wrapper
 
@@ -45,7 +82,17 @@ def plan_loads(plan: bytes) -> dict[str, list[int]]:
     return _plan.load_targets(plan)
 
 
-def plan_summary(plan: bytes) -> dict:
+class PlanSummary(TypedDict):
+    """:func:`plan_summary` of a plan."""
+
+    seq: int
+    loads: dict[str, list[int]]  # request id -> G1 blocks its loads write
+    saves: list[tuple[int, int, int]]  # (src G1 block, dst tier, dst block)
+    moves: int
+    drops: int
+
+
+def plan_summary(plan: bytes) -> PlanSummary:
     """Counts and block lists of an encoded plan, for logs and tests:
     {"seq", "loads": {req: [g1...]}, "saves": [(src_g1, dst_tier, dst_block)],
     "moves": n, "drops": n}."""

@@ -9,13 +9,108 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
+from collections.abc import Iterable, Sequence
+from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64
+from typing import TYPE_CHECKING, TypedDict
 
 import msgpack
 
 from kvbm import _native
 
+if TYPE_CHECKING:
+    from ctypes import Array
+    from typing import Unpack
+
+    from kvbm._native import Tokens
+
 log = logging.getLogger("kvbm")
+
+
+class ConsolidatorOptions(TypedDict, total=False):
+    """Options of a KV event consolidator (capi/consolidator.go
+    consolidatorOptions): :class:`Consolidator` keywords, ``Leader(consolidator=)``."""
+
+    engine: str  # "vllm" or "trtllm"
+    engine_endpoint: str  # engine KV events (ZMQ SUB connects here); "" = none
+    zmq_bind: str  # consolidated output (ZMQ PUB binds here); "" = none
+    nats: bool  # publish RouterEvents on NATS (NATS_SERVER or nats_url)
+    nats_url: str
+    namespace: str
+    component: str
+    legacy_subject: bool
+    worker_id: int
+    buffer_limit: int
+
+
+class LeaderConsolidatorInfo(TypedDict):
+    """The counters of a leader's own consolidator (``LeaderInfo["consolidator"]``)."""
+
+    events_in: int
+    deduplicated: int
+    zmq_events: int
+    nats_events: int
+    nats_dropped: int
+    tracked: int
+    zmq_endpoint: str
+
+
+class _LeaderInfoRequired(TypedDict):
+    host_blocks: int
+    disk_blocks: int
+    disk_only: bool
+    host_hit_rate: float
+    disk_hit_rate: float
+    host_hit_blocks: int
+    disk_hit_blocks: int
+    queried_blocks: int
+    degraded: bool
+    dead_ranks: list[int]
+    background_inflight: int
+    host_blocks_used: int
+    disk_blocks_used: int
+
+
+class LeaderInfo(_LeaderInfoRequired, total=False):
+    """:meth:`Leader.info`: tier sizes and use, hit rates, degraded state;
+    ``metrics_addr`` when the metrics endpoint runs, ``consolidator`` when the
+    leader runs one."""
+
+    metrics_addr: str
+    consolidator: LeaderConsolidatorInfo
+
+
+class WorkerInfo(TypedDict):
+    """:meth:`Worker.info`: the rank's layout and tier sizes."""
+
+    disk_degraded: bool
+    g1: str  # "host", or the device copier (e.g. "cuda:0 staged")
+    bytes_per_block: int
+    host_blocks: int
+    disk_blocks: int
+    disk_path: str
+    layout: str
+    num_layers: int
+    fingerprint: str
+    disk_persistent: bool  # DYN_KVBM_DISK_PERSIST in effect (docs/persistent-g3.md)
+    disk_recovered_blocks: int
+
+
+class ConsolidatorStats(TypedDict):
+    """:meth:`Consolidator.stats`: counters since start."""
+
+    batches_in: int
+    events_in: int
+    invalid: int
+    deduplicated: int
+    unknown_removes: int
+    tracked: int
+    zmq_messages: int
+    zmq_events: int
+    nats_events: int
+    nats_dropped: int
+    nats_buffered: int
+    zmq_endpoint: str
+
 
 _P = POINTER
 _ERR = _P(c_char_p)
@@ -44,6 +139,8 @@ _native.register_signatures(
         "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_finished": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_set_cuda_stream": (ctypes.c_int, [c_uint64, c_uint64, _ERR]),  # CUDA build only
+        "kvbm_worker_recovered": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_restore_disk": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(c_int64), _ERR]),
         "kvbm_consolidator_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_consolidator_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_consolidator_free": (None, [c_uint64]),
@@ -51,14 +148,14 @@ _native.register_signatures(
 )
 
 
-def _buffer_call(name, *args) -> bytes:
+def _buffer_call(name: str, *args: object) -> bytes:
     buf = _P(c_uint8)()
     n = c_int64()
     _native.call(name, *args, byref(buf), byref(n))
     return _native.take_buffer(buf, n)
 
 
-def _int64_array(values):
+def _int64_array(values: Sequence[int]) -> tuple[Array[c_int64], int]:
     n = len(values)
     return (c_int64 * max(n, 1))(*values), n
 
@@ -69,10 +166,10 @@ class Leader(_native.Handle):
     _free = "kvbm_leader_free"
 
     def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
-                 consolidator: dict | None = None, background: bool = False):
+                 consolidator: ConsolidatorOptions | None = None, background: bool = False) -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
-        opts = {
+        opts: dict[str, object] = {
             "block_size": int(block_size),
             "bytes_per_block": int(bytes_per_block),
             "num_workers": int(num_workers),
@@ -89,8 +186,9 @@ class Leader(_native.Handle):
         self._h = h.value
         self.block_size = int(block_size)
 
-    def info(self) -> dict:
-        return json.loads(_buffer_call("kvbm_leader_info", self._h))
+    def info(self) -> LeaderInfo:
+        info: LeaderInfo = json.loads(_buffer_call("kvbm_leader_info", self._h))
+        return info
 
     # Requests whose converted tokens are kept (between a first match and
     # request_finished). A bound, not a working limit: an engine finishes every
@@ -98,7 +196,7 @@ class Leader(_native.Handle):
     # match converts again).
     MAX_TOKEN_CACHE = 4096
 
-    def match(self, req_id: str, tokens, salt_hash: int, num_computed: int) -> tuple[int, bool]:
+    def match(self, req_id: str, tokens: Tokens, salt_hash: int, num_computed: int) -> tuple[int, bool]:
         """Engine's get_num_new_matched_tokens. ``tokens``: a list (converted
         once per request and kept until :meth:`request_finished`; later calls
         convert only appended tokens), a numpy array or a uint32 buffer (used
@@ -116,17 +214,21 @@ class Leader(_native.Handle):
                      byref(got), byref(is_async))
         return got.value, bool(is_async.value)
 
-    def update_after_alloc(self, req_id: str, block_ids, num_external_tokens: int) -> None:
+    def update_after_alloc(self, req_id: str, block_ids: Iterable[int], num_external_tokens: int) -> None:
         arr, n = _int64_array(list(block_ids))
         _native.call("kvbm_leader_update_after_alloc", self._h, req_id.encode(), arr, n, int(num_external_tokens))
 
-    def step(self, updates, loaded=(), load_errors=()) -> bytes:
-        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed].
+    def step(self, updates: Sequence[Sequence[object]], loaded: Iterable[str] = (),
+             load_errors: Iterable[int] = ()) -> bytes:
+        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed]
+        rows (lists or tuples: msgpack arrays).
 
         priority: None (no priorities: the offload filter does not apply), a
         list with the priority of each new block id, or one int for all of them.
+        loaded: request ids whose loads completed; load_errors: G1 blocks
+        whose load failed.
         """
-        payload = msgpack.packb([updates, list(loaded), list(load_errors)], use_bin_type=True)
+        payload: bytes = msgpack.packb([updates, list(loaded), list(load_errors)], use_bin_type=True)
         return _buffer_call("kvbm_leader_step", self._h, payload, len(payload))
 
     def request_finished(self, req_id: str) -> bool:
@@ -156,7 +258,16 @@ class Leader(_native.Handle):
         """ok: every rank executed it (its G3 blocks become matchable); else they are freed."""
         _native.call("kvbm_leader_commit_background", self._h, int(ticket), 1 if ok else 0)
 
-    def set_degraded(self, dead_ranks) -> None:
+    def restore_disk(self, recovered: Iterable[bytes]) -> int:
+        """Register the disk tier blocks the workers' persistent tiers
+        recovered: ``recovered`` is every rank's :meth:`Worker.recovered`,
+        rank 0 first. Call before the first step. Returns the blocks registered."""
+        payload = msgpack.packb([bytes(r) for r in recovered], use_bin_type=True)
+        got = c_int64()
+        _native.call("kvbm_leader_restore_disk", self._h, payload, len(payload), byref(got))
+        return got.value
+
+    def set_degraded(self, dead_ranks: Iterable[int]) -> None:
         """Ranks died: stop matching, saving and moving; the engine keeps serving."""
         arr, n = _int64_array([int(r) for r in dead_ranks])
         _native.call("kvbm_leader_set_degraded", self._h, arr, n)
@@ -171,9 +282,12 @@ class Worker(_native.Handle):
 
     _free = "kvbm_worker_free"
 
-    def __init__(self, *, tensors, kind: str, num_blocks: int, block_size: int, dtype_bytes: int,
-                 rank: int = 0, num_workers: int = 1):
+    def __init__(self, *, tensors: Iterable[tuple[int, Sequence[int], Sequence[int]]], kind: str, num_blocks: int,
+                 block_size: int, dtype_bytes: int, rank: int = 0, num_workers: int = 1, model: str = "",
+                 dtype: str = "") -> None:
         opts = {
+            "model": str(model),
+            "dtype": str(dtype),
             "rank": int(rank),
             "num_workers": int(num_workers),
             "kind": kind,
@@ -190,8 +304,9 @@ class Worker(_native.Handle):
         _native.call("kvbm_worker_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
 
-    def info(self) -> dict:
-        return json.loads(_buffer_call("kvbm_worker_info", self._h))
+    def info(self) -> WorkerInfo:
+        info: WorkerInfo = json.loads(_buffer_call("kvbm_worker_info", self._h))
+        return info
 
     def bind(self, plan: bytes) -> None:
         _native.call("kvbm_worker_bind", self._h, plan, len(plan))
@@ -211,7 +326,13 @@ class Worker(_native.Handle):
         if _native.loaded_variant() == "cuda" or hasattr(_native.lib(), "kvbm_worker_set_cuda_stream"):
             _native.call("kvbm_worker_set_cuda_stream", self._h, int(stream))
 
+    def recovered(self) -> bytes:
+        """What this rank's persistent disk tier recovered at start, for
+        :meth:`Leader.restore_disk` (b"" without a persistent tier)."""
+        return _buffer_call("kvbm_worker_recovered", self._h)
+
     def finished(self) -> tuple[list[str], list[int]]:
+        """(request ids whose loads completed, G1 blocks whose load failed) since the last call."""
         data = _buffer_call("kvbm_worker_finished", self._h)
         if not data:
             return [], []
@@ -220,7 +341,7 @@ class Worker(_native.Handle):
 
 
 class Consolidator(_native.Handle):
-    """A standalone KV Event Consolidator (SPEC §7): engine KV events in (ZMQ),
+    """A standalone KV Event Consolidator (design §7): engine KV events in (ZMQ),
     deduplicated events out (ZMQ PUB in vLLM's format and/or RouterEvent JSON
     on NATS). A Leader started with ``consolidator=`` runs one itself and
     feeds it kvbm's G2/G3 events; this class is for the engine-only case and
@@ -233,12 +354,13 @@ class Consolidator(_native.Handle):
 
     _free = "kvbm_consolidator_free"
 
-    def __init__(self, **opts):
-        opts = dict(opts)
-        opts["env"] = _native.env_snapshot()
+    def __init__(self, **opts: Unpack[ConsolidatorOptions]) -> None:
+        payload: dict[str, object] = dict(opts)
+        payload["env"] = _native.env_snapshot()
         h = c_uint64()
-        _native.call("kvbm_consolidator_new", json.dumps(opts).encode(), byref(h))
+        _native.call("kvbm_consolidator_new", json.dumps(payload).encode(), byref(h))
         self._h = h.value
 
-    def stats(self) -> dict:
-        return json.loads(_buffer_call("kvbm_consolidator_stats", self._h))
+    def stats(self) -> ConsolidatorStats:
+        stats: ConsolidatorStats = json.loads(_buffer_call("kvbm_consolidator_stats", self._h))
+        return stats

@@ -1,9 +1,12 @@
 """Environment helpers shared by the engine integrations (pure Python: usable
 before the native library is loaded, e.g. in an engine's front-end process)."""
 
+from __future__ import annotations
+
 import ipaddress
 import os
 import re
+from typing import overload
 
 TRUTHY = ("1", "true", "on", "yes")
 FALSY = ("0", "false", "off", "no")
@@ -21,7 +24,15 @@ def env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"invalid {name}={raw!r}: expected one of 1/true/on/yes or 0/false/off/no")
 
 
-def env_port(name: str, default=None):
+@overload
+def env_port(name: str, default: int) -> int: ...
+
+
+@overload
+def env_port(name: str, default: None = None) -> int | None: ...
+
+
+def env_port(name: str, default: int | None = None) -> int | None:
     """A TCP port from the environment (1..65535) or ``default`` when unset."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -33,7 +44,7 @@ def env_port(name: str, default=None):
     return check_port(port, name)
 
 
-def check_port(port: int, what: str) -> int:
+def check_port(port: object, what: str) -> int:
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"invalid {what}={port!r}: a port must be an integer in 1..65535")
     return port

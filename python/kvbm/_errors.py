@@ -1,12 +1,14 @@
 """Exceptions raised by kvbm; each carries the native library's message."""
 
+from __future__ import annotations
+
 
 class KvbmError(RuntimeError):
     """Base class. ``code`` is the C ABI status code (0 never appears)."""
 
-    code = 1
+    code: int = 1
 
-    def __init__(self, message, code=None):
+    def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
@@ -48,7 +50,9 @@ class KvbmForkError(KvbmError):
     code = 7
 
 
-BY_CODE = {
+# Status code of a failed C ABI call -> its exception (capi/kvbm.h). 7 is
+# never returned by the library: KvbmForkError is raised in Python.
+BY_CODE: dict[int, type[KvbmError]] = {
     1: KvbmError,
     2: KvbmConfigError,
     3: KvbmIOError,

@@ -1,6 +1,9 @@
 """Layer ordering shared by the engine adapters."""
 
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _ANY_INT = re.compile(r"(\d+)")
@@ -16,6 +19,6 @@ def layer_index(name: str) -> int:
     return int(ints[0])
 
 
-def order_layers(names):
+def order_layers(names: Iterable[str]) -> list[str]:
     """Layer names sorted by the layer index in their name."""
     return sorted(names, key=layer_index)

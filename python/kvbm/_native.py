@@ -17,17 +17,36 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar, Union
 
 from kvbm._errors import BY_CODE, KvbmError, KvbmForkError
+
+if TYPE_CHECKING:
+    from ctypes import _CDataType, _Pointer
+
+    import numpy.typing as npt
+
+# A token sequence as the hashing and match calls take it: a list (vLLM's
+# ConstantList included), any other sequence of ints, a numpy array, or a
+# buffer of 4-byte unsigned ints (array.array("I"), a memoryview of one).
+Tokens: TypeAlias = Union[Sequence[int], "npt.NDArray[Any]", memoryview]
+
+# ctypes signature of one export: (restype, argtypes).
+Signature: TypeAlias = "tuple[type[_CDataType] | None, list[type[_CDataType]]]"
+
+# (pointer, length, owner) of tokens converted for a call: the pointer is
+# valid while owner is referenced; None with length 0.
+TokenView: TypeAlias = "tuple[_Pointer[c_uint32] | None, int, object]"
 
 log = logging.getLogger("kvbm")
 
 _lock = threading.Lock()
-_lib = None
-_lib_pid = None
-_lib_path = None
-_lib_variant = None
+_lib: ctypes.CDLL | None = None
+_lib_pid: int | None = None
+_lib_path: str | None = None
+_lib_variant: str | None = None
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,42 +78,68 @@ def library_path() -> tuple[str, str]:
     return os.path.join(_PKG_DIR, "lib", "libkvbm.so"), "default"
 
 
-def _declare(lib):
-    P = POINTER
-    err = P(c_char_p)
-    sig = {
-        "kvbm_version": (c_char_p, []),
-        "kvbm_free_string": (None, [c_void_p]),
-        "kvbm_free_buffer": (None, [c_void_p]),
-        "kvbm_is_poisoned": (c_int, []),
-        "kvbm_debug_panic": (c_int, [err]),
-        "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, P(c_uint64), err]),
-        "kvbm_sequence_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_uint64, P(c_uint64), c_int64, P(c_int64), err]),
-        "kvbm_router_hashes": (c_int, [P(c_uint32), c_int64, c_int64, c_char_p, P(c_uint64), c_int64, P(c_int64), err]),
-        "kvbm_config_check": (c_int, [c_char_p, c_int, P(P(c_uint8)), P(c_int64), err]),
-    }
-    sig.update(_EXTRA_SIGNATURES)
-    for name, (res, args) in sig.items():
+_P = POINTER
+_ERR = _P(c_char_p)
+
+# The library's own exports; leader, worker, consolidator and side-channel
+# modules add theirs through register_signatures. capi/kvbm.h is the
+# definition; tests/test_abi.py checks every entry against it.
+_BASE_SIGNATURES: dict[str, Signature] = {
+    "kvbm_version": (c_char_p, []),
+    "kvbm_free_string": (None, [c_void_p]),
+    "kvbm_free_buffer": (None, [c_void_p]),
+    "kvbm_is_poisoned": (c_int, []),
+    "kvbm_debug_panic": (c_int, [_ERR]),
+    "kvbm_debug_panic_in_free": (None, []),
+    "kvbm_salt_hash": (c_int, [c_char_p, c_int, c_char_p, c_int, _P(c_uint64), _ERR]),
+    "kvbm_sequence_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_uint64, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
+    "kvbm_router_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_char_p, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
+    "kvbm_config_check": (c_int, [c_char_p, c_int, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+}
+
+# Exports only some builds have: the test-only ones (libkvbm_debug.so) and
+# the CUDA variant's. Every other declared symbol must exist.
+OPTIONAL_SYMBOLS = frozenset({"kvbm_debug_panic", "kvbm_debug_panic_in_free", "kvbm_worker_set_cuda_stream"})
+
+
+def signatures() -> dict[str, Signature]:
+    """Every ctypes signature the package declares: name -> (restype, argtypes)."""
+    import kvbm._core  # noqa: F401  (registers leader, worker, consolidator)
+    import kvbm._wire  # noqa: F401  (registers the side channel)
+
+    return {**_BASE_SIGNATURES, **_EXTRA_SIGNATURES}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    missing: list[str] = []
+    for name, (res, args) in {**_BASE_SIGNATURES, **_EXTRA_SIGNATURES}.items():
         fn = getattr(lib, name, None)
         if fn is None:
+            if name not in OPTIONAL_SYMBOLS:
+                missing.append(name)
             continue
         fn.restype = res
         fn.argtypes = args
+    if missing:
+        raise KvbmError(
+            f"kvbm native library {getattr(lib, '_name', '?')} lacks {', '.join(sorted(missing))}: it was built "
+            f"from other sources than this Python package; rebuild it (`make build`) or reinstall kvbm"
+        )
 
 
 # Filled by modules that add exports (leader, worker, consolidator) through
 # register_signatures.
-_EXTRA_SIGNATURES: dict = {}
+_EXTRA_SIGNATURES: dict[str, Signature] = {}
 
 
-def register_signatures(sigs: dict) -> None:
+def register_signatures(sigs: Mapping[str, Signature]) -> None:
     """Declare ctypes signatures of more exports (applied now if already loaded)."""
     _EXTRA_SIGNATURES.update(sigs)
     if _lib is not None:
         _declare(_lib)
 
 
-def lib():
+def lib() -> ctypes.CDLL:
     """The loaded library; loads it on first use and enforces the owning pid."""
     global _lib, _lib_pid, _lib_path, _lib_variant
     pid = os.getpid()
@@ -122,28 +167,32 @@ def lib():
     return lib()
 
 
-def loaded_variant():
+def loaded_variant() -> str | None:
+    """The variant of the loaded library ("default", "cuda", "custom"); None before loading."""
     return _lib_variant
 
 
 def version() -> str:
-    return _lib.kvbm_version().decode() if _lib is not None else lib().kvbm_version().decode()
+    loaded = _lib if _lib is not None else lib()
+    raw: bytes = loaded.kvbm_version()  # bytes: its restype is c_char_p
+    return raw.decode()
 
 
-def call(name: str, *args):
+def call(name: str, *args: object) -> None:
     """Call export ``name`` with ``args`` plus the trailing error pointer."""
-    fn = getattr(lib(), name)
+    loaded = lib()
+    fn = getattr(loaded, name)
     err = c_char_p()
     rc = fn(*args, byref(err))
     if rc != 0:
         # The message buffer was malloc'ed by Go; read it before freeing.
         msg = ctypes.string_at(err) if err else b""
         if err:
-            _lib.kvbm_free_string(err)
+            loaded.kvbm_free_string(err)
         raise BY_CODE.get(rc, KvbmError)(msg.decode("utf-8", "replace") or "unknown kvbm error", rc)
 
 
-def take_buffer(ptr, n) -> bytes:
+def take_buffer(ptr: _Pointer[c_uint8], n: c_int64) -> bytes:
     """Copy a buffer returned by Go and free it."""
     if not ptr or n.value == 0:
         return b""
@@ -152,13 +201,16 @@ def take_buffer(ptr, n) -> bytes:
     return data
 
 
+_H = TypeVar("_H", bound="Handle")
+
+
 class Handle:
     """Base of the Python objects that own a native handle: ``close()`` frees it
     once through the export named by ``_free``; also a context manager, and
     best-effort freed when garbage collected."""
 
-    _free = ""
-    _h = 0
+    _free: str = ""
+    _h: int = 0
 
     def close(self) -> None:
         if self._h:
@@ -167,13 +219,13 @@ class Handle:
             finally:
                 self._h = 0
 
-    def __enter__(self):
+    def __enter__(self: _H) -> _H:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):  # pragma: no cover - best effort, e.g. at interpreter exit
+    def __del__(self) -> None:  # pragma: no cover - best effort, e.g. at interpreter exit
         try:
             self.close()
         except Exception:
@@ -192,7 +244,7 @@ def debug_panic() -> None:
 _U32P = POINTER(c_uint32)
 
 
-def _token_list(tokens):
+def _token_list(tokens: Tokens) -> Tokens:
     """The plain list behind a token sequence where there is one: vLLM's
     ``Request.all_token_ids`` is a ``ConstantList`` over ``_all_token_ids``,
     and ``array.array.fromlist`` (the fastest conversion) takes only lists."""
@@ -202,7 +254,7 @@ def _token_list(tokens):
     return inner if type(inner) is list else tokens
 
 
-def _u32_array(tokens):
+def _u32_array(tokens: Tokens) -> TokenView:
     """(pointer, length, owner) for a token sequence; owner keeps the memory alive.
 
     Used in place, no copy: numpy arrays of uint32 (others are converted by
@@ -223,25 +275,32 @@ def _u32_array(tokens):
                 return (arr.ctypes.data_as(_U32P) if len(arr) else None), len(arr), arr
         except ImportError:  # pragma: no cover
             pass
-        try:
-            mv = memoryview(src)
-        except TypeError:
-            mv = None
+        mv = _buffer_view(src)
         if mv is not None and mv.format in ("I", "=I", "<I", "@I") and mv.itemsize == 4 and mv.ndim == 1 \
                 and mv.c_contiguous:
             n = len(mv)
             if n == 0 or mv.readonly:
                 # ctypes cannot take the address of a read-only buffer: copy.
-                arr = array.array("I", mv.tobytes()) if n else array.array("I")
-                return _array_view(arr)
+                copy = array.array("I", mv.tobytes()) if n else array.array("I")
+                return _array_view(copy)
             return ctypes.cast((ctypes.c_char * mv.nbytes).from_buffer(mv), _U32P), n, mv
         src = list(src)
     return _array_view(_list_to_u32(src))
 
 
+def _buffer_view(obj: Any) -> memoryview | None:
+    """A memoryview of ``obj`` when it has the buffer protocol, else None (no
+    static type names the buffer protocol before Python 3.12, hence Any)."""
+    try:
+        return memoryview(obj)
+    except TypeError:
+        return None
+
+
 # The in-place list reader (capi/pylist.c): None until first use, then the
 # ctypes function (called with the GIL held) or False where it cannot be used.
-_pylist_fn = None
+_PylistReader: TypeAlias = "Callable[[list[int], array.array[int]], int]"
+_pylist_fn: _PylistReader | Literal[False] | None = None
 _PYLIST_MIN = 512  # shorter lists: fromlist is as fast as the extra call
 _ZERO = (0,)
 
@@ -263,20 +322,23 @@ def pylist_layout() -> int:
     return 0
 
 
-def _pylist_reader():
+def _pylist_reader() -> _PylistReader | Literal[False]:
     """The in-place reader, checked once against array.array on probe lists."""
     global _pylist_fn
     if _pylist_fn is not None:
         return _pylist_fn
-    fn, layout = False, pylist_layout()
+    fn: _PylistReader | Literal[False] = False
+    layout = pylist_layout()
     if layout and os.environ.get("KVBM_DISABLE_PYLIST_READER", "").lower() not in ("1", "true", "yes", "on"):
         sym = getattr(lib(), "kvbm_tokens_from_pylist", None)
-        if sym is not None:
+        addr = ctypes.cast(sym, c_void_p).value if sym is not None else None
+        if addr:
             proto = ctypes.PYFUNCTYPE(c_int64, ctypes.py_object, c_int64, ctypes.py_object, c_int32, c_void_p)
-            raw = proto(ctypes.cast(sym, c_void_p).value)
+            raw = proto(addr)
 
-            def read(lst, out, _raw=raw, _layout=layout):
-                return _raw(lst, len(lst), int, _layout, out.buffer_info()[0])
+            def read(lst: list[int], out: array.array[int], _raw: Any = raw, _layout: int = layout) -> int:
+                got: int = _raw(lst, len(lst), int, _layout, out.buffer_info()[0])
+                return got
 
             probe = [0, 1, 7, 255, 256, 1000, 150_000, 2**30 - 1, 2**30, 2**31 + 5, 2**32 - 1] * 60
             out = array.array("I", bytes(4 * len(probe)))
@@ -292,7 +354,7 @@ def _pylist_reader():
     return fn
 
 
-def _list_to_u32(src: list):
+def _list_to_u32(src: list[int]) -> array.array[int]:
     """array.array('I') of a list: read in place where possible (capi/pylist.c,
     ~1 ns a token), the rest through fromlist (also the reference for errors:
     a negative or too large token raises OverflowError)."""
@@ -312,7 +374,7 @@ def _list_to_u32(src: list):
     return arr
 
 
-def _array_view(arr):
+def _array_view(arr: array.array[int]) -> TokenView:
     n = len(arr)
     if n == 0:
         return None, 0, arr
@@ -337,11 +399,11 @@ class TokenArray:
 
     __slots__ = ("_src", "_arr")
 
-    def __init__(self):
-        self._src = None
-        self._arr = array.array("I")
+    def __init__(self) -> None:
+        self._src: list[int] | None = None
+        self._arr: array.array[int] = array.array("I")
 
-    def view(self, tokens):
+    def view(self, tokens: Tokens) -> TokenView:
         """(pointer, length, owner) of ``tokens`` like :func:`_u32_array`."""
         src = _token_list(tokens)
         if type(src) is not list:
@@ -363,7 +425,7 @@ class TokenArray:
         self._arr = array.array("I")
 
 
-def salt_hash(salt=None, lora_name=None) -> int:
+def salt_hash(salt: str | None = None, lora_name: str | None = None) -> int:
     out = c_uint64()
     s = salt.encode() if salt is not None else None
     l = lora_name.encode() if lora_name is not None else None
@@ -371,7 +433,7 @@ def salt_hash(salt=None, lora_name=None) -> int:
     return out.value
 
 
-def sequence_hashes(tokens, block_size: int, *, salt_hash: int) -> list[int]:
+def sequence_hashes(tokens: Tokens, block_size: int, *, salt_hash: int) -> list[int]:
     ptr, n, _keep = _u32_array(tokens)
     cap = n // block_size if block_size > 0 else 0
     out = (c_uint64 * max(cap, 1))()
@@ -380,7 +442,7 @@ def sequence_hashes(tokens, block_size: int, *, salt_hash: int) -> list[int]:
     return list(out[: got.value])
 
 
-def router_hashes(tokens, block_size: int, *, lora_name=None) -> list[int]:
+def router_hashes(tokens: Tokens, block_size: int, *, lora_name: str | None = None) -> list[int]:
     ptr, n, _keep = _u32_array(tokens)
     cap = n // block_size if block_size > 0 else 0
     out = (c_uint64 * max(cap, 1))()
@@ -393,7 +455,7 @@ def router_hashes(tokens, block_size: int, *, lora_name=None) -> list[int]:
 _ENV_PREFIXES = ("DYN_KVBM_", "NATS_SERVER", "DYN_LOG")
 
 
-def env_snapshot() -> dict:
+def env_snapshot() -> dict[str, str]:
     """kvbm's variables as Python sees them now.
 
     Passed to every native constructor: a Go library loaded with dlopen reads

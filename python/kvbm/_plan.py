@@ -9,21 +9,60 @@ Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeAlias, TypedDict
 
 import msgpack
 
 _REC = struct.Struct("<BqBq")
 
+# One block copy: (src tier, src block, dst tier, dst block).
+Copy: TypeAlias = tuple[int, int, int, int]
 
-def _copies(b) -> list[tuple[int, int, int, int]]:
+
+class Plan(TypedDict):
+    """A decoded plan (:func:`decode`)."""
+
+    seq: int
+    loads: dict[str, list[Copy]]  # request id -> its loads
+    moves: list[Copy]
+    saves: list[Copy]
+    drops: list[Copy]
+
+
+class WireCopy(TypedDict):
+    """A copy as the wire's keys spell it (:func:`encode_map`)."""
+
+    s: int
+    sb: int
+    d: int
+    db: int
+
+
+class WireLoad(TypedDict):
+    r: str
+    c: list[WireCopy]
+
+
+class WirePlan(TypedDict, total=False):
+    """A plan with the wire's keys (:func:`encode_map`)."""
+
+    q: int
+    l: list[WireLoad]  # noqa: E741 - the wire's key
+    m: list[WireCopy]
+    v: list[WireCopy]
+    x: list[WireCopy]
+
+
+def _copies(b: bytes | None) -> list[Copy]:
     return list(_REC.iter_unpack(b)) if b else []
 
 
-def decode(plan: bytes) -> dict:
+def decode(plan: bytes) -> Plan:
     """{"seq", "loads": {req: [(src, src_block, dst, dst_block)]}, "moves", "saves", "drops"}."""
     if not plan:
         return {"seq": 0, "loads": {}, "moves": [], "saves": [], "drops": []}
-    step = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    step: dict[str, Any] = msgpack.unpackb(plan, raw=False, strict_map_key=False)
     return {
         "seq": step.get("q", 0),
         "loads": {ld["r"]: _copies(ld.get("c")) for ld in step.get("l") or ()},
@@ -33,26 +72,28 @@ def decode(plan: bytes) -> dict:
     }
 
 
-def encode(seq=0, loads=None, moves=(), saves=(), drops=()) -> bytes:
+def encode(seq: int = 0, loads: Mapping[str, Iterable[Copy]] | None = None, moves: Iterable[Copy] = (),
+           saves: Iterable[Copy] = (), drops: Iterable[Copy] = ()) -> bytes:
     """The inverse of :func:`decode` (tests build plans by hand with it)."""
 
-    def pack(cs):
+    def pack(cs: Iterable[Copy]) -> bytes:
         return b"".join(_REC.pack(*c) for c in cs)
 
-    m: dict = {"q": seq}
+    m: dict[str, object] = {"q": seq}
     if loads:
         m["l"] = [{"r": r, "c": pack(cs)} for r, cs in loads.items()]
     for key, cs in (("m", moves), ("v", saves), ("x", drops)):
         if cs:
             m[key] = pack(cs)
-    return msgpack.packb(m, use_bin_type=True)
+    out: bytes = msgpack.packb(m, use_bin_type=True)
+    return out
 
 
-def encode_map(m: dict) -> bytes:
+def encode_map(m: WirePlan) -> bytes:
     """:func:`encode` for a plan written with the wire's keys, copies as dicts:
     {"q", "l": [{"r", "c": [copy]}], "m"/"v"/"x": [copy]}, copy = {"s", "sb", "d", "db"}."""
 
-    def tup(c):
+    def tup(c: WireCopy) -> Copy:
         return (c["s"], c["sb"], c["d"], c["db"])
 
     return encode(

@@ -29,10 +29,11 @@ import threading
 import time
 from ctypes import POINTER, byref, c_char_p, c_int64, c_uint8, c_uint64
 from dataclasses import dataclass
+from typing import TypedDict
 
 from kvbm import _native
 from kvbm._errors import KvbmIOError
-from kvbm._core import Worker
+from kvbm._core import Leader, Worker
 
 _P = POINTER
 _ERR = _P(c_char_p)
@@ -58,7 +59,7 @@ log = logging.getLogger("kvbm")
 _HANDSHAKE_SLICE_S = 1.0
 
 
-def _buffer_call(name, *args) -> bytes:
+def _buffer_call(name: str, *args: object) -> bytes:
     buf = _P(c_uint8)()
     n = c_int64()
     _native.call(name, *args, byref(buf), byref(n))
@@ -73,6 +74,28 @@ def _check_transport(transport: str) -> str:
     if transport not in _TRANSPORTS:
         raise ValueError(f"transport {transport!r}: want one of {_TRANSPORTS}")
     return transport
+
+
+class WireLeaderInfo(TypedDict):
+    """:meth:`WireLeader.info`."""
+
+    transport: str  # "tcp" or "inproc"
+    pub_port: int
+    ack_port: int
+    healthy: bool
+    dead_ranks: list[int]  # processes gone, for good
+    suspect_ranks: list[int]  # silent; re-admitted when they answer again
+    forged_messages: int  # messages rejected: wrong secret or forged
+
+
+class WireWorkerInfo(TypedDict):
+    """:meth:`WireWorker.info`."""
+
+    ready: bool
+    stopped: bool
+    error: str  # "" while healthy
+    forged_messages: int
+    reconnects: int  # subscriptions redialed after the leader's PUB dropped or went silent
 
 
 @dataclass(frozen=True)
@@ -106,7 +129,7 @@ class WireLeader(_native.Handle):
     _free = "kvbm_wire_leader_free"
 
     def __init__(self, *, num_workers: int, transport: str = "auto", ping_interval_ms: int = 0,
-                 suspect_after_ms: int = 0, secret: str = ""):
+                 suspect_after_ms: int = 0, secret: str = "") -> None:
         opts = {
             "secret": str(secret),
             "num_workers": int(num_workers),
@@ -149,13 +172,14 @@ class WireLeader(_native.Handle):
         """
         _native.call("kvbm_wire_leader_broadcast", self._h, plan, len(plan), _ms(timeout_s))
 
-    def info(self) -> dict:
+    def info(self) -> WireLeaderInfo:
         """{transport, pub_port, ack_port, healthy, dead_ranks, suspect_ranks}.
 
         A dead rank's process is gone (for good); a suspected one has been
         silent for ``DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS`` and is
         re-admitted when it answers again."""
-        return json.loads(_buffer_call("kvbm_wire_leader_info", self._h))
+        info: WireLeaderInfo = json.loads(_buffer_call("kvbm_wire_leader_info", self._h))
+        return info
 
     @property
     def dead_ranks(self) -> list[int]:
@@ -175,7 +199,8 @@ class WireWorker(_native.Handle):
 
     _free = "kvbm_wire_worker_free"
 
-    def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto", secret: str = ""):
+    def __init__(self, worker: Worker, *, rank: int, num_workers: int, transport: str = "auto",
+                 secret: str = "") -> None:
         opts = {
             "secret": str(secret),
             "rank": int(rank),
@@ -196,9 +221,10 @@ class WireWorker(_native.Handle):
         d = json.loads(_buffer_call("kvbm_wire_worker_wait_ready", self._h, _ms(timeout_s)))
         return LeaderMetadata(**d)
 
-    def info(self) -> dict:
-        """{ready, stopped, error}."""
-        return json.loads(_buffer_call("kvbm_wire_worker_info", self._h))
+    def info(self) -> WireWorkerInfo:
+        """{ready, stopped, error, forged_messages, reconnects}."""
+        info: WireWorkerInfo = json.loads(_buffer_call("kvbm_wire_worker_info", self._h))
+        return info
 
 
 class BackgroundPump:
@@ -220,7 +246,7 @@ class BackgroundPump:
     the scheduler thread: that step is shipped only after ``poll`` returns.
     """
 
-    def __init__(self, wire: WireLeader, leader, *, timeout_s: float = 60.0):
+    def __init__(self, wire: WireLeader, leader: Leader, *, timeout_s: float = 60.0) -> None:
         self._wire = wire
         self._leader = leader
         self._timeout_s = float(timeout_s)

@@ -1,5 +1,6 @@
 """kvbm as vLLM's KV connector, against a real vLLM (CPU backend) on a tiny
-random model with greedy decoding: what SPEC §10 says the reference checks.
+random model with greedy decoding: the checks Dynamo's own KVBM tests make
+(offload, onboard with identical output, G1 eviction, chunked prefill, disk).
 
 Each test starts one engine in a subprocess (kvbm.testing.vllm_harness), so
 the G1 size, kvbm tiers and the workload are exactly those written here.
@@ -80,7 +81,7 @@ def test_offload_onboard_eviction_determinism(harness):
         assert t[tag]["tokens"] == t["first"]["tokens"], tag
     for tag in ("b_again", "b_cycle2"):
         assert t[tag]["tokens"] == t["evict_with_b"]["tokens"], tag
-    # The metrics endpoint serves every SPEC §9 name.
+    # The metrics endpoint serves every design §9 name.
     for name in ("kvbm_offload_blocks_d2h", "kvbm_offload_blocks_h2d", "kvbm_offload_blocks_d2d",
                  "kvbm_onboard_blocks_h2d", "kvbm_onboard_blocks_d2d", "kvbm_matched_tokens",
                  "kvbm_host_cache_hit_rate", "kvbm_disk_cache_hit_rate"):

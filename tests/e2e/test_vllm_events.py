@@ -1,7 +1,7 @@
 """KV Event Consolidator end to end: vLLM (CPU) publishes its KV events, kvbm's
 leader consolidates them with its own G2/G3 events, and a router index fed the
 consolidated stream stays consistent over a workload that evicts from every
-tier (SPEC §7, §10)."""
+tier (design §7, §10)."""
 
 import random
 import json
@@ -39,6 +39,7 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
     while out_port <= 1000:
         out_port = free_port()
     A, B, C, D = (prompt(s, 9 * BS + 5) for s in (11, 12, 13, 14))
+    E = prompt(15, BS // 4)
     spec = {
         "env": {
             "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 12,
@@ -52,20 +53,32 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
         "events": {"endpoint": f"tcp://*:{engine_port}"},
         "collect": {"consolidated": f"tcp://127.0.0.1:{out_port}", "engine": f"tcp://127.0.0.1:{engine_port}"},
         "actions": [gen("a", A), gen("b", B), gen("c", C), gen("d", D), gen("a2", A), gen("b2", B),
-                    {"reset": True, "tag": "reset"}, gen("c2", C), {"quiesce": True, "tag": "settle"}],
+                    {"reset": True, "tag": "reset"}, gen("c2", C), {"quiesce": True, "tag": "settle"},
+                    # Then a reset of kvbm too; vLLM publishes its AllBlocksCleared
+                    # with the next step's output, so a prompt shorter than one
+                    # block (nothing to store) follows.
+                    {"reset": True, "reset_connector": True, "tag": "full-reset"},
+                    gen("flush", E), {"quiesce": True, "tag": "settled-after-full-reset"}],
     }
     res = harness(spec)
-    assert res["actions"][-1]["quiesced"], "kvbm's counters kept changing"
+    acts = {a["tag"]: a for a in res["actions"]}
+    assert acts["settle"]["quiesced"] and acts["settled-after-full-reset"]["quiesced"], "kvbm's counters kept changing"
+    assert acts["full-reset"]["reset"], "vLLM reports the reset (engine and kvbm) failed"
     # This run (both tiers, the consolidator) exports every series the
     # dashboard in deploy/grafana queries.
-    scraped = set(res["actions"][-1]["metrics"])
+    scraped = set(acts["settle"]["metrics"])
     wanted = dashboard_metrics()
     assert len(wanted) >= 20, wanted
     assert not wanted - scraped, f"queried by the dashboard but not exported: {sorted(wanted - scraped)}"
     log = res["log"]
     batches = res["collected"]["consolidated"]
     assert batches, "no consolidated events received"
-    stores = removes = clears = 0
+    # Events published before the full reset: the consolidator's counter once
+    # the engine-only part had settled (the engine was idle until the reset).
+    before_full_reset = int(acts["settle"]["metrics"]["kvbm_consolidator_events_out"])
+    stores = removes = clears = n = 0
+    clears_before_full_reset = 0
+    held_before_full_reset = None
     idx = RouterIndex()
     for batch in batches:
         assert isinstance(batch, list) and len(batch) == 3, batch
@@ -74,7 +87,13 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
             stores += kind == "BlockStored"
             removes += kind == "BlockRemoved"
             clears += kind == "AllBlocksCleared"
-        idx.apply_batch(batch)
+            if n < before_full_reset:
+                clears_before_full_reset += kind == "AllBlocksCleared"
+            idx.apply(ev)
+            n += 1
+            if n == before_full_reset:
+                held_before_full_reset = len(idx)
+    assert n > before_full_reset, "the full reset published nothing"
     assert res["collected"]["engine"], "vLLM published no KV events"
 
     first = len(re.findall(r"stored in first source", log))
@@ -86,7 +105,8 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
     assert removes == last, (removes, last)
     # vLLM's reset_prefix_cache() clears G1 only; kvbm still holds blocks, so
     # the engine's AllBlocksCleared becomes REMOVEs of engine-only blocks, not a CLEAR.
-    assert clears == 0, "an engine-only reset must not make the router forget kvbm's blocks"
+    assert clears_before_full_reset == 0, "an engine-only reset must not make the router forget kvbm's blocks"
+    assert held_before_full_reset, "after the engine-only reset the router must still know kvbm's blocks"
     engine_kinds = [ev[0] if isinstance(ev, list) else ev.get("type") for b in res["collected"]["engine"] for ev in b[1]]
     assert "AllBlocksCleared" in engine_kinds, "vLLM announced its reset"
     assert "Source Vllm cleared all its blocks" in log
@@ -96,6 +116,12 @@ def test_consolidated_events_with_real_vllm(harness, tmp_path):
     # vLLM's reset clears G1 only; the router must not lose kvbm's blocks. Whatever
     # was published must apply cleanly to a router index.
     assert idx.ok, idx.kinds()
+    # reset_prefix_cache(reset_connector=True): the engine and kvbm hold
+    # nothing, and the router, fed the consolidated stream, knows nothing.
+    after = acts["settled-after-full-reset"]["metrics"]
+    assert after["kvbm_host_blocks_registered"] == 0 and after["kvbm_disk_blocks_registered"] == 0, after
+    assert len(idx) == 0, f"router index still holds {len(idx)} blocks after the full reset"
+    assert clears <= 1, clears
     for bad in ("panic", "fatal error", "Failed to parse block_hash", "block_size=0"):
         assert bad not in log
 

@@ -11,7 +11,8 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "events": false | {"endpoint": "tcp://*:5557"},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
                    {"each": [[ids...], ...], "max_tokens": 1, "check_tokens": 16, "tag": "timed"},
-                   {"reset": true}, {"corrupt_disk": true}, {"quiesce": true}]}
+                   {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
+                   {"quiesce": true}]}
 result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
 """
 
@@ -282,7 +283,8 @@ def run(spec: dict) -> dict:
                 ttfts.append(ft)
             rec["ttft_s"] = ttfts
         elif act.get("reset"):
-            rec["reset"] = bool(llm.reset_prefix_cache())
+            # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
+            rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))
         elif act.get("corrupt_disk"):
             rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
         elif act.get("quiesce") and metrics_port:

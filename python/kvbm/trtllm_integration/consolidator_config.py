@@ -1,4 +1,4 @@
-"""When and where the KV Event Consolidator runs in a TensorRT-LLM deployment (SPEC §7.3)."""
+"""When and where the KV Event Consolidator runs in a TensorRT-LLM deployment (design §7.3)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def consolidator_options(arg_map):
             worker_id = int(raw_id)
         except ValueError:
             raise ValueError(f"invalid DYN_KVBM_WORKER_ID={raw_id!r}: not an integer") from None
-        opts.update(nats=True, namespace=os.environ.get("DYN_NAMESPACE", "").strip() or "dynamo",
-                    component="tensorrt_llm", worker_id=worker_id)
+        # An empty namespace/component takes the consolidator's defaults
+        # ("dynamo", and "tensorrt_llm" for this engine).
+        opts.update(nats=True, namespace=os.environ.get("DYN_NAMESPACE", "").strip(), worker_id=worker_id)
     return opts

@@ -1,4 +1,4 @@
-"""TensorRT-LLM KV cache events → the KV Event Consolidator's ZMQ input (SPEC §6.2, §7.1).
+"""TensorRT-LLM KV cache events → the KV Event Consolidator's ZMQ input (design §6.2, §7.1).
 
 TensorRT-LLM reports its own (G1) cache events as dicts from
 ``LLM.get_kv_cache_events()``::

@@ -1,4 +1,4 @@
-"""When and where the KV Event Consolidator runs in a vLLM deployment (SPEC §7.3)."""
+"""When and where the KV Event Consolidator runs in a vLLM deployment (design §7.3)."""
 
 from __future__ import annotations
 

@@ -125,6 +125,18 @@ def parallel_sizes(llm_args) -> dict:
     }
 
 
+def model_identity(llm_args) -> str:
+    """The model's name or path (and revision when set): blocks kept beyond
+    this process (persistent disk tier, object storage) only match the same
+    weights."""
+    model = _get(llm_args, "model")
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    name = str(model) if isinstance(model, str) else ""
+    rev = _get(llm_args, "revision")
+    return f"{name}@{rev}" if rev else name
+
+
 def this_rank(llm_args) -> int:
     """This process's rank: TensorRT-LLM's MPI rank when available, else the
     mapping's rank, else the usual launcher variables, else 0."""
@@ -177,11 +189,19 @@ def check_supported(llm_args) -> None:
                         "(must be GUARANTEED_NO_EVICT)")
     if _get(llm_args, "enable_attention_dp", default=False) is True:
         problems.append("enable_attention_dp=True (attention data parallelism)")
+    v2 = _get(kvc, "use_kv_cache_manager_v2")
+    if v2 is True or str(v2).lower() == "true":
+        problems.append("kv_cache_config.use_kv_cache_manager_v2=True (kvbm moves blocks of the V1 manager's "
+                        "primary pool; KVCacheManagerV2 pages and partially cancelled loads are not supported: "
+                        "set it to false)")
     windows = _get(kvc, "max_attention_window")
     if isinstance(windows, (list, tuple)) and len(set(windows)) > 1:
         problems.append(f"kv_cache_config.max_attention_window={list(windows)} (several window sizes)")
     if problems:
         raise ValueError("kvbm TensorRT-LLM connector: unsupported setting(s): " + "; ".join(problems))
+    if isinstance(v2, str) and v2.lower() == "auto":
+        log.warning("kvbm: kv_cache_config.use_kv_cache_manager_v2=auto; kvbm needs the V1 KV cache manager and "
+                    "turns itself off if TensorRT-LLM picks KVCacheManagerV2. Set it to false.")
     if _get(kvc, "enable_block_reuse", default=True) is False:
         log.warning("kvbm: kv_cache_config.enable_block_reuse=False: TensorRT-LLM then never asks the connector "
                     "for matches, so kvbm only offloads and never onboards. Set it to true.")
@@ -205,7 +225,7 @@ def bytes_per_block_from_model(llm_args, tp: int) -> int | None:
     ``llm_args.model`` is a local checkpoint directory; None otherwise.
 
     num_layers × 2 × tokens_per_block × kv_heads_per_rank × head_dim × dtype
-    bytes (SPEC §2). kv_heads_per_rank is kv_heads / tp, at least 1 (heads are
+    bytes (design §2). kv_heads_per_rank is kv_heads / tp, at least 1 (heads are
     replicated when tp exceeds them).
     """
     model = _get(llm_args, "model")

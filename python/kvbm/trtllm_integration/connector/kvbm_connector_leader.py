@@ -61,7 +61,7 @@ def _cache_salt(obj) -> str | None:
     LLM API derives from the request's salt string (``LlmRequest`` and newer
     ``RequestData``; some releases give ``RequestData`` the string itself as
     ``cache_salt``). kvbm mixes the id into its keys the way it mixes vLLM's
-    salt string (SPEC §3), as the string of its decimal digits:
+    salt string (design §3), as the string of its decimal digits:
     ``{"salt":"18446744073709551615"}``. The id thus crosses the C ABI as
     bytes, exact for every u64; an id reported as a signed 64-bit value is
     read back as the same u64.
@@ -213,7 +213,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
     def _block_priorities(rd, n: int) -> list[int]:
         """The retention priority of each of the n new block ids of rd, for
         eviction order and the offload filter
-        (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: SPEC §4).
+        (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: design §4).
 
         RequestData.priorities has one per new block, or is None without a
         retention config; a block without one has TensorRT-LLM's default
@@ -306,6 +306,24 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._salts.pop(rid, None)
         self._matched.pop(rid, None)
         self._seen.discard(rid)
+
+    def cancel_load(self, request, start: int, end: int) -> None:
+        """KVCacheManagerV2 withdraws part of a promised load (tokens
+        [start, end)) it can no longer host. kvbm plans a load whole, so it
+        drops the request's load and turns itself off rather than copy into
+        pages the runtime did not reserve."""
+        rid = str(request.request_id)
+        if self._leader is not None:
+            try:
+                self._leader.request_finished(rid)  # unstages the load, releases its sources
+            except Exception:  # noqa: BLE001 - disabled below either way
+                log.exception("kvbm: dropping the cancelled load of request %s", rid)
+        self._forget(rid)
+        self._loading.discard(rid)
+        if self._failed is None:
+            self._fail("cancel_load", RuntimeError(
+                f"TensorRT-LLM cancelled tokens [{start}, {end}) of request {rid}'s load (KVCacheManagerV2); "
+                "kvbm supports the V1 KV cache manager: set kv_cache_config.use_kv_cache_manager_v2 to false"))
 
     @guarded(False)
     def reset_cache(self) -> bool:

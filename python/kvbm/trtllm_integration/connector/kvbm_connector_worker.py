@@ -35,6 +35,7 @@ from kvbm.trtllm_integration.connector._common import (
     check_supported,
     log,
     parallel_sizes,
+    model_identity,
     this_rank,
     tokens_per_block,
 )
@@ -58,6 +59,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._block_size = tokens_per_block(llm_args)
         self._tp = parallel_sizes(llm_args)["tp"]
         self._rank = this_rank(llm_args)
+        self._model = model_identity(llm_args)
         self._worker = None
         self._kv = None
         self._cuda = False
@@ -105,13 +107,21 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._worker = Worker(
             tensors=[(t.data_ptr(), list(t.shape), list(t.stride()))], kind="trtllm",
             num_blocks=int(t.shape[0]), block_size=self._block_size, dtype_bytes=t.element_size(),
-            rank=self._rank, num_workers=self._tp,
+            rank=self._rank, num_workers=self._tp, model=self._model, dtype=str(t.dtype),
         )
         info = self._worker.info()
         LOCAL.worker_ready(info["bytes_per_block"])
         log.info("kvbm worker ready (pid %d, rank %d/%d): %d blocks of %d bytes, %d layers, host_blocks=%d "
                  "disk_blocks=%d", os.getpid(), self._rank, self._tp, t.shape[0], info["bytes_per_block"],
                  info["num_layers"], info["host_blocks"], info["disk_blocks"])
+
+    def register_kv_cache_layout(self, layout):
+        """Newer TensorRT-LLM calls this instead of register_kv_caches with
+        KVCacheManagerV2 (pools and pages per layer group, loads the runtime
+        may cancel in part): not kvbm's model of the cache, so kvbm turns
+        itself off, and the leader in this process with it."""
+        self._disable("TensorRT-LLM's KVCacheManagerV2 is in use (register_kv_cache_layout); kvbm supports the V1 "
+                      "KV cache manager: set kv_cache_config.use_kv_cache_manager_v2 to false")
 
     def shutdown(self):
         if self._worker is not None:

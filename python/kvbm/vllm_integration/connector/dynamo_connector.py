@@ -27,7 +27,9 @@ own (``_inflight_loads``).
 
 Anything kvbm cannot handle (multimodal prompts, hybrid models with several
 KV cache groups, device tensors without the CUDA build) is bypassed with a log
-line: the engine keeps serving, those requests just get no external hits.
+line: the engine keeps serving, those requests just get no external hits and
+their KV is not offloaded (a multimodal prompt's token ids do not identify
+its KV, so storing it under them could serve it to another prompt).
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ except Exception:  # pragma: no cover - exercised only without vLLM
         WORKER = 1
 
 
+try:  # vLLM versions with worker → scheduler handshake metadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+except Exception:  # pragma: no cover - older vLLM or none
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class KvbmRecoveredMetadata(KVConnectorHandshakeMetadata):
+    """A worker's persistent disk tier index, recovered at start, for the
+    scheduler's leader (kvbm._core.Worker.recovered)."""
+
+    recovered: bytes = b""
+
+
 @dataclass
 class DynamoConnectorMetadata(KVConnectorMetadata):
     """One step's plan for the workers (opaque bytes from the Go leader)."""
@@ -88,6 +106,17 @@ def _lora_name(request) -> str | None:
     return getattr(lr, "lora_name", None) if lr is not None else None
 
 
+def _model_identity(vllm_config) -> str:
+    """The model's name or path and revision: blocks kept beyond this process
+    (persistent disk tier, object storage) only match the same weights."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return ""
+    model = str(getattr(mc, "model", "") or "")
+    rev = getattr(mc, "revision", None)
+    return f"{model}@{rev}" if rev else model
+
+
 def _tp(vllm_config) -> tuple[int, int]:
     """(rank, size) of this tensor-parallel group; (0, 1) outside vLLM's groups."""
     size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
@@ -100,6 +129,13 @@ def _tp(vllm_config) -> tuple[int, int]:
         except Exception:
             rank = int(os.environ.get("RANK", "0"))
     return rank, size
+
+
+def _bypassed(request) -> bool:
+    """Token ids do not identify the KV of multimodal prompts (placeholder
+    ids stand for the images) or of prompt embeddings: kvbm neither serves
+    nor stores it."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
 def _single_group(kv_cache_config):
@@ -267,6 +303,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._sent_tokens: dict[str, int] = {}
         self._salts: dict[str, int] = {}
+        self._bypassed: set[str] = set()  # multimodal / embedding prompts
         self._loaded: list[str] = []
         self._invalid_blocks: list[int] = []
         self._seq = 0
@@ -307,8 +344,7 @@ class DynamoConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._leader is None:
             return 0, False
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-            # Token ids do not identify multimodal or embedding prompts' KV.
+        if _bypassed(request):
             log.debug("kvbm: request %s bypassed (multimodal or prompt embeddings)", request.request_id)
             return 0, False
         tokens = request.all_token_ids
@@ -342,6 +378,9 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._leader is None:
             return
         rid = request.request_id
+        if _bypassed(request):
+            self._bypassed.add(rid)  # never offloaded either
+            return
         self._requests[rid] = request
         if num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
@@ -363,6 +402,8 @@ class DynamoConnector(KVConnectorBase_V1):
         updates = []
         for nr in scheduler_output.scheduled_new_reqs:
             rid = nr.req_id
+            if rid in self._bypassed:
+                continue
             req = self._requests.get(rid)
             tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
@@ -429,6 +470,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._sent_tokens.pop(rid, None)
         self._salts.pop(rid, None)
+        self._bypassed.discard(rid)
 
     def take_events(self):
         return ()
@@ -442,12 +484,34 @@ class DynamoConnector(KVConnectorBase_V1):
     def get_finished_count(self):
         return None
 
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        """Scheduler: vLLM hands over what every worker's
+        get_handshake_metadata returned (tp rank → metadata) once the KV
+        caches are registered, before the first step: register the disk
+        tier blocks every rank's persistent tier recovered."""
+        if self._leader is None or not metadata:
+            return
+        _, tp_size = _tp(self._vllm_config)
+        recs = [getattr(metadata.get(r), "recovered", b"") for r in range(tp_size)]
+        if not all(recs):
+            return  # no persistent disk tier (or a rank without one)
+        try:
+            n = self._leader.restore_disk(recs)
+            log.info("kvbm: %d disk tier blocks recovered from the persistent tier of %d rank(s)", n, tp_size)
+        except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
+            log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s", e)
+
     # ------------------------------------------------------------------ worker
 
     @guarded(None)
     def register_kv_caches(self, kv_caches):
         from kvbm._core import Worker
 
+        if self._kv_cache_config is not None:
+            _, why = _single_group(self._kv_cache_config)
+            if why is not None:
+                self._disable(why)
+                return
         try:
             tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
         except ValueError as e:
@@ -462,6 +526,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._worker = Worker(
             tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
             dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
+            model=_model_identity(self._vllm_config), dtype=str(next(iter(kv_caches.values())).dtype),
         )
         if tp_size > 1:
             # The scheduler's leader handshakes with every rank over the side
@@ -474,6 +539,18 @@ class DynamoConnector(KVConnectorBase_V1):
         log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
                  info["host_blocks"], info["disk_blocks"])
+
+    def get_handshake_metadata(self):
+        """Worker: this rank's recovered persistent disk tier index (None
+        without one), which vLLM passes to the scheduler's connector."""
+        if self._worker is None:
+            return None
+        try:
+            rec = self._worker.recovered()
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbm: could not read the recovered disk tier index: %s", e)
+            return None
+        return KvbmRecoveredMetadata(recovered=rec) if rec else None
 
     def _describe_caches(self, kv_caches):
         from kvbm._layers import order_layers

@@ -1,0 +1,101 @@
+/*
+ * kvbm.h: the C ABI of libkvbm.so, kvbm's multi-tier KV cache block manager.
+ *
+ * Every capi/*.go file includes this header in its cgo preamble, so the C
+ * compiler rejects an export whose Go signature disagrees with a prototype
+ * here; tests check that every export has a prototype and that the Python
+ * bindings (python/kvbm/_native.py and the modules registering signatures)
+ * declare the same argument and result types.
+ *
+ * Conventions:
+ *   - A function returning int returns a kvbm_status; on error, *err receives
+ *     a malloc'ed message the caller releases with kvbm_free_string.
+ *   - Handles are opaque uint64 values released by the matching _free call.
+ *   - Buffers returned through (uint8_t **out, int64_t *out_len) are released
+ *     with kvbm_free_buffer.
+ *   - Options and results are JSON or msgpack documents (see docs/design.md).
+ */
+#ifndef KVBM_H
+#define KVBM_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+enum kvbm_status {
+	KVBM_OK = 0,
+	KVBM_ERR_INVALID = 1,  /* bad argument or input */
+	KVBM_ERR_CONFIG = 2,   /* invalid configuration (the message names the variable) */
+	KVBM_ERR_IO = 3,       /* file system, network, memory mapping */
+	KVBM_ERR_STATE = 4,    /* unknown handle, call in the wrong state */
+	KVBM_ERR_INTERNAL = 5, /* a panic was recovered; the library is now poisoned */
+	KVBM_ERR_POISONED = 6  /* an earlier panic poisoned the library */
+};
+
+/* library */
+char *kvbm_version(void);
+void kvbm_free_string(char *s);
+void kvbm_free_buffer(uint8_t *p);
+int kvbm_is_poisoned(void);
+int kvbm_config_check(char *env_json, int require_tier, uint8_t **out, int64_t *out_len, char **err);
+
+/* hashing */
+int kvbm_salt_hash(char *salt, int has_salt, char *lora, int has_lora, uint64_t *out, char **err);
+int kvbm_sequence_hashes(uint32_t *tokens, int64_t n, int64_t block_size, uint64_t salt, uint64_t *out,
+                         int64_t out_cap, int64_t *out_n, char **err);
+int kvbm_router_hashes(uint32_t *tokens, int64_t n, int64_t block_size, char *lora, uint64_t *out, int64_t out_cap,
+                       int64_t *out_n, char **err);
+
+/* Reads up to n token ids of a CPython list in place (see capi/pylist.c);
+ * returns how many it converted. Called only through ctypes with the GIL held. */
+int64_t kvbm_tokens_from_pylist(const void *list, int64_t n, const void *int_type, int32_t layout, uint32_t *out);
+
+/* leader (the engine's scheduler process) */
+int kvbm_leader_new(char *opts_json, uint64_t *out, char **err);
+void kvbm_leader_free(uint64_t hd);
+int kvbm_leader_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_leader_match(uint64_t hd, char *req_id, uint32_t *tokens, int64_t n, uint64_t salt, int64_t num_computed,
+                      int64_t *out_tokens, int32_t *out_async, char **err);
+int kvbm_leader_update_after_alloc(uint64_t hd, char *req_id, int64_t *block_ids, int64_t n, int64_t num_external,
+                                   char **err);
+int kvbm_leader_step(uint64_t hd, void *in, int64_t in_len, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_leader_request_finished(uint64_t hd, char *req_id, int32_t *out_pending, char **err);
+int kvbm_leader_reset(uint64_t hd, char **err);
+int kvbm_leader_plan_background(uint64_t hd, uint8_t **out, int64_t *out_len, uint64_t *out_ticket, char **err);
+int kvbm_leader_commit_background(uint64_t hd, uint64_t ticket, int32_t ok, char **err);
+int kvbm_leader_set_degraded(uint64_t hd, int64_t *ranks, int64_t n, char **err);
+/* persistent disk tier: register what every rank recovered (msgpack array of kvbm_worker_recovered results) */
+int kvbm_leader_restore_disk(uint64_t hd, void *buf, int64_t n, int64_t *out_registered, char **err);
+
+/* worker (one per tensor-parallel rank) */
+int kvbm_worker_new(char *opts_json, uint64_t *out, char **err);
+void kvbm_worker_free(uint64_t hd);
+int kvbm_worker_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_worker_bind(uint64_t hd, void *buf, int64_t n, char **err);
+int kvbm_worker_start_load(uint64_t hd, char **err);
+int kvbm_worker_wait_loads(uint64_t hd, char **err);
+int kvbm_worker_wait_for_save(uint64_t hd, char **err);
+int kvbm_worker_finished(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_worker_set_cuda_stream(uint64_t hd, uint64_t stream, char **err); /* CUDA build only */
+int kvbm_worker_recovered(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* persistent disk tier index */
+
+/* leader/worker side channel (tensor parallelism across processes) */
+int kvbm_wire_leader_new(char *opts_json, uint64_t *out, char **err);
+int kvbm_wire_leader_handshake(uint64_t hd, int64_t timeout_ms, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_wire_leader_broadcast(uint64_t hd, void *buf, int64_t n, int64_t timeout_ms, char **err);
+int kvbm_wire_leader_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+void kvbm_wire_leader_free(uint64_t hd);
+int kvbm_wire_worker_connect(uint64_t worker_hd, char *opts_json, uint64_t *out, char **err);
+int kvbm_wire_worker_wait_ready(uint64_t hd, int64_t timeout_ms, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_wire_worker_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+void kvbm_wire_worker_free(uint64_t hd);
+
+/* KV event consolidator */
+int kvbm_consolidator_new(char *opts_json, uint64_t *out, char **err);
+int kvbm_consolidator_stats(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+void kvbm_consolidator_free(uint64_t hd);
+
+/* test-only exports, present in libkvbm_debug.so (built with -tags kvbm_debug) */
+int kvbm_debug_panic(char **err);
+void kvbm_debug_panic_in_free(void);
+
+#endif /* KVBM_H */

@@ -1,0 +1,172 @@
+package leader
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/pool"
+)
+
+// Persistent disk tier (docs/persistent-g3.md): the leader tags every G3
+// write with the block it stores (plan.Step.Tags), workers keep the tags in
+// the tier file, and a new leader registers the blocks every rank recovered
+// (RestoreDisk) before its first step.
+
+// RecoveredBlock is one G3 block a worker's persistent tier recovered.
+type RecoveredBlock struct {
+	plan.BlockTag
+	WrittenAt int64 // Unix nanoseconds: the eviction order among recovered blocks
+}
+
+// Reasons a recovered block is not registered (RestoreStats.Skipped).
+const (
+	SkipRanksDisagree = "ranks_disagree" // not every rank holds this block under the same hash
+	SkipDuplicate     = "duplicate"      // an older copy of a hash another block holds
+	SkipOutOfRange    = "out_of_range"   // index beyond this leader's disk tier
+)
+
+// RestoreStats is what RestoreDisk did.
+type RestoreStats struct {
+	Registered int
+	Skipped    map[string]int
+}
+
+// tagSteps reports whether steps carry block tags.
+func (l *Leader) tagSteps() bool { return l.persist && l.disk != nil }
+
+// dropPinned: an invalidated G3 block of a persistent tier is dropped even
+// while a load pins it. Its contents would otherwise stay recoverable by the
+// next process after a cache reset (or a failed load) until rewritten. A
+// load from it that has not read it yet fails and is recomputed.
+func (l *Leader) dropPinned(p *pool.Pool) bool { return l.persist && p == l.disk }
+
+// tagStep attaches the tags of st's G3 writes planned by Step: their
+// destinations are registered when planned.
+func (l *Leader) tagStep(st *plan.Step) {
+	if !l.tagSteps() {
+		return
+	}
+	for _, cs := range [][]plan.Copy{st.Moves, st.Saves} {
+		for _, c := range cs {
+			if c.Dst != plan.G3 {
+				continue
+			}
+			info := l.disk.Info(int(c.DstBlock))
+			if info.State != pool.Registered {
+				continue // untagged: the worker keeps it for this process only
+			}
+			st.Tags = append(st.Tags, plan.BlockTag{
+				Block: c.DstBlock, SeqHash: info.SeqHash, Parent: info.Parent, HasParent: info.HasParent,
+				Priority: int32(info.Priority), Tokens: info.Tokens,
+			})
+		}
+	}
+}
+
+// tagBackground attaches the tags of a background operation's moves, whose
+// destinations are registered only at commit.
+func (l *Leader) tagBackground(st *plan.Step, op *bgOp) {
+	if !l.tagSteps() {
+		return
+	}
+	for _, mv := range op.moves {
+		st.Tags = append(st.Tags, plan.BlockTag{
+			Block: int64(mv.dst), SeqHash: mv.entry.hash, Parent: mv.parent, HasParent: mv.hasParent,
+			Priority: int32(mv.entry.prio), Tokens: mv.tokens,
+		})
+	}
+}
+
+// RestoreDisk registers the G3 blocks the workers' persistent tiers
+// recovered: perRank[r] is rank r's list, and a block is registered only
+// when every rank holds it at the same index under the same hash and
+// parent (each rank holds only its shard). Of two blocks with one hash the
+// newer is kept. Store events go to the Sink parents first, so the router
+// sees whole chains; the eviction order among the blocks is their write
+// time, oldest first. Call it before the first Step; later calls do nothing.
+func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	st := RestoreStats{Skipped: map[string]int{}}
+	if l.disk == nil || len(perRank) == 0 || l.restored {
+		return st, nil // restored once already (in process, then through the engine)
+	}
+	if l.seq != 0 || l.disk.NumRegistered() != 0 || l.disk.NumFree() != l.disk.Capacity() {
+		return st, fmt.Errorf("leader: restore of the disk tier after it was used (step %d)", l.seq)
+	}
+	start := time.Now()
+	type key struct {
+		block  int64
+		hash   uint64
+		parent uint64
+		hasPar bool
+	}
+	agree := make(map[key]int, len(perRank[0])) // ranks that hold it
+	for _, rank := range perRank {
+		for _, b := range rank {
+			agree[key{b.Block, b.SeqHash, b.Parent, b.HasParent}]++
+		}
+	}
+	byHash := make(map[uint64]RecoveredBlock, len(perRank[0]))
+	for _, b := range perRank[0] {
+		switch {
+		case agree[key{b.Block, b.SeqHash, b.Parent, b.HasParent}] != len(perRank):
+			st.Skipped[SkipRanksDisagree]++
+			continue
+		case b.Block < 0 || b.Block >= int64(l.disk.Capacity()):
+			st.Skipped[SkipOutOfRange]++
+			continue
+		}
+		if old, dup := byHash[b.SeqHash]; dup {
+			st.Skipped[SkipDuplicate]++
+			if old.WrittenAt >= b.WrittenAt {
+				continue
+			}
+		}
+		byHash[b.SeqHash] = b
+	}
+	// Parents first: order by depth in the recovered forest.
+	depth := make(map[uint64]int, len(byHash))
+	var depthOf func(h uint64) int
+	depthOf = func(h uint64) int {
+		if d, ok := depth[h]; ok {
+			return d
+		}
+		depth[h] = 0 // a cycle (hash collision) ends here
+		b := byHash[h]
+		d := 0
+		if b.HasParent {
+			if _, ok := byHash[b.Parent]; ok {
+				d = depthOf(b.Parent) + 1
+			}
+		}
+		depth[h] = d
+		return d
+	}
+	blocks := make([]RecoveredBlock, 0, len(byHash))
+	for h, b := range byHash {
+		depthOf(h)
+		blocks = append(blocks, b)
+	}
+	slices.SortFunc(blocks, func(a, b RecoveredBlock) int {
+		return cmp.Or(cmp.Compare(depth[a.SeqHash], depth[b.SeqHash]), cmp.Compare(a.Block, b.Block))
+	})
+	entries := make([]pool.Restored, len(blocks))
+	lru := make([]int, len(blocks))
+	for k, b := range blocks {
+		entries[k] = pool.Restored{Index: int(b.Block), SeqHash: b.SeqHash, Parent: b.Parent, HasParent: b.HasParent,
+			Tokens: b.Tokens, Priority: int(b.Priority)}
+		lru[k] = k
+	}
+	slices.SortStableFunc(lru, func(a, b int) int { return cmp.Compare(blocks[a].WrittenAt, blocks[b].WrittenAt) })
+	st.Registered = l.disk.RestoreAll(entries, lru)
+	l.restored = true
+	l.updateGauges()
+	l.log.Info("kvbm leader: disk tier blocks recovered from the persistent tier",
+		"registered", st.Registered, "ranks", len(perRank), "skipped", fmt.Sprint(st.Skipped),
+		"seconds", time.Since(start).Seconds())
+	return st, nil
+}

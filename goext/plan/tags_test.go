@@ -1,0 +1,38 @@
+package plan
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestTagsRoundTrip(t *testing.T) {
+	s := &Step{Seq: 9, Moves: []Copy{{Src: G2, SrcBlock: 1, Dst: G3, DstBlock: 4}}, Tags: []BlockTag{
+		{Block: 4, SeqHash: 1<<63 + 5, Parent: 77, HasParent: true, Priority: -3, Tokens: []uint32{1, 2, 1 << 31}},
+		{Block: 5, SeqHash: 6},
+	}}
+	b, err := s.Encode()
+	require.NoError(t, err)
+	got, err := Decode(b)
+	require.NoError(t, err)
+	require.Equal(t, s, got)
+
+	// A step without tags encodes as before.
+	s.Tags = nil
+	b, err = s.Encode()
+	require.NoError(t, err)
+	got, err = Decode(b)
+	require.NoError(t, err)
+	require.Nil(t, got.Tags)
+}
+
+func TestTagsMalformed(t *testing.T) {
+	good := AppendTags(nil, []BlockTag{{Block: 1, Tokens: []uint32{1, 2}}})
+	for _, b := range [][]byte{good[:tagFixed-1], good[:len(good)-1]} {
+		_, err := ParseTags(b)
+		require.Error(t, err)
+	}
+	ts, err := ParseTags(good)
+	require.NoError(t, err)
+	require.Equal(t, []uint32{1, 2}, ts[0].Tokens)
+}

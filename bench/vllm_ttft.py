@@ -63,7 +63,7 @@ def main():
                          "slows a run down, and those requests have nothing for kvbm to reuse")
     ap.add_argument("--model", choices=("small", "0.5b"), default="small",
                     help="small: ~25M parameters (default, minutes on 2 cores); 0.5b: Qwen2-0.5B's dimensions "
-                         "(needs a bigger machine: a 2K-token prefill takes tens of seconds on 2 cores)")
+                         "(about 20× the prefill work: for a machine with more cores)")
     a = ap.parse_args()
     if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")

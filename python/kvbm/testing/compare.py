@@ -5,9 +5,8 @@ Columns (every one runs the same actions on a fresh engine):
 
 * ``no kvbm``: vLLM alone, G1 of ``g1`` blocks;
 * ``no-op connector``: G1 of ``g1`` blocks and a KV connector that does nothing:
-  vLLM takes another code path once any connector is configured (on vLLM
-  0.32's CPU backend a slower one), so this column tells kvbm's own cost from
-  that path's;
+  vLLM takes another code path once any connector is configured, so this
+  column tells kvbm's own cost from that path's;
 * ``no kvbm, G1 + G2 bytes``: vLLM alone with G1 enlarged by exactly the bytes
   kvbm's host tier (G2) gets (``g1 + host`` blocks of the same page size): on
   the CPU backend G1 is host memory too, so this is "give vLLM the memory

@@ -4,7 +4,8 @@
 #   make fuzz    every fuzz target of outside input for FUZZTIME each
 #   make flake-hunt  the suites under a CPU hog on every core (scripts/flake-hunt)
 #   make wheel   a manylinux platform wheel in dist/ (scripts/wheel-check tests it without Go)
-#   make bench   every benchmark table (Go and Python), baselines measured in the same run
+#   make bench   every benchmark table (Go and Python), baselines measured in the same run, and a summary
+#   make bench-quick  the same, each bench kept short (CI)
 #   make demo    the main job: vLLM (CPU backend) serving a multi-turn workload with and without kvbm
 #   make cuda    the CUDA variant of the shared library (see docs/cuda.md)
 
@@ -17,7 +18,7 @@ FUZZTIME ?= 5s
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: build build-debug test gotest typecheck fuzz pytest flake-hunt wheel bench demo cuda clean
+.PHONY: build build-debug test gotest typecheck fuzz pytest flake-hunt wheel bench bench-quick demo cuda clean
 
 build: $(LIB)
 
@@ -59,17 +60,27 @@ fuzz:
 pytest: build build-debug
 	$(PY) -m pytest -q -ra tests
 
+# Every bench appends its summary rows to $(BENCH_OUT)/rows.jsonl
+# (KVBM_BENCH_OUT); bench/summary.py prints them as one table at the end.
+# bench-quick: the same benches kept short (CI).
+BENCH_OUT ?= $(or $(TMPDIR),/tmp)/kvbm-bench-out
+BENCH_QUICK ?=
+QUICK_FLAG = $(if $(BENCH_QUICK),--quick)
+bench: export KVBM_BENCH_OUT = $(BENCH_OUT)
 bench: build
-	@echo "== hashing and C-ABI call cost"; $(PY) bench/hashing_abi.py
-	@echo "== leader: match of a 32K-token prompt against 100K registered blocks"
-	$(GO) test -run '^$$' -bench 'Match32K' -benchmem ./goext/leader
-	@echo "== leader: the same match from Python (vLLM's get_num_new_matched_tokens with a token list)"; $(PY) bench/match_path.py
-	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer
-	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator
-	@echo "== G4 object storage vs the same S3 server's raw PUT/GET (versitygw: .ci/s3-server.sh)"; $(GO) run ./bench/g4
-	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire; fi
-	@echo "== vLLM (CPU backend) with vs without kvbm"; $(PY) bench/vllm_ttft.py
+	@rm -rf $(BENCH_OUT) && mkdir -p $(BENCH_OUT)
+	@echo "== hashing and C-ABI call cost"; $(PY) bench/hashing_abi.py $(QUICK_FLAG)
+	@echo "== leader: match of a 32K-token prompt against 100K registered blocks, Go and from Python"; $(PY) bench/match_path.py $(QUICK_FLAG)
+	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer $(QUICK_FLAG)
+	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator $(QUICK_FLAG)
+	@echo "== G4 object storage vs the same S3 server's raw PUT/GET (versitygw: .ci/s3-server.sh)"; $(GO) run ./bench/g4 $(QUICK_FLAG)
+	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire $(QUICK_FLAG); fi
+	@echo "== vLLM (CPU backend): kvbm against no kvbm, G1 + the same memory, and a no-op connector"; $(PY) bench/vllm_ttft.py $(QUICK_FLAG)
 	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"
+	@$(PY) bench/summary.py $(BENCH_OUT)
+
+bench-quick:
+	$(MAKE) bench BENCH_QUICK=1
 
 flake-hunt:
 	scripts/flake-hunt

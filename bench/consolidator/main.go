@@ -3,9 +3,13 @@
 // baseline: no consolidator can go faster than it reads), end-to-end ZMQ
 // in → ZMQ out throughput over loopback TCP, and the latency the
 // consolidator adds at a paced 10k events/s, compared with a direct
-// PUB → SUB path measured in the same run.
+// PUB → SUB path measured in the same run; and an end-to-end run that leaves
+// the tracker holding -live blocks (≥ 1M by default): events/s while it
+// fills, and the heap it takes per tracked block next to a Go
+// map[uint64]uint64 of the same hashes (the smallest index that maps an
+// event's hash to a block), measured in the same run.
 //
-//	go run ./bench/consolidator [-seconds 2] [-rate 10000]
+//	go run ./bench/consolidator [-seconds 2] [-rate 10000] [-live 1048576] [-quick]
 package main
 
 import (
@@ -23,6 +27,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbm/kvbm/bench/internal/rows"
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 )
@@ -32,7 +37,12 @@ const blockSize = 16
 func main() {
 	seconds := flag.Float64("seconds", 2, "duration of each measurement")
 	rate := flag.Int("rate", 10_000, "paced rate (events/s) for the latency measurement")
+	live := flag.Int("live", 1<<20, "blocks the tracker holds at the end of the live-blocks run")
+	quick := flag.Bool("quick", false, "0.5 s per measurement (the live-blocks run keeps its size)")
 	flag.Parse()
+	if *quick {
+		*seconds = 0.5
+	}
 	dur := time.Duration(*seconds * float64(time.Second))
 
 	tracker := benchTracker(dur)
@@ -44,6 +54,8 @@ func main() {
 	check(err)
 	via, err := pacedLatency(true, *rate, dur)
 	check(err)
+	lv, err := liveBlocks(*live)
+	check(err)
 
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(w, "KV event consolidator (GOMAXPROCS=%d, %s per measurement)\n", runtime.GOMAXPROCS(0), dur)
@@ -54,7 +66,26 @@ func main() {
 	fmt.Fprintf(w, "latency @%d ev/s, direct PUB->SUB [baseline] p50/p99\t%s / %s\t\n", *rate, ms(direct.p50), ms(direct.p99))
 	fmt.Fprintf(w, "latency @%d ev/s, via consolidator p50/p99\t%s / %s\t\n", *rate, ms(via.p50), ms(via.p99))
 	fmt.Fprintf(w, "added latency p50/p99\t%s / %s\tp99 <= 10 ms\n", ms(via.p50-direct.p50), ms(via.p99-direct.p99))
+	fmt.Fprintf(w, "end-to-end, tracker filled to %s live blocks (events/s)\t%s\t>= 200k\n", si(float64(lv.tracked)), si(lv.rate))
+	fmt.Fprintf(w, "heap per tracked block (bytes)\t%.0f\t\n", lv.perBlock)
+	fmt.Fprintf(w, "heap per entry, map[uint64]uint64 of the same hashes [baseline]\t%.0f\t\n", lv.mapPerEntry)
 	check(w.Flush())
+
+	rows.Emit(rows.Row{Bench: "consolidator", Figure: "tracker, one goroutine (block events/s)", Kvbm: si(tracker),
+		Baseline: fmt.Sprintf("(for scale) decode only, engine input: %s", si(decode)), Ratio: fmt.Sprintf("%.0f%% of decode", 100*tracker/decode),
+		Target: ">= 1M", OK: rows.Bool(tracker >= 1e6)})
+	rows.Emit(rows.Row{Bench: "consolidator", Figure: "end-to-end ZMQ in -> out, loopback (events/s)", Kvbm: si(e2e),
+		Baseline: fmt.Sprintf("decode only: %s", si(decode)), Ratio: fmt.Sprintf("%.0f%% of decode", 100*e2e/decode),
+		Target: ">= 200k", OK: rows.Bool(e2e >= 200e3)})
+	rows.Emit(rows.Row{Bench: "consolidator", Figure: fmt.Sprintf("added latency p99 @%d ev/s", *rate),
+		Kvbm: ms(via.p99), Baseline: fmt.Sprintf("direct PUB->SUB p99 %s", ms(direct.p99)),
+		Ratio: "+" + ms(via.p99-direct.p99), Target: "<= +10 ms", OK: rows.Bool(via.p99-direct.p99 <= 10*time.Millisecond)})
+	rows.Emit(rows.Row{Bench: "consolidator", Figure: fmt.Sprintf("end-to-end filling the tracker to %s live blocks (events/s)", si(float64(lv.tracked))),
+		Kvbm: si(lv.rate), Baseline: fmt.Sprintf("decode only: %s", si(decode)), Ratio: fmt.Sprintf("%.0f%% of decode", 100*lv.rate/decode),
+		Target: ">= 200k", OK: rows.Bool(lv.rate >= 200e3)})
+	rows.Emit(rows.Row{Bench: "consolidator", Figure: fmt.Sprintf("heap per tracked block at %s live blocks (bytes)", si(float64(lv.tracked))),
+		Kvbm: fmt.Sprintf("%.0f", lv.perBlock), Baseline: fmt.Sprintf("map[uint64]uint64, same hashes: %.0f", lv.mapPerEntry),
+		Ratio: fmt.Sprintf("%.1f×", lv.perBlock/lv.mapPerEntry)})
 }
 
 func check(err error) {
@@ -342,4 +373,97 @@ func pacedLatency(viaConsolidator bool, rate int, dur time.Duration) (latency, e
 	}
 	slices.Sort(lat)
 	return latency{p50: lat[len(lat)/2], p99: lat[len(lat)*99/100]}, nil
+}
+
+type liveResult struct {
+	tracked     int
+	rate        float64 // block events/s from the first send to the last consolidated event out
+	perBlock    float64 // heap bytes per tracked block (after GC, the whole process)
+	mapPerEntry float64 // heap bytes per entry of a map[uint64]uint64 of as many hashes
+}
+
+// heap is the live heap after a full collection.
+func heap() uint64 {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
+
+// liveBlocks sends n one-block-each stores (vLLM BlockStored events of 64
+// chained blocks per message, as an engine publishes a request's blocks) and
+// never removes them, so the tracker ends holding n live blocks.
+func liveBlocks(n int) (liveResult, error) {
+	const perMsg = 64
+	n = (n + perMsg - 1) / perMsg * perMsg
+	p, err := newPipe(true)
+	if err != nil {
+		return liveResult{}, err
+	}
+	defer p.stop()
+	// The input is packed before the clock starts (and kept alive until
+	// both heap readings are taken), so neither figure counts the sender.
+	msgs := make([][]byte, n/perMsg)
+	toks := make([]any, perMsg*blockSize)
+	hashes := make([]any, perMsg)
+	for m := range msgs {
+		for k := range hashes {
+			hashes[k] = uint64(m*perMsg+k+1) | 1<<62
+		}
+		for j := range toks {
+			toks[j] = uint32(m*perMsg*blockSize + j)
+		}
+		msgs[m] = pack([]any{1.0, []any{[]any{"BlockStored", hashes, nil, toks, blockSize, nil, "GPU", nil}}, 0})
+	}
+	h0 := heap()
+	done := make(chan struct{})
+	go func() { // the consolidated output, drained (the count is in the stats)
+		for {
+			select {
+			case <-p.msgs:
+			case <-done:
+				return
+			}
+		}
+	}()
+	defer close(done)
+	sendErr := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		for _, m := range msgs {
+			if err := p.pub.Send(zmq4.NewMsgFrom([]byte{}, make([]byte, 8), m)); err != nil {
+				sendErr <- err
+				return
+			}
+		}
+		sendErr <- nil
+	}()
+	if err := <-sendErr; err != nil {
+		return liveResult{}, err
+	}
+	deadline := time.Now().Add(120 * time.Second)
+	for {
+		st := p.c.Stats()
+		if st.Tracked >= n && st.ZMQEvents >= uint64(n) {
+			break
+		}
+		if time.Now().After(deadline) {
+			return liveResult{}, fmt.Errorf("live-blocks run stalled: %+v", st)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r := liveResult{rate: float64(n) / time.Since(start).Seconds(), tracked: p.c.Stats().Tracked}
+	r.perBlock = float64(int64(heap())-int64(h0)) / float64(r.tracked)
+	runtime.KeepAlive(p)
+	runtime.KeepAlive(msgs)
+
+	m0 := heap()
+	idx := make(map[uint64]uint64)
+	for i := range r.tracked {
+		idx[uint64(i+1)|1<<62] = uint64(i)
+	}
+	r.mapPerEntry = float64(int64(heap())-int64(m0)) / float64(len(idx))
+	runtime.KeepAlive(idx)
+	return r, nil
 }

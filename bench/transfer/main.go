@@ -34,6 +34,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvbm/kvbm/bench/internal/rows"
 	"github.com/kvbm/kvbm/goext/transfer"
 	"github.com/kvbm/kvbm/goext/worker"
 	"github.com/kvbm/kvbm/goext/worker/workerbench"
@@ -47,7 +48,11 @@ func main() {
 	noDisk := flag.Bool("no-disk", false, "skip the G3 rows")
 	conc := flag.Int("concurrency", worker.DefaultMaxConcurrent, "DYN_KVBM_MAX_CONCURRENT_TRANSFERS")
 	batch := flag.Int("batch", worker.DefaultBatchSize, "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE")
+	quick := flag.Bool("quick", false, "64 blocks, 2 rounds (a few seconds; CI)")
 	flag.Parse()
+	if *quick {
+		*blocks, *reps = 64, 2
+	}
 	o := workerbench.Options{Blocks: *blocks, Disk: !*noDisk, DiskDir: *dir, MaxConcurrent: *conc, BatchSize: *batch}
 	if err := run(o, max(*reps, 1)); err != nil {
 		fmt.Fprintln(os.Stderr, "bench/transfer:", err)
@@ -186,7 +191,7 @@ func g2(f *workerbench.Fixture, reps int) error {
 		goroutines(conc, "goroutine"))
 	fmt.Printf("Ceiling: best STREAM-style copy (bytes copied/s) over %v threads, copy() and non-temporal stores: %.2f GB/s (%s, %s).\n",
 		f.CeilingThreads(), ceil.GBps, goroutines(ceil.Threads, "thread"), map[bool]string{false: "copy()", true: "non-temporal stores"}[ceil.NT])
-	return table(ms, rs, &ceil)
+	return table(ms, rs, &ceil, "G2")
 }
 
 func g3(f *workerbench.Fixture, reps int) error {
@@ -232,7 +237,9 @@ func g3(f *workerbench.Fixture, reps int) error {
 	if err != nil {
 		return err
 	}
-	return table(ms, rs, nil)
+	rows.EmitMachine(rows.Machine{"bench_dir_fs": f.FS.String(), "o_direct": direct && f.DirectErr() == nil,
+		"o_direct_note": refuse})
+	return table(ms, rs, nil, "G3")
 }
 
 func measureAll(f *workerbench.Fixture, reps int, ms []*measure) ([]result, error) {
@@ -249,7 +256,7 @@ func measureAll(f *workerbench.Fixture, reps int, ms []*measure) ([]result, erro
 
 // table runs ms and prints them: kvbm's GB/s, each baseline's, kvbm's ratio
 // to each, and a line with the ratio to the strongest baseline (and the ceiling).
-func table(ms []*measure, rs []result, ceil *workerbench.Ceiling) error {
+func table(ms []*measure, rs []result, ceil *workerbench.Ceiling, tier string) error {
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 3, ' ', 0)
 	var notes []string
 	fmt.Fprintln(w, "operation\tkvbm GB/s\tbaseline (same run)\tGB/s\tkvbm / baseline")
@@ -287,6 +294,7 @@ func table(ms []*measure, rs []result, ceil *workerbench.Ceiling) error {
 		if m.refuse != "" {
 			notes = append(notes, fmt.Sprintf("%s: no ratio: %s", strings.Join(strings.Fields(m.name), " "), m.refuse))
 		}
+		emitRow(m, r, best, ceil, tier)
 	}
 	if err := w.Flush(); err != nil {
 		return err
@@ -336,4 +344,29 @@ func cpuModel() string {
 		}
 	}
 	return runtime.GOARCH
+}
+
+// emitRow is m's summary row: kvbm against the strongest baseline (the
+// ceiling named too for G2); no ratio when m was refused.
+func emitRow(m *measure, r result, best int, ceil *workerbench.Ceiling, tier string) {
+	row := rows.Row{Bench: "transfer", Figure: strings.Join(strings.Fields(m.name), " ") + " (GB/s)",
+		Kvbm: fmt.Sprintf("%.2f", r.op), Target: ">= 90% of the same-parallelism baseline"}
+	if best < 0 {
+		row.Baseline, row.Ratio = "(none)", "n/a"
+		rows.Emit(row)
+		return
+	}
+	row.Baseline = fmt.Sprintf("%s: %.2f", m.bases[best].name, r.bases[best])
+	ratio := r.op / r.bases[best]
+	row.Ratio = fmt.Sprintf("%.0f%%", 100*ratio)
+	if ceil != nil {
+		row.Baseline += fmt.Sprintf("; copy ceiling %.2f", ceil.GBps)
+		row.Ratio += fmt.Sprintf(" (%.0f%% of ceiling)", 100*r.op/ceil.GBps)
+	}
+	if m.refuse != "" {
+		row.Ratio = "n/a: " + m.refuse
+	} else {
+		row.OK = rows.Bool(ratio >= 0.9)
+	}
+	rows.Emit(row)
 }

@@ -1,27 +1,34 @@
-"""kvbm's main job, end to end: vLLM (CPU backend) serving a multi-turn chat
-workload with and without kvbm, same engine, same G1 size, in one run.
+"""kvbm's main job, end to end: vLLM (CPU backend) serving multi-turn chat
+traffic with kvbm and without it, same prompts, one run per column:
 
-    python -m kvbm.demo [--model small|0.5b] [--conversations 6] [--turns 4]
+* no kvbm (G1 of --g1-blocks);
+* no kvbm with G1 enlarged by exactly kvbm's G2 bytes (on the CPU backend G1
+  is host memory too: "give vLLM the memory instead");
+* a no-op KV connector (vLLM's connector code path without kvbm);
+* kvbm: the same G1, --host-blocks of host memory (G2), --disk-blocks on disk (G3).
 
-Every conversation shares a long system prompt; turns are interleaved across
-conversations, so together they need more KV than the engine's own cache
-(G1) holds and vLLM evicts. Without kvbm an evicted prefix is recomputed;
-with kvbm it comes back from host memory (G2) or disk (G3).
+    python -m kvbm.demo [--conversations 10] [--turns 4] [--chart PATH]
+
+The traffic: every conversation starts with the same system prompt; each turn
+appends a user message (or a tool's output) to the conversation's history,
+and the model's reply after it; the conversations take turns, so by the time one comes back its
+history has been evicted from G1 by the others. Their histories together
+outgrow G1 plus the memory kvbm gets, so the enlarged G1 cannot hold them
+either; kvbm keeps what leaves host memory on disk.
 
 The model is generated locally with random weights (no model hub needed);
-greedy decoding, so both runs must produce identical tokens.
+greedy decoding, so every column must produce the same replies. The table
+gives TTFT per column, where the prompt tokens came from (G1, kvbm's G2 or G3,
+or recomputed), and kvbm against the strongest baseline; a PNG chart of TTFT
+per request is written and its path printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 MODELS = {
     # ~25M parameters: quick on two CPU cores.
@@ -30,102 +37,115 @@ MODELS = {
 }
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+def chart(path: str, runs: dict, turns_at: list[int], title: str) -> str | None:
+    """TTFT per request, one line per column; returns the path, or None
+    (with the reason printed) when matplotlib is missing."""
+    try:
+        import matplotlib
 
-
-def _run(spec, label):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as d:
-        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
-        with open(sp, "w") as f:
-            json.dump(spec, f)
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
-        env.setdefault("DYN_KVBM_DISK_CACHE_DIR", d)
-        print(f"== {label}: starting vLLM (CPU backend) ...", flush=True)
-        t0 = time.time()
-        p = subprocess.Popen([sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail = []
-        for line in p.stdout:
-            tail = (tail + [line])[-200:]
-            if line.startswith("[chat]") or "Cache Hit Rates" in line or "kvbm leader ready" in line \
-                    or "kvbm configuration" in line:
-                print("   " + line.rstrip()[:200], flush=True)
-        if p.wait() != 0:
-            sys.stdout.write("".join(tail))
-            raise SystemExit(f"{label}: vLLM run failed")
-        print(f"== {label}: finished in {time.time() - t0:.0f} s", flush=True)
-        with open(op) as f:
-            return json.load(f)["actions"][0]
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no chart: matplotlib is not installed (pip install matplotlib)")
+        return None
+    styles = {"no kvbm": ("tab:red", "-"), "no kvbm, G1 + G2 bytes": ("tab:orange", "--"),
+              "no-op connector": ("tab:gray", ":"), "kvbm": ("tab:green", "-")}
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
+    for col, r in runs.items():
+        ys = [t * 1000 for t in r["ttft_each"]]
+        color, ls = styles.get(col, (None, "-"))
+        ax.plot(range(1, len(ys) + 1), ys, ls, color=color, marker="o", markersize=3,
+                linewidth=2.2 if col == "kvbm" else 1.4, label=f"{col} (mean {statistics.mean(ys):.0f} ms)")
+    for x in turns_at[1:]:
+        ax.axvline(x - 0.5, color="0.85", linewidth=0.8, zorder=0)
+    ax.set_xlabel("request (conversations interleaved; grey lines: next turn)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return os.path.abspath(path)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
-    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=10)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--system-len", type=int, default=512, help="shared system prompt, tokens")
+    ap.add_argument("--user-len", type=int, default=128,
+                    help="tokens per user message (or tool output, in agentic traffic)")
+    ap.add_argument("--reply-len", type=int, default=16, help="tokens per reply (compared across columns)")
     ap.add_argument("--g1-blocks", type=int, default=48, help="vLLM's own KV cache, in 32-token blocks")
-    ap.add_argument("--host-blocks", type=int, default=40, help="kvbm G2 (host memory) blocks")
+    ap.add_argument("--host-blocks", type=int, default=64, help="kvbm G2 (host memory) blocks")
     ap.add_argument("--disk-blocks", type=int, default=1024, help="kvbm G3 (disk) blocks")
-    ap.add_argument("--skip-noop", action="store_true", help="skip the no-op connector run (saves a minute)")
+    ap.add_argument("--skip-noop", action="store_true", help="leave out the no-op connector column")
+    ap.add_argument("--chart", default=os.path.join(tempfile.gettempdir(), "kvbm-demo", "ttft-per-request.png"),
+                    help="where the PNG chart goes")
     a = ap.parse_args(argv)
 
+    from kvbm.testing import compare
     from kvbm.testing.tiny_model import QWEN2_05B_LIKE
 
     model = dict(QWEN2_05B_LIKE) if a.model == "0.5b" else dict(MODELS[a.model])
     model["dir"] = f"/tmp/kvbm-demo-model-{a.model}"
-    act = {"conversations": a.conversations, "turns": a.turns, "prefix_len": a.prefix_len, "user_len": 64,
-           "reply_len": 32, "vocab": model["vocab"], "tag": "chat"}
-    max_len = a.prefix_len + a.turns * 96 + 64
-    engine = {"num_gpu_blocks_override": a.g1_blocks, "max_model_len": min(max_len, (a.g1_blocks - 1) * 32),
-              "max_num_batched_tokens": 1024}
+    bs = compare.BS
+    chat = {"conversations": a.conversations, "turns": a.turns, "prefix_len": a.system_len, "user_len": a.user_len,
+            "reply_len": a.reply_len, "vocab": model["vocab"], "tag": "chat"}
+    max_len = a.system_len + a.turns * (a.user_len + a.reply_len) + 32
+    history_blocks = a.conversations * (a.turns - 1) * (a.user_len + a.reply_len) // bs
+    need = a.system_len // bs + history_blocks
+    engine = {"max_model_len": min(max_len, (a.g1_blocks - 1) * bs), "max_num_batched_tokens": 1024}
     if a.model == "0.5b":
-        engine["dtype"] = "bfloat16"
-        model["dtype"] = "bfloat16"
-    kv_env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": a.host_blocks,
-              "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": a.disk_blocks,
-              "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 10}
-    print(f"kvbm demo: {a.conversations} conversations × {a.turns} turns, shared prefix {a.prefix_len} tokens, "
-          f"G1 {a.g1_blocks} blocks × 32 tokens; kvbm G2 {a.host_blocks} blocks, G3 {a.disk_blocks} blocks")
-    base = _run({"model": model, "engine": engine, "kvbm": False, "actions": [act]}, "vLLM without kvbm")
-    noop = None
-    if not a.skip_noop:
-        noop = _run({"model": model, "engine": engine, "kvbm": False, "noop_connector": True, "actions": [act]},
-                    "vLLM with a no-op KV connector")
-    kv = _run({"model": model, "engine": engine, "kvbm": True, "env": kv_env, "actions": [act]}, "vLLM with kvbm")
-
-    runs = [("without kvbm", base)] + ([("no-op connector", noop)] if noop else []) + [("with kvbm", kv)]
-    same = all(r["tokens"] == kv["tokens"] for _, r in runs)
-    m = kv.get("metrics", {})
-    dash = " | –" * (len(runs) - 1)
-
-    def row(label, f):
-        print(f"| {label} | " + " | ".join(f(r["ttft_each"]) for _, r in runs) + " |")
-
+        engine["dtype"] = model["dtype"] = "bfloat16"
+    columns = [c for c in compare.COLUMNS if not (a.skip_noop and c == "no-op connector")]
+    print(f"kvbm demo: {a.conversations} chat conversations × {a.turns} turns, interleaved; shared system prompt "
+          f"{a.system_len} tokens, user messages {a.user_len}, replies {a.reply_len} tokens. Their KV by the last "
+          f"turn: ~{need} blocks of {bs} tokens; vLLM's G1 {a.g1_blocks} blocks; kvbm G2 {a.host_blocks} blocks "
+          f"(the enlarged G1 gets the same bytes: {a.g1_blocks + a.host_blocks} blocks), G3 {a.disk_blocks} blocks "
+          f"on disk", flush=True)
+    warm = {"each": [[5 + (i % 200) for i in range(96)]], "max_tokens": 1, "tag": "warmup"}
+    runs = compare.run_columns(model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks, [warm, chat], columns,
+                               kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})
+    chats = {c: runs[c]["chat"] for c in columns}
+    same = {c: chats[c]["tokens"] == chats["no kvbm"]["tokens"] for c in columns}
+    ttft = {c: chats[c]["ttft_each"] for c in columns}
+    later = {c: ttft[c][a.conversations:] for c in columns}  # turns 2.. (turn 1 has nothing to reuse but the system prompt)
+    split = {c: compare.tier_split([chats[c]], runs[c]["warmup"].get("metrics") if c == "kvbm" else None)
+             for c in columns}
+    ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
     print()
-    print("| | " + " | ".join(n for n, _ in runs) + " |")
-    print("|---|" + "---|" * len(runs))
-    row("requests", lambda t: str(len(t)))
-    row("TTFT mean", lambda t: f"{statistics.mean(t)*1000:.0f} ms")
-    row("TTFT p50", lambda t: f"{_pct(t, .5)*1000:.0f} ms")
-    row("TTFT p90", lambda t: f"{_pct(t, .9)*1000:.0f} ms")
-    print(f"| kvbm host (G2) hit rate{dash} | {100*m.get('kvbm_host_cache_hit_rate', 0):.1f}% |")
-    print(f"| kvbm disk (G3) hit rate{dash} | {100*m.get('kvbm_disk_cache_hit_rate', 0):.1f}% |")
-    print(f"| blocks onboarded G2→G1 / G3→G1{dash} | {m.get('kvbm_onboard_blocks_h2d', 0):.0f} / "
-          f"{m.get('kvbm_onboard_blocks_d2d', 0):.0f} |")
-    print(f"| blocks offloaded G1→G2 / G2→G3{dash} | {m.get('kvbm_offload_blocks_d2h', 0):.0f} / "
-          f"{m.get('kvbm_offload_blocks_h2d', 0):.0f} |")
-    print(f"| identical outputs{' |' * len(runs)} {'yes' if same else 'NO'} |")
-    if noop:
-        print("\nvLLM takes a different (on its CPU backend, faster) path once any KV connector is configured; "
-              "the no-op connector column is that path without kvbm, so it isolates what kvbm's cache tiers add.")
-    print(f"\nmodel: {a.model} {model}")
-    if not same:
-        raise SystemExit("outputs differ between the runs with and without kvbm")
+    compare.print_table([
+        ("requests", {c: len(ttft[c]) for c in columns}, str),
+        ("TTFT mean", {c: statistics.mean(ttft[c]) for c in columns}, ms),
+        ("TTFT p50", {c: compare.pct(ttft[c], 0.5) for c in columns}, ms),
+        ("TTFT p90", {c: compare.pct(ttft[c], 0.9) for c in columns}, ms),
+        (f"TTFT mean, turns 2–{a.turns}", {c: statistics.mean(later[c]) for c in columns}, ms),
+        ("prompt tokens served by", split, compare.fmt_split),
+        (f"replies ({a.reply_len} tokens) identical to no kvbm", same, lambda v: "yes" if v else "NO"),
+    ], columns)
+    means = {c: statistics.mean(ttft[c]) for c in columns}
+    best = compare.strongest(means)
+    lbest = compare.strongest({c: statistics.mean(later[c]) for c in columns})
+
+    def vs(b, k):
+        r = b / k
+        return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
+
+    print(f"\nkvbm against the strongest baseline: TTFT mean {vs(means[best], means['kvbm'])} ({best}); "
+          f"turns 2–{a.turns}, where there is history to reuse: "
+          f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}).")
+    print("The enlarged-G1 column has kvbm's host memory given to vLLM; what it cannot hold, kvbm keeps on disk.")
+    path = chart(a.chart, chats, list(range(1, len(ttft["kvbm"]) + 1, a.conversations)),
+                 f"vLLM CPU backend, {a.model} model: {a.conversations} conversations × {a.turns} turns, "
+                 f"G1 {a.g1_blocks} blocks, kvbm G2 {a.host_blocks} + G3 {a.disk_blocks} blocks")
+    if path:
+        print(f"chart: {path}")
+    if not all(same.values()):
+        raise SystemExit("replies differ across the columns: " + ", ".join(c for c in columns if not same[c]))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "kvbm": true|false, "env": {...},
        "events": false | {"endpoint": "tcp://*:5557"},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
+                   {"each": [[ids...], ...], "max_tokens": 1, "check_tokens": 16, "tag": "timed"},
                    {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
                    {"quiesce": true},
                    {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
@@ -254,12 +255,20 @@ def run(spec: dict) -> dict:
             # its time to first token on an otherwise idle engine.
             sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 1), ignore_eos=True)
             rec["secs_each"], rec["tokens"], rec["num_cached_tokens"] = [], [], []
+            rec["prompt_lens"] = [len(p) for p in act["each"]]
             for j, p in enumerate(act["each"]):
                 t = time.time()
                 o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
                 rec["secs_each"].append(time.time() - t)
                 rec["tokens"].append(list(o.outputs[0].token_ids))
                 rec["num_cached_tokens"].append(getattr(o, "num_cached_tokens", None))
+                if act.get("check_tokens"):
+                    # The same prompt continued for check_tokens tokens (its
+                    # KV is in G1 now, as computed or loaded): the output
+                    # compared across runs for correctness.
+                    chk = SamplingParams(temperature=0.0, max_tokens=act["check_tokens"], ignore_eos=True)
+                    c = llm.generate([{"prompt_token_ids": p}], chk, use_tqdm=False)[0]
+                    rec.setdefault("check", []).append(list(c.outputs[0].token_ids))
                 if act.get("progress"):
                     print(f"[{act.get('tag', i)}] request {j + 1}/{len(act['each'])}: {len(p)} prompt tokens, "
                           f"{rec['secs_each'][-1] * 1000:.0f} ms", flush=True)

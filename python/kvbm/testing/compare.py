@@ -1,0 +1,162 @@
+"""vLLM (CPU backend) with kvbm against three baselines, same prompts, one run
+each, for bench/vllm_ttft.py and ``python -m kvbm.demo``.
+
+Columns (every one runs the same actions on a fresh engine):
+
+* ``no kvbm``: vLLM alone, G1 of ``g1`` blocks;
+* ``no-op connector``: G1 of ``g1`` blocks and a KV connector that does nothing:
+  vLLM takes another code path once any connector is configured, so this
+  column tells kvbm's own cost from that path's;
+* ``no kvbm, G1 + G2 bytes``: vLLM alone with G1 enlarged by exactly the bytes
+  kvbm's host tier (G2) gets (``g1 + host`` blocks of the same page size): on
+  the CPU backend G1 is host memory too, so this is "give vLLM the memory
+  instead";
+* ``kvbm``: G1 of ``g1`` blocks, kvbm with ``host`` G2 blocks and ``disk`` G3
+  blocks, every block written through to disk (the disk offload frequency
+  filter off: see KVBM_ENV).
+
+Hit rates per tier come from vLLM's ``num_cached_tokens`` (G1 plus what a
+connector loaded) and kvbm's onboard counters (G2→G1, G3→G1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BS = 32  # vLLM block size of the harness
+
+ENLARGED = "no kvbm, G1 + G2 bytes"
+COLUMNS = ("no kvbm", "no-op connector", ENLARGED, "kvbm")
+BASELINES = COLUMNS[:3]
+
+# kvbm's settings in the kvbm column besides the tier sizes. By default a
+# block goes to disk only once it has been registered in G2 twice (a
+# frequency filter that spares the disk); these workloads come back to every
+# prefix, so every block is written through to disk.
+KVBM_ENV = {"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true"}
+
+
+def disk_dir() -> str:
+    """A directory for kvbm's G3 file: $TMPDIR, /var/tmp or /tmp, the first
+    that is not memory-backed (a disk tier in tmpfs would be memory)."""
+    for c in (os.environ.get("TMPDIR"), "/var/tmp", "/tmp"):
+        if c and os.path.isdir(c) and os.access(c, os.W_OK) and _fstype(c) not in ("tmpfs", "ramfs"):
+            return c
+    return tempfile.gettempdir()
+
+
+def _fstype(path: str) -> str:
+    path, best, typ = os.path.realpath(path), "", "?"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                _, mnt, t = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, typ = mnt, t
+    except OSError:
+        pass
+    return typ
+
+
+_PROGRESS = re.compile(r"^\[\w+\] request \d")
+
+
+def run_harness(spec: dict, label: str) -> dict:
+    """One engine run of kvbm.testing.vllm_harness in a subprocess; prints its
+    per-request progress lines."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory(prefix="kvbm-run-", dir=disk_dir()) as d:
+        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
+        with open(sp, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
+        env.setdefault("DYN_KVBM_DISK_CACHE_DIR", d)
+        print(f"== {label}: starting vLLM (CPU backend) ...", flush=True)
+        t0 = time.time()
+        p = subprocess.Popen([sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        assert p.stdout is not None
+        for line in p.stdout:
+            tail = (tail + [line])[-200:]
+            if _PROGRESS.match(line):
+                print("   " + line.rstrip()[:200], flush=True)
+        if p.wait() != 0:
+            sys.stdout.write("".join(tail))
+            raise SystemExit(f"{label}: vLLM run failed (exit {p.returncode})")
+        print(f"== {label}: finished in {time.time() - t0:.0f} s", flush=True)
+        with open(op) as f:
+            return json.load(f)
+
+
+def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, actions: list,
+                columns=COLUMNS, kv_env: dict | None = None) -> dict:
+    """Every column's run of actions; returns {column: {tag: action record}}."""
+    out = {}
+    for i, col in enumerate(columns):
+        eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
+        spec = {"model": model, "engine": eng, "kvbm": col == "kvbm",
+                "noop_connector": col == "no-op connector", "actions": actions, "env": {}}
+        if col == "kvbm":
+            spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
+                                "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
+        res = run_harness(spec, f"run {i + 1}/{len(columns)}: {col} (G1 {eng['num_gpu_blocks_override']} blocks)")
+        out[col] = {a["tag"]: a for a in res["actions"]}
+    return out
+
+
+def tier_split(recs: list[dict], before: dict | None) -> dict:
+    """Prompt tokens served by G1, G2, G3 and recomputed, over the timed
+    requests of the records recs (in order); before: kvbm's metrics before
+    the first of them (None without kvbm). kvbm's onboard counters count
+    engine-sized blocks (BS tokens); a connector's tokens are part of vLLM's
+    num_cached_tokens, so G1's share is what remains."""
+    prompt = sum(sum(r["prompt_lens"]) for r in recs)
+    cached = sum(sum(c or 0 for c in r["num_cached_tokens"]) for r in recs)
+    g2 = g3 = 0
+    if before is not None:
+        after = recs[-1].get("metrics", {})
+        g2 = (after.get("kvbm_onboard_blocks_h2d", 0) - before.get("kvbm_onboard_blocks_h2d", 0)) * BS
+        g3 = (after.get("kvbm_onboard_blocks_d2d", 0) - before.get("kvbm_onboard_blocks_d2d", 0)) * BS
+    g1 = max(cached - g2 - g3, 0)
+    return {"prompt": prompt, "G1": g1, "G2": g2, "G3": g3, "recomputed": max(prompt - cached, 0)}
+
+
+def fmt_split(s: dict) -> str:
+    p = max(s["prompt"], 1)
+    parts = [f"G1 {100 * s['G1'] / p:.0f}%"]
+    if s["G2"] or s["G3"]:
+        parts += [f"G2 {100 * s['G2'] / p:.0f}%", f"G3 {100 * s['G3'] / p:.0f}%"]
+    parts.append(f"recomputed {100 * s['recomputed'] / p:.0f}%")
+    return ", ".join(parts)
+
+
+def strongest(vals: dict, lower_is_better=True) -> str:
+    """The baseline column with the best value."""
+    cands = [c for c in BASELINES if c in vals]
+    return (min if lower_is_better else max)(cands, key=lambda c: vals[c])
+
+
+def print_table(rows: list, columns) -> None:
+    """rows: (label, {column: value}, format) as a markdown table."""
+    print("| figure | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for label, vals, fmt in rows:
+        print(f"| {label} | " + " | ".join(fmt(vals[c]) if c in vals else "–" for c in columns) + " |")
+
+
+def mean_ms(xs) -> str:
+    return f"{statistics.mean(xs) * 1000:.0f} ms"
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]

@@ -4,6 +4,7 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -170,4 +171,33 @@ func TestRunWaitsForTheEngineStepsSaves(t *testing.T) {
 	}()
 	require.NoError(t, w.Close())
 	require.ErrorContains(t, <-done, "worker is closed")
+}
+
+// A step with nothing to save (an engine step without a forward pass, which
+// may never reach WaitForSave) does not hold back a side-channel operation
+// planned after it.
+func TestRunAfterAStepWithNothingToSave(t *testing.T) {
+	g := newG1(t, layout.FlashAttn)
+	w := newWorker(t, g, Options{HostBlocks: 4, DiskBlocks: 4, DiskDir: t.TempDir()})
+	_, failed := run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+	b, err := (&plan.Step{Seq: 2}).Encode()
+	require.NoError(t, err)
+	require.NoError(t, w.BindStep(b)) // and no StartLoad / WaitForSave follows
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := w.Run(&plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(time.Minute):
+		t.Fatal("Run waited for the saves of a step that has none")
+	}
+	errs, err := w.Run(&plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
+	require.NoError(t, err)
+	require.Empty(t, errs)
+	require.Equal(t, g.block(1), g.block(9))
 }

@@ -356,6 +356,17 @@ func (w *Worker) Bind(s *plan.Step) error {
 	}
 	w.lastSeq = max(w.lastSeq, s.Seq)
 	w.step, w.loadsRun, w.savesRun = s, false, false
+	if len(s.Moves) == 0 && len(s.Saves) == 0 && len(s.Uploads) == 0 {
+		// Nothing to save: the step is saved as soon as it is bound. An
+		// engine step without a forward pass may never call WaitForSave, and
+		// a side-channel operation planned after it (Run with this Seq) must
+		// not wait for the next step, which an idle engine never sends.
+		w.savesRun = true
+		if s.Seq > w.savedSeq {
+			w.savedSeq = s.Seq
+			w.saved.Broadcast()
+		}
+	}
 	w.mu.Unlock()
 	// Drops first: the leader may drop a block and hand it out again in the
 	// same step, so the step's own writes must land after the drop.

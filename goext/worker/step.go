@@ -1,0 +1,313 @@
+package worker
+
+// The engine's per-step calls (Bind, StartLoad, WaitLoads, WaitForSave,
+// Finished) and Run, the same execution for side-channel operations.
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// BindStep decodes the leader's step and applies its Drops. If the engine
+// skipped StartLoad or WaitForSave for the previous step, they run now: a
+// step's work is never silently lost.
+func (w *Worker) BindStep(b []byte) error {
+	s, err := plan.Decode(b)
+	if err != nil {
+		return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+	}
+	return w.Bind(s)
+}
+
+// Bind is BindStep for an already decoded step.
+func (w *Worker) Bind(s *plan.Step) error {
+	w.mu.Lock()
+	if w.g1 == nil {
+		w.mu.Unlock()
+		return errors.New("bind step: KV caches not registered yet")
+	}
+	prev := w.step
+	startPrev := prev != nil && !w.loadsRun
+	savePrev := prev != nil && !w.savesRun
+	w.mu.Unlock()
+	if startPrev {
+		w.log.Debug("kvbm worker: previous step's loads were not started; starting them now", "seq", prev.Seq)
+		w.StartLoad()
+	}
+	if savePrev {
+		w.log.Debug("kvbm worker: previous step's saves did not run; running them now", "seq", prev.Seq)
+		w.WaitForSave()
+	}
+
+	w.exec.Lock()
+	defer w.exec.Unlock()
+	w.mu.Lock()
+	if s.Seq != 0 && s.Seq <= w.lastSeq {
+		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
+	}
+	w.lastSeq = max(w.lastSeq, s.Seq)
+	w.step, w.loadsRun, w.savesRun = s, false, false
+	if len(s.Moves) == 0 && len(s.Saves) == 0 && len(s.Uploads) == 0 {
+		// Nothing to save: the step is saved as soon as it is bound. An
+		// engine step without a forward pass may never call WaitForSave, and
+		// a side-channel operation planned after it (Run with this Seq) must
+		// not wait for the next step, which an idle engine never sends.
+		w.savesRun = true
+		if s.Seq > w.savedSeq {
+			w.savedSeq = s.Seq
+			w.saved.Broadcast()
+		}
+	}
+	w.mu.Unlock()
+	// Drops first: the leader may drop a block and hand it out again in the
+	// same step, so the step's own writes must land after the drop.
+	w.applyDrops(s.Drops)
+	w.stageTags(s)
+	return nil
+}
+
+func (w *Worker) applyDrops(drops []plan.Copy) {
+	for _, d := range drops {
+		// A drop names its block as the copy's source.
+		switch {
+		case d.Src == plan.G2 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.hostValid)):
+			w.hostValid[d.SrcBlock].Store(false)
+		case d.Src == plan.G3 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.diskValid)):
+			w.diskValid[d.SrcBlock].Store(false)
+			w.diskSum[d.SrcBlock].Store(0)
+			w.forgetOnDisk(int(d.SrcBlock))
+		default:
+			w.log.Warn("kvbm worker: ignoring drop of an unknown block", "tier", d.Src, "block", d.SrcBlock)
+		}
+	}
+}
+
+// StartLoad launches the bound step's Loads in the background; Finished
+// reports them once done. Copies into G2 (G3→G2 staging) run before the
+// copies into G1 of the same step, so a load may stage through G2.
+func (w *Worker) StartLoad() {
+	w.exec.Lock()
+	defer w.exec.Unlock()
+	w.mu.Lock()
+	s := w.step
+	if s == nil || w.loadsRun || w.closed {
+		w.mu.Unlock()
+		return
+	}
+	w.loadsRun = true
+	if len(s.Loads) == 0 {
+		w.mu.Unlock()
+		return
+	}
+	w.loading++
+	w.mu.Unlock()
+	w.fence("load")
+	go func() {
+		defer w.loadFinished()
+		w.runLoads(s.Loads)
+	}()
+}
+
+// loadFinished is the last thing a load goroutine does.
+func (w *Worker) loadFinished() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.loading--; w.loading == 0 {
+		w.loadingDone.Broadcast()
+	}
+}
+
+// waitLoadsLocked waits, with mu held, until no load goroutine runs.
+func (w *Worker) waitLoadsLocked() {
+	for w.loading > 0 {
+		w.loadingDone.Wait()
+	}
+}
+
+func (w *Worker) runLoads(loads []plan.Load) {
+	failed := w.execLoads(loads)
+	w.mu.Lock()
+	for _, ld := range loads {
+		w.loaded = append(w.loaded, ld.ReqID)
+	}
+	w.loadErrs = append(w.loadErrs, failed...)
+	w.mu.Unlock()
+}
+
+// execLoads copies loads' blocks, staging copies (into G2) before copies into
+// G1, and returns the G1 blocks whose copy failed.
+func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
+	var staging, direct []plan.Copy
+	for _, ld := range loads {
+		for _, c := range ld.Copies {
+			if c.Dst == plan.G1 {
+				direct = append(direct, c)
+			} else {
+				staging = append(staging, c)
+			}
+		}
+	}
+	downloads, staging := splitDownloads(staging)
+	if errs := w.runDownloads(downloads); countErrs(errs) > 0 {
+		w.logFailures("G4 download", downloads, errs)
+	}
+	if errs := w.runOps(staging); countErrs(errs) > 0 {
+		w.logFailures("staging load", staging, errs)
+	}
+	errs := w.runOps(direct)
+	for i, err := range errs {
+		if err != nil {
+			failed = append(failed, direct[i].DstBlock)
+		}
+	}
+	if len(failed) > 0 {
+		w.logFailures("load", direct, errs)
+	}
+	return failed
+}
+
+// WaitForSave runs the bound step's Moves (G2→G3) and then its Saves (G1→G2,
+// or G1→G3 in disk-only mode), and returns when they are done. A failed copy
+// leaves its destination invalid (a later load of it fails); it is logged,
+// not returned: the engine must keep running.
+func (w *Worker) WaitForSave() {
+	w.exec.Lock()
+	defer w.exec.Unlock()
+	w.mu.Lock()
+	s := w.step
+	if s == nil || w.savesRun || w.closed {
+		w.mu.Unlock()
+		return
+	}
+	w.savesRun = true
+	w.saves.Add(1)
+	w.mu.Unlock()
+	defer w.saves.Done()
+	if len(s.Saves) > 0 {
+		w.fence("save")
+	}
+	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+		w.logFailures("move", s.Moves, errs)
+	}
+	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+		w.logFailures("save", s.Saves, errs)
+	}
+	w.queueUploads(s.Uploads)
+	w.mu.Lock()
+	if s.Seq > w.savedSeq {
+		w.savedSeq = s.Seq
+		w.saved.Broadcast()
+	}
+	w.mu.Unlock()
+}
+
+// Run executes a step outside the engine's per-step calls: an operation the
+// leader sent over the side channel (G2→G3 moves) rather than inside the
+// engine's connector metadata. It runs the step's Drops, Loads
+// (synchronously: copies into G2 first, then into G1), Moves and Saves, and
+// returns the G1 blocks whose loads failed. Its results never reach Finished,
+// and it neither binds the step nor touches the bound one, so the engine's
+// own sequence (Bind → StartLoad → WaitForSave → Finished) is unaffected.
+//
+// Ordering:
+//
+//   - s.Seq > 0 names the engine step this operation must follow: Run first
+//     waits until this worker finished the Moves/Saves of the bound step with
+//     that Seq (or a later one). The leader plans a background G2→G3 move as
+//     soon as the source's save is planned, which may be before this rank
+//     has run that save; copying earlier would copy the block's previous
+//     contents. The wait ends early (with an error) when the worker closes.
+//     s.Seq == 0: no wait.
+//   - Then Run holds the worker's execution lock for the rest of its
+//     duration, and Bind, StartLoad (until its loads are launched) and
+//     WaitForSave take the same lock, so a Run happens entirely before or
+//     entirely after each of them. It may overlap only the engine's
+//     asynchronous loads launched by an earlier StartLoad, which is safe
+//     because the leader never hands a block that a running load reads or
+//     writes to another operation (load sources stay pinned until the engine
+//     reports the load finished). A Run may delay the engine's WaitForSave
+//     by its own duration, so background operations should stay small.
+//
+// err is non-nil when the step could not run (worker closed, KV caches not
+// registered) or when any of its Moves or Saves failed: their destinations
+// hold no valid bytes on this rank, so the leader must not register them.
+// Failed loads are reported through loadErrors only.
+func (w *Worker) Run(s *plan.Step) (loadErrors []int64, err error) {
+	if s == nil {
+		return nil, errors.New("run step: nil step")
+	}
+	w.mu.Lock()
+	for s.Seq > w.savedSeq && !w.closed {
+		w.saved.Wait()
+	}
+	w.mu.Unlock()
+
+	w.exec.Lock()
+	defer w.exec.Unlock()
+	w.mu.Lock()
+	switch {
+	case w.closed:
+		w.mu.Unlock()
+		return nil, fmt.Errorf("worker rank %d: run step: worker is closed", w.opts.Rank)
+	case w.g1 == nil:
+		w.mu.Unlock()
+		return nil, fmt.Errorf("worker rank %d: run step: KV caches not registered yet", w.opts.Rank)
+	}
+	w.saves.Add(1) // Close waits for it before unmapping the regions
+	w.mu.Unlock()
+	defer w.saves.Done()
+
+	w.applyDrops(s.Drops)
+	w.stageTags(s)
+	if len(s.Loads) > 0 {
+		w.fence("load")
+		loadErrors = w.execLoads(s.Loads)
+	}
+	if len(s.Saves) > 0 {
+		w.fence("save")
+	}
+	var failed []error
+	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+		w.logFailures("move", s.Moves, errs)
+		failed = append(failed, fmt.Errorf("%d of %d moves failed: %w", countErrs(errs), len(s.Moves), firstErr(errs)))
+	}
+	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+		w.logFailures("save", s.Saves, errs)
+		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs)))
+	}
+	w.queueUploads(s.Uploads)
+	if len(failed) > 0 {
+		return loadErrors, fmt.Errorf("worker rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
+	}
+	return loadErrors, nil
+}
+
+func firstErr(errs []error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
+
+// Finished returns the requests whose loads completed since the last call,
+// and the G1 blocks among them whose data could not be loaded (the engine
+// must recompute those). A request appears in loaded even if some of its
+// blocks failed.
+func (w *Worker) Finished() (loaded []string, loadErrorG1Blocks []int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	loaded, loadErrorG1Blocks = w.loaded, w.loadErrs
+	w.loaded, w.loadErrs = nil, nil
+	return loaded, loadErrorG1Blocks
+}
+
+// WaitLoads blocks until every started load has completed.
+func (w *Worker) WaitLoads() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.waitLoadsLocked()
+}

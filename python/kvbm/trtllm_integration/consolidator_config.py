@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from kvbm._envs import consolidator_enabled, consolidator_output_endpoints, env_port
+
+if TYPE_CHECKING:
+    from kvbm._core import ConsolidatorOptions
 
 log = logging.getLogger("kvbm")
 
 
-def _connector_module(kv_connector_config):
+def _connector_module(kv_connector_config: Any) -> str:
     if kv_connector_config is None:
         return ""
     if isinstance(kv_connector_config, dict):
-        return kv_connector_config.get("connector_module") or ""
-    return getattr(kv_connector_config, "connector_module", "") or ""
+        return str(kv_connector_config.get("connector_module") or "")
+    return str(getattr(kv_connector_config, "connector_module", "") or "")
 
 
-def should_enable_consolidator(arg_map) -> bool:
+def should_enable_consolidator(arg_map: Any) -> bool:
     """True when the consolidator is enabled (DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR)
     and the engine's ``kv_connector_config`` uses kvbm's TensorRT-LLM connector."""
     if not consolidator_enabled():
@@ -26,7 +30,7 @@ def should_enable_consolidator(arg_map) -> bool:
     return "kvbm.trtllm_integration.connector" in _connector_module(cfg)
 
 
-def engine_events_port():
+def engine_events_port() -> int | None:
     """DYN_KVBM_TRTLLM_ZMQ_PORT, or None (with an error log naming it) when unset."""
     port = env_port("DYN_KVBM_TRTLLM_ZMQ_PORT")
     if port is None:
@@ -44,7 +48,7 @@ def get_consolidator_endpoints() -> tuple[str, str, str]:
     return f"tcp://*:{engine}", bind, local
 
 
-def consolidator_options(arg_map):
+def consolidator_options(arg_map: Any) -> ConsolidatorOptions | None:
     """The ``consolidator=`` options for kvbm's leader in a TensorRT-LLM
     engine, or None when it should not run (disabled, not our connector, or
     DYN_KVBM_TRTLLM_ZMQ_PORT unset: then an error names the variable).
@@ -63,7 +67,7 @@ def consolidator_options(arg_map):
     if port is None:
         return None
     _, out_bind, _ = get_consolidator_endpoints()
-    opts = {"engine": "trtllm", "engine_endpoint": f"tcp://127.0.0.1:{port}", "zmq_bind": out_bind}
+    opts: ConsolidatorOptions = {"engine": "trtllm", "engine_endpoint": f"tcp://127.0.0.1:{port}", "zmq_bind": out_bind}
     if os.environ.get("NATS_SERVER", "").strip():
         raw_id = os.environ.get("DYN_KVBM_WORKER_ID", "0").strip() or "0"
         try:
@@ -72,5 +76,7 @@ def consolidator_options(arg_map):
             raise ValueError(f"invalid DYN_KVBM_WORKER_ID={raw_id!r}: not an integer") from None
         # An empty namespace/component takes the consolidator's defaults
         # ("dynamo", and "tensorrt_llm" for this engine).
-        opts.update(nats=True, namespace=os.environ.get("DYN_NAMESPACE", "").strip(), worker_id=worker_id)
+        opts["nats"] = True
+        opts["namespace"] = os.environ.get("DYN_NAMESPACE", "").strip()
+        opts["worker_id"] = worker_id
     return opts

@@ -36,8 +36,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:
+    import zmq
 
 log = logging.getLogger("tensorrt_llm.kvbm")
 
@@ -56,7 +61,7 @@ def to_signed_i64(h: int) -> int:
 class EventTranslator:
     """The stateful part of the publisher: dict events in, map events out."""
 
-    def __init__(self, kv_block_size: int):
+    def __init__(self, kv_block_size: int) -> None:
         if int(kv_block_size) < 1:
             raise ValueError(f"kv_block_size={kv_block_size}: must be positive")
         self.block_size = int(kv_block_size)
@@ -149,14 +154,14 @@ class ZmqKvEventPublisher:
     safe: use it from one thread (ZMQ sockets are single-threaded).
     """
 
-    def __init__(self, kv_block_size: int, endpoint: str | None = None, topic: str = ""):
+    def __init__(self, kv_block_size: int, endpoint: str | None = None, topic: str = "") -> None:
         import zmq
 
         self._translator = EventTranslator(kv_block_size)
         self.endpoint = endpoint or default_endpoint()
         self.topic = topic.encode()
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 1000)
         try:
             self._sock.bind(self.endpoint)
@@ -176,12 +181,14 @@ class ZmqKvEventPublisher:
         if ev is None:
             return False
         payload = msgpack.packb([time.time(), [ev], int(event.get("attention_dp_rank", 0) or 0)], use_bin_type=True)
+        if self._sock is None:
+            raise RuntimeError("kvbm publisher: publish() after close()")
         self._sock.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
         self.sent += 1
         return True
 
-    def publish_all(self, events) -> int:
+    def publish_all(self, events: Iterable[dict]) -> int:
         return sum(1 for ev in events if self.publish(ev))
 
     def close(self) -> None:
@@ -190,10 +197,10 @@ class ZmqKvEventPublisher:
             self._ctx.term()
             self._sock = None
 
-    def __enter__(self):
+    def __enter__(self) -> ZmqKvEventPublisher:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -202,7 +209,7 @@ class KvEventForwarder:
     what it returns (needs ``kv_cache_config.event_buffer_max_size > 0``).
     Idle polls back off from 5 ms to 20 ms."""
 
-    def __init__(self, llm, publisher: ZmqKvEventPublisher):
+    def __init__(self, llm: Any, publisher: ZmqKvEventPublisher) -> None:
         self._llm = llm
         self._pub = publisher
         self._stop = threading.Event()

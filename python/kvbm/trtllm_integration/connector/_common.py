@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterable
+from typing import Any
 
 # A child of TensorRT-LLM's logger name, so lines are easy to find in its log.
 log = logging.getLogger("tensorrt_llm.kvbm")
@@ -25,7 +27,7 @@ _BASE_MODULES = (
 )
 
 
-def _import_bases():
+def _import_bases() -> tuple[Any, Any, str | None]:
     import importlib
 
     for name in _BASE_MODULES:
@@ -42,29 +44,29 @@ HAVE_TRTLLM = BASE_MODULE is not None
 
 if not HAVE_TRTLLM:
 
-    class KvCacheConnectorScheduler:  # type: ignore[no-redef]
+    class KvCacheConnectorScheduler:  # type: ignore[no-redef]  # stand-in under the engine's name
         """Stand-in for TensorRT-LLM's scheduler-side base class."""
 
-        def __init__(self, llm_args):
+        def __init__(self, llm_args: Any) -> None:
             self._llm_args = llm_args
 
-    class KvCacheConnectorWorker:  # type: ignore[no-redef]
+    class KvCacheConnectorWorker:  # type: ignore[no-redef]  # stand-in under the engine's name
         """Stand-in for TensorRT-LLM's worker-side base class."""
 
-        def __init__(self, llm_args):
+        def __init__(self, llm_args: Any) -> None:
             self._llm_args = llm_args
-            self._metadata = None
+            self._metadata: Any = None
 
-        def bind_connector_meta(self, metadata):
+        def bind_connector_meta(self, metadata: Any) -> None:
             self._metadata = metadata
 
-        def get_connector_meta(self):
+        def get_connector_meta(self) -> Any:
             return self._metadata
 
-        def _clear_connector_meta(self):
+        def _clear_connector_meta(self) -> None:
             self._metadata = None
 
-        def register_forward_pass_callable(self):
+        def register_forward_pass_callable(self) -> Any:
             return None
 
 
@@ -77,7 +79,7 @@ DEFAULT_TOKENS_PER_BLOCK = 32
 # ----------------------------------------------------------------- llm_args
 
 
-def _get(obj, *names, default=None):
+def _get(obj: Any, *names: str, default: Any = None) -> Any:
     """First attribute (or dict key) of obj among names that is not None."""
     for n in names:
         if obj is None:
@@ -88,11 +90,11 @@ def _get(obj, *names, default=None):
     return default
 
 
-def kv_cache_config(llm_args):
+def kv_cache_config(llm_args: Any) -> Any:
     return _get(llm_args, "kv_cache_config")
 
 
-def tokens_per_block(llm_args) -> int:
+def tokens_per_block(llm_args: Any) -> int:
     bs = _get(kv_cache_config(llm_args), "tokens_per_block", default=DEFAULT_TOKENS_PER_BLOCK)
     bs = int(bs)
     if bs < 1:
@@ -100,7 +102,7 @@ def tokens_per_block(llm_args) -> int:
     return bs
 
 
-def _mapping(llm_args):
+def _mapping(llm_args: Any) -> Any:
     pc = _get(llm_args, "parallel_config")
     to_mapping = getattr(pc, "to_mapping", None)
     if callable(to_mapping):
@@ -111,7 +113,7 @@ def _mapping(llm_args):
     return None
 
 
-def parallel_sizes(llm_args) -> dict:
+def parallel_sizes(llm_args: Any) -> dict[str, int]:
     """tp, pp, cp sizes from llm_args (TorchLlmArgs fields, parallel_config, or its mapping)."""
     pc = _get(llm_args, "parallel_config")
     m = _mapping(llm_args)
@@ -125,7 +127,7 @@ def parallel_sizes(llm_args) -> dict:
     }
 
 
-def model_identity(llm_args) -> str:
+def model_identity(llm_args: Any) -> str:
     """The model's name or path (and revision when set): blocks kept beyond
     this process (persistent disk tier, object storage) only match the same
     weights."""
@@ -137,7 +139,7 @@ def model_identity(llm_args) -> str:
     return f"{name}@{rev}" if rev else name
 
 
-def this_rank(llm_args) -> int:
+def this_rank(llm_args: Any) -> int:
     """This process's rank: TensorRT-LLM's MPI rank when available, else the
     mapping's rank, else the usual launcher variables, else 0."""
     try:
@@ -155,12 +157,12 @@ def this_rank(llm_args) -> int:
     return 0
 
 
-def _policy_name(policy) -> str:
+def _policy_name(policy: Any) -> str:
     name = getattr(policy, "name", None) or str(policy)
     return name.rsplit(".", 1)[-1].upper()
 
 
-def check_supported(llm_args) -> None:
+def check_supported(llm_args: Any) -> None:
     """Refuse settings kvbm cannot serve correctly, naming the setting.
 
     TensorRT-LLM itself refuses some of these with a connector (pipeline
@@ -168,7 +170,7 @@ def check_supported(llm_args) -> None:
     releases refuse the rest (#13577). Checking here gives the same answer on
     every version, before any KV is moved.
     """
-    problems = []
+    problems: list[str] = []
     sizes = parallel_sizes(llm_args)
     if sizes["pp"] > 1:
         problems.append(f"pipeline_parallel_size={sizes['pp']} (pipeline parallelism; use tensor parallelism)")
@@ -220,7 +222,7 @@ _DTYPE_BYTES = {
 }
 
 
-def bytes_per_block_from_model(llm_args, tp: int) -> int | None:
+def bytes_per_block_from_model(llm_args: Any, tp: int) -> int | None:
     """One rank's bytes per block from the model's config.json, when
     ``llm_args.model`` is a local checkpoint directory; None otherwise.
 
@@ -288,7 +290,7 @@ class LocalLink:
     carries load errors from workers to the scheduler).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes_per_block: int | None = None
         self.worker_failed: str | None = None
@@ -302,7 +304,7 @@ class LocalLink:
         with self._lock:
             self.worker_failed = reason
 
-    def add_load_errors(self, g1_blocks) -> None:
+    def add_load_errors(self, g1_blocks: Iterable[int]) -> None:
         with self._lock:
             self._load_errors.extend(int(b) for b in g1_blocks)
 

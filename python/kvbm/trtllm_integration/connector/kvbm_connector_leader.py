@@ -28,6 +28,8 @@ needed at all when every tier is sized with ``*_OVERRIDE_NUM_BLOCKS``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
 from kvbm._adapter_common import FailureState, guarded
@@ -43,8 +45,11 @@ from kvbm.trtllm_integration.connector._common import (
     tokens_per_block,
 )
 
+if TYPE_CHECKING:
+    from kvbm._core import Leader, LeaderInfo
 
-def _lora_name(request) -> str | None:
+
+def _lora_name(request: Any) -> str | None:
     # TensorRT-LLM identifies adapters by an integer task id; its string is the
     # name that goes into kvbm's salt, so different adapters never share blocks.
     task = getattr(request, "lora_task_id", None)
@@ -54,7 +59,7 @@ def _lora_name(request) -> str | None:
 _U64_MASK = (1 << 64) - 1
 
 
-def _cache_salt(obj) -> str | None:
+def _cache_salt(obj: Any) -> str | None:
     """The cache salt of an LlmRequest or RequestData, as kvbm's salt string.
 
     TensorRT-LLM keeps tenants apart with ``cache_salt_id``, a u64 that its
@@ -79,15 +84,15 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
     _log = log
     _engine_name = "TensorRT-LLM"
 
-    def __init__(self, llm_args):
+    def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         check_supported(llm_args)
         self._llm_args_ref = llm_args
         self._block_size = tokens_per_block(llm_args)
         self._tp = parallel_sizes(llm_args)["tp"]
-        self._failed = None
-        self._disabled_reason = None
-        self._leader = None
+        self._failed: str | None = None
+        self._disabled_reason: str | None = None
+        self._leader: Leader | None = None
         # A configuration error (an invalid DYN_KVBM_* value, no tier) fails
         # start-up here, naming the variable, rather than disabling kvbm later.
         _native.config_check(require_tier=True)
@@ -124,7 +129,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
             return 1
         return None
 
-    def _ensure_leader(self):
+    def _ensure_leader(self) -> Leader | None:
         if self._leader is not None or self._disabled_reason is not None:
             return self._leader
         if LOCAL.worker_failed:
@@ -150,12 +155,12 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         return self._leader
 
     @guarded(None)
-    def wait_for_initialization(self):
+    def wait_for_initialization(self) -> None:
         """Newer TensorRT-LLM calls this after register_kv_caches: create the
         Go leader now rather than on the first request."""
         self._ensure_leader()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self._leader is not None:
             try:
                 self._leader.close()
@@ -165,7 +170,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
 
     # ------------------------------------------------------------- requests
 
-    def _salt(self, rid: str, source) -> int:
+    def _salt(self, rid: str, source: Any) -> int:
         """The request's salt hash, fixed when it is first seen: at matching
         (source: the LlmRequest) or, unmatched, at its first step (source:
         its RequestData)."""
@@ -176,7 +181,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         return s
 
     @guarded((0, False))
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         leader = self._ensure_leader()
         if leader is None:
             return 0, False
@@ -197,7 +202,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         return got, True
 
     @guarded(None)
-    def update_state_after_alloc(self, request, block_ids):
+    def update_state_after_alloc(self, request: Any, block_ids: Iterable[int]) -> None:
         """block_ids are all the prompt's blocks (device hits included): the
         Go leader loads into those after the tokens computed at matching."""
         if self._leader is None:
@@ -210,7 +215,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._loading.add(rid)
 
     @staticmethod
-    def _block_priorities(rd, n: int) -> list[int]:
+    def _block_priorities(rd: Any, n: int) -> list[int]:
         """The retention priority of each of the n new block ids of rd, for
         eviction order and the offload filter
         (DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY, per block: design §4).
@@ -223,11 +228,11 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         return prios + [DEFAULT_PRIORITY] * (n - len(prios))
 
     @guarded(b"")
-    def build_connector_meta(self, scheduler_output) -> bytes:
+    def build_connector_meta(self, scheduler_output: Any) -> bytes:
         leader = self._ensure_leader()
         if leader is None:
             return b""
-        updates = []
+        updates: list[list[object]] = []
         for rd in getattr(scheduler_output, "new_requests", None) or ():
             rid = str(rd.request_id)
             # A request seen before and reported as new again was reset and is
@@ -268,14 +273,14 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         return leader.step(updates, loaded, LOCAL.take_load_errors())
 
     @staticmethod
-    def _scheduled(rd) -> int:
+    def _scheduled(rd: Any) -> int:
         n = getattr(rd, "num_scheduled_tokens", None)
         if n is None:
             raise RuntimeError("RequestData has no num_scheduled_tokens: kvbm needs TensorRT-LLM 1.2.0rc2 or newer")
         return int(n)
 
     @guarded(False)
-    def request_finished(self, request, cache_block_ids) -> bool:
+    def request_finished(self, request: Any, cache_block_ids: Any) -> bool:
         """Always False: no kvbm save is in flight when TensorRT-LLM asks.
 
         The Go leader plans a request's saves in the build_connector_meta of
@@ -307,7 +312,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._matched.pop(rid, None)
         self._seen.discard(rid)
 
-    def cancel_load(self, request, start: int, end: int) -> None:
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
         """KVCacheManagerV2 withdraws part of a promised load (tokens
         [start, end)) it can no longer host. kvbm plans a load whole, so it
         drops the request's load and turns itself off rather than copy into
@@ -332,7 +337,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
             self._leader.reset()
         return True
 
-    def info(self) -> dict:
+    def info(self) -> LeaderInfo | dict[str, Any]:
         """The Go leader's sizes and hit rates (creating it if needed; empty
         when kvbm is disabled)."""
         leader = self._ensure_leader() if self._failed is None else None

@@ -26,6 +26,8 @@ environment, so block ids agree without a side channel.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
 from kvbm._adapter_common import FailureState, guarded, plan_loads
@@ -40,6 +42,9 @@ from kvbm.trtllm_integration.connector._common import (
     tokens_per_block,
 )
 
+if TYPE_CHECKING:
+    from kvbm._core import Worker
+
 # An id TensorRT-LLM announced as loading but that no bound plan carries (the
 # leader failed between matching and planning, or planned fewer blocks) is
 # reported finished after this many get_finished calls, so the request does not
@@ -53,20 +58,20 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
     _log = log
     _engine_name = "TensorRT-LLM"
 
-    def __init__(self, llm_args):
+    def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         check_supported(llm_args)
         self._block_size = tokens_per_block(llm_args)
         self._tp = parallel_sizes(llm_args)["tp"]
         self._rank = this_rank(llm_args)
         self._model = model_identity(llm_args)
-        self._worker = None
-        self._kv = None
+        self._worker: Worker | None = None
+        self._kv: Any = None  # the engine's torch tensor
         self._cuda = False
-        self._fwd_event = None  # CUDA event recorded at the end of the forward pass
+        self._fwd_event: Any = None  # CUDA event recorded at the end of the forward pass
         self._fwd_recorded = False  # ... during the current step
-        self._failed = None
-        self._disabled_reason = None
+        self._failed: str | None = None
+        self._disabled_reason: str | None = None
         # Loads: request id (int) → G1 blocks, from bound plans, until this
         # rank's copies finished; ids this rank finished; ids TensorRT-LLM
         # announced (started_loading_req_ids). A load is reported once it is
@@ -88,7 +93,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         super()._fail(where, err)
 
     @guarded(None)
-    def register_kv_caches(self, kv_cache_tensor):
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         """The primary pool: one tensor [num_blocks, num_layers, kv_factor,
         kv_heads × tokens_per_block × head_dim] (layout kind "trtllm")."""
         from kvbm._core import Worker
@@ -115,7 +120,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
                  "disk_blocks=%d", os.getpid(), self._rank, self._tp, t.shape[0], info["bytes_per_block"],
                  info["num_layers"], info["host_blocks"], info["disk_blocks"])
 
-    def register_kv_cache_layout(self, layout):
+    def register_kv_cache_layout(self, layout: Any) -> None:
         """Newer TensorRT-LLM calls this instead of register_kv_caches with
         KVCacheManagerV2 (pools and pages per layer group, loads the runtime
         may cancel in part): not kvbm's model of the cache, so kvbm turns
@@ -123,7 +128,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._disable("TensorRT-LLM's KVCacheManagerV2 is in use (register_kv_cache_layout); kvbm supports the V1 "
                       "KV cache manager: set kv_cache_config.use_kv_cache_manager_v2 to false")
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self._worker is not None:
             try:
                 self._worker.close()
@@ -133,7 +138,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
 
     # --------------------------------------------------------------- per step
 
-    def bind_connector_meta(self, metadata):
+    def bind_connector_meta(self, metadata: Any) -> None:
         super().bind_connector_meta(metadata)
         plan = metadata if isinstance(metadata, (bytes, bytearray)) else b""
         if not plan or self._failed is not None:
@@ -147,28 +152,28 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             self._fail("bind_connector_meta", e)
 
     @guarded(None)
-    def start_load_kv(self, stream=None):
+    def start_load_kv(self, stream: Any = None) -> None:
         if self._worker is not None:
             self._worker.start_load()
 
-    def wait_for_layer_load(self, layer_idx: int, stream=None):
+    def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
         # Loading requests are out of the batch until get_finished reports
         # them on every rank: no layer of this forward pass reads their blocks.
         return None
 
-    def save_kv_layer(self, layer_idx: int, stream=None):
+    def save_kv_layer(self, layer_idx: int, stream: Any = None) -> None:
         # Saves run in wait_for_save, after the last layer: these hooks do not
         # run on CUDA-graph replays.
         return None
 
-    def register_forward_pass_callable(self):
+    def register_forward_pass_callable(self) -> Callable[[], None]:
         """A hook TensorRT-LLM calls at the end of every forward pass, also
         after a CUDA-graph replay, on the forward stream: it records an event
         there so wait_for_save waits for exactly the forward pass, not for the
         whole stream."""
         return self._forward_done
 
-    def _forward_done(self):
+    def _forward_done(self) -> None:
         if not self._cuda or self._failed is not None:
             return
         try:
@@ -182,7 +187,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             self._fail("forward_pass_callable", e)
 
     @guarded(None)
-    def wait_for_save(self, stream=None):
+    def wait_for_save(self, stream: Any = None) -> None:
         if self._worker is None:
             return
         if self._cuda:
@@ -195,7 +200,9 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             self._fwd_recorded = False
         self._worker.wait_for_save()
 
-    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+    def get_finished(
+        self, finished_gen_req_ids: Iterable[int] | None, started_loading_req_ids: Iterable[int] | None,
+    ) -> tuple[list[int], list[int]]:
         """(finished saving, finished loading) ids of this rank.
 
         Saves: kvbm's leader never reports a save in flight (request_finished
@@ -224,7 +231,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
                           self._rank, sorted(self._inflight))
                 self._done.update(self._inflight)
                 self._inflight.clear()
-        loading = []
+        loading: list[int] = []
         for rid in list(self._announced):
             if rid in self._done:
                 loading.append(rid)
@@ -239,7 +246,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
                     del self._announced[rid]
         return saving, loading
 
-    def _note_loaded(self, loaded, errors) -> None:
+    def _note_loaded(self, loaded: Iterable[str | int], errors: list[int]) -> None:
         for rid in loaded:
             self._inflight.pop(int(rid), None)
             self._done.add(int(rid))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from kvbm._envs import check_port, consolidator_enabled, consolidator_output_endpoints
 
@@ -12,7 +13,7 @@ log = logging.getLogger("kvbm")
 _CONNECTOR_NAMES = ("DynamoConnector",)
 
 
-def _get(obj, name, default=None):
+def _get(obj: Any, name: str, default: Any = None) -> Any:
     if obj is None:
         return default
     if isinstance(obj, dict):
@@ -20,7 +21,7 @@ def _get(obj, name, default=None):
     return getattr(obj, name, default)
 
 
-def _uses_kvbm(kv_transfer_config) -> bool:
+def _uses_kvbm(kv_transfer_config: Any) -> bool:
     name = _get(kv_transfer_config, "kv_connector")
     module = _get(kv_transfer_config, "kv_connector_module_path") or ""
     if name in _CONNECTOR_NAMES:
@@ -33,7 +34,7 @@ def _uses_kvbm(kv_transfer_config) -> bool:
     return "kvbm.vllm_integration" in module and name in _CONNECTOR_NAMES
 
 
-def should_enable_consolidator(vllm_config) -> bool:
+def should_enable_consolidator(vllm_config: Any) -> bool:
     """True when the consolidator should run: enabled by
     DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR (default true), kvbm is the KV
     connector, prefix caching is on and vLLM publishes KV events."""
@@ -50,7 +51,7 @@ def should_enable_consolidator(vllm_config) -> bool:
 _ENDPOINT = re.compile(r"^(?P<scheme>[a-z]+)://(?P<host>[^:]+|\[[^\]]+\]):(?P<port>\d+)$")
 
 
-def get_consolidator_endpoints(vllm_config) -> tuple[str, str, str]:
+def get_consolidator_endpoints(vllm_config: Any) -> tuple[str, str, str]:
     """(vLLM events endpoint to subscribe to, output bind endpoint, output connect endpoint)."""
     events = _get(vllm_config, "kv_events_config")
     endpoint = _get(events, "endpoint")

@@ -37,11 +37,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
+from typing import TYPE_CHECKING, Any
 
 from kvbm import _native, _plan
 from kvbm._adapter_common import guarded
+
+if TYPE_CHECKING:
+    from kvbm._core import ConsolidatorOptions, Leader, Worker
+    from kvbm._wire import BackgroundPump, WireLeader, WireWorker
 
 # A child of vLLM's logger, so lines appear in the engine's own log format.
 log = logging.getLogger("vllm.kvbm")
@@ -57,14 +60,14 @@ try:  # vLLM is optional at import time (config tooling, unit tests).
 except Exception:  # pragma: no cover - exercised only without vLLM
     _HAVE_VLLM = False
 
-    class KVConnectorMetadata:  # type: ignore[no-redef]
+    class KVConnectorMetadata:  # type: ignore[no-redef]  # stand-in under vLLM's name
         pass
 
-    class KVConnectorBase_V1:  # type: ignore[no-redef]
-        def __init__(self, *args, **kwargs):
+    class KVConnectorBase_V1:  # type: ignore[no-redef]  # stand-in under vLLM's name
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 
-    class KVConnectorRole:  # type: ignore[no-redef]
+    class KVConnectorRole:  # type: ignore[no-redef]  # stand-in under vLLM's name
         SCHEDULER = 0
         WORKER = 1
 
@@ -84,9 +87,9 @@ if KVConnectorWorkerMetadata is not None:
         G4 report (blocks it stored, its counters)."""
 
         g4_fingerprint: str = ""
-        g4_reports: list = field(default_factory=list)
+        g4_reports: list[bytes] = field(default_factory=list)
 
-        def aggregate(self, other):
+        def aggregate(self, other: KvbmWorkerMeta) -> KvbmWorkerMeta:
             return KvbmWorkerMeta(g4_fingerprint=self.g4_fingerprint or other.g4_fingerprint,
                                   g4_reports=self.g4_reports + other.g4_reports)
 
@@ -95,7 +98,7 @@ try:  # vLLM versions with worker → scheduler handshake metadata
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 except Exception:  # pragma: no cover - older vLLM or none
 
-    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]  # stand-in under vLLM's name
         pass
 
 
@@ -113,22 +116,23 @@ class DynamoConnectorMetadata(KVConnectorMetadata):
 
     plan: bytes = b""
     seq: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     # Loads promised to vLLM that no plan will carry (kvbm failed first):
     # request id → the G1 blocks vLLM expects loaded, to report as failed.
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _role_name(role) -> str:
-    return getattr(role, "name", str(role)).upper()
+def _role_name(role: Any) -> str:
+    return str(getattr(role, "name", str(role))).upper()
 
 
-def _lora_name(request) -> str | None:
+def _lora_name(request: Any) -> str | None:
     lr = getattr(request, "lora_request", None)
-    return getattr(lr, "lora_name", None) if lr is not None else None
+    name = getattr(lr, "lora_name", None) if lr is not None else None
+    return None if name is None else str(name)
 
 
-def _model_identity(vllm_config) -> str:
+def _model_identity(vllm_config: Any) -> str:
     """The model's name or path and revision: blocks kept beyond this process
     (persistent disk tier, object storage) only match the same weights."""
     mc = getattr(vllm_config, "model_config", None)
@@ -139,7 +143,7 @@ def _model_identity(vllm_config) -> str:
     return f"{model}@{rev}" if rev else model
 
 
-def _tp(vllm_config) -> tuple[int, int]:
+def _tp(vllm_config: Any) -> tuple[int, int]:
     """(rank, size) of this tensor-parallel group; (0, 1) outside vLLM's groups."""
     size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
     rank = 0
@@ -153,14 +157,14 @@ def _tp(vllm_config) -> tuple[int, int]:
     return rank, size
 
 
-def _bypassed(request) -> bool:
+def _bypassed(request: Any) -> bool:
     """Token ids do not identify the KV of multimodal prompts (placeholder
     ids stand for the images) or of prompt embeddings: kvbm neither serves
     nor stores it."""
     return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
-def _single_group(kv_cache_config):
+def _single_group(kv_cache_config: Any) -> tuple[Any, str | None]:
     """The one KV cache group kvbm supports, or None with the reason."""
     if kv_cache_config is None:
         return None, "no kv_cache_config"
@@ -174,7 +178,7 @@ def _single_group(kv_cache_config):
 class DynamoConnector(KVConnectorBase_V1):
     """kvbm as a vLLM KV connector (both roles)."""
 
-    def __init__(self, vllm_config, role, kv_cache_config=None):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         try:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         except TypeError:  # vLLM < 0.12: no kv_cache_config
@@ -183,14 +187,14 @@ class DynamoConnector(KVConnectorBase_V1):
         self._kv_cache_config = kv_cache_config
         self._is_scheduler = _role_name(role).endswith("SCHEDULER")
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._leader = None
-        self._worker = None
+        self._leader: Leader | None = None
+        self._worker: Worker | None = None
         # Tensor parallel > 1 only: the leader⇄worker side channel.
-        self._wire = None  # scheduler: kvbm._wire.WireLeader
-        self._pump = None  # scheduler: kvbm._wire.BackgroundPump
-        self._wire_worker = None  # worker: kvbm._wire.WireWorker
-        self._disabled_reason = None
-        self._failed = None
+        self._wire: WireLeader | None = None  # scheduler
+        self._pump: BackgroundPump | None = None  # scheduler
+        self._wire_worker: WireWorker | None = None  # worker
+        self._disabled_reason: str | None = None
+        self._failed: str | None = None
         self._on_device = False
         # G4: whether this worker has the tier, and rank 0's block fingerprint
         # (worker: its own, reported to the scheduler; scheduler: as received).
@@ -240,13 +244,13 @@ class DynamoConnector(KVConnectorBase_V1):
         loads, self._inflight_loads = self._inflight_loads, {}
         return self._give_up_loads(loads)
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self._pump is not None:
             self._pump.stop()  # TP > 1: nothing new goes out; the wire's close fails what is in flight
-        for obj in (self._wire, self._wire_worker):
-            if obj is not None:
+        for chan in (self._wire, self._wire_worker):
+            if chan is not None:
                 try:
-                    obj.close()
+                    chan.close()
                 except Exception:  # pragma: no cover
                     log.exception("kvbm: error while closing the side channel")
         if self._pump is not None:
@@ -296,13 +300,13 @@ class DynamoConnector(KVConnectorBase_V1):
 
         group, why = _single_group(self._kv_cache_config)
         if group is None:
-            self._disable(why)
+            self._disable(str(why))
             return
         spec = group.kv_cache_spec
         num_layers = len(group.layer_names)
         bytes_per_block = int(spec.page_size_bytes) * num_layers
         _, tp_size = _tp(self._vllm_config)
-        consolidator = None
+        consolidator: ConsolidatorOptions | None = None
         if should_enable_consolidator(self._vllm_config):
             engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
             consolidator = {"engine": "vllm", "engine_endpoint": engine_ep, "zmq_bind": out_bind}
@@ -359,7 +363,7 @@ class DynamoConnector(KVConnectorBase_V1):
                  info["ack_port"], hs.bytes_per_block)
         return int(hs.bytes_per_block)
 
-    def _salt(self, request) -> int:
+    def _salt(self, request: Any) -> int:
         rid = request.request_id
         s = self._salts.get(rid)
         if s is None:
@@ -368,7 +372,7 @@ class DynamoConnector(KVConnectorBase_V1):
         return s
 
     @guarded((0, False))
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._leader is None:
             return 0, False
         if _bypassed(request):
@@ -387,7 +391,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._async_matches.pop(request.request_id, None)
         return got, is_async
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         # The promise is recorded even when kvbm has failed since matching:
         # vLLM now waits for this load, and only a worker can release it.
         try:
@@ -396,7 +400,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._fail("update_state_after_alloc", e)
         self._update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def _record_promised_load(self, request, blocks, num_external_tokens: int) -> None:
+    def _record_promised_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         computed = self._async_matches.pop(request.request_id, None)
         if computed is None or num_external_tokens <= 0:
             return
@@ -406,7 +410,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._promised_loads[request.request_id] = block_ids[first:first + -(-num_external_tokens // bs)]
 
     @guarded(None)
-    def _update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def _update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._leader is None:
             return
         rid = request.request_id
@@ -425,13 +429,13 @@ class DynamoConnector(KVConnectorBase_V1):
         return DynamoConnectorMetadata(failed_loads=failed)
 
     @guarded(lambda self: self._failure_meta())
-    def build_connector_meta(self, scheduler_output) -> DynamoConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> DynamoConnectorMetadata:
         if self._leader is None:
             return DynamoConnectorMetadata()
         num_sched = scheduler_output.num_scheduled_tokens
         # Rows carry no priority: vLLM's request priority orders scheduling,
         # not retention, so the offload filter never applies under vLLM.
-        updates = []
+        updates: list[list[object]] = []
         for nr in scheduler_output.scheduled_new_reqs:
             rid = nr.req_id
             if rid in self._bypassed:
@@ -480,7 +484,7 @@ class DynamoConnector(KVConnectorBase_V1):
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
 
     @guarded(None)
-    def update_connector_output(self, connector_output):
+    def update_connector_output(self, connector_output: Any) -> None:
         if self._leader is None:
             return
         recv = getattr(connector_output, "finished_recving", None)
@@ -499,7 +503,7 @@ class DynamoConnector(KVConnectorBase_V1):
             self._leader.g4_report(rep)
 
     @guarded((False, None))
-    def request_finished(self, request, block_ids):
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self._leader is None:
             return False, None
         pending = self._leader.request_finished(request.request_id)
@@ -512,19 +516,19 @@ class DynamoConnector(KVConnectorBase_V1):
         self._salts.pop(rid, None)
         self._bypassed.discard(rid)
 
-    def take_events(self):
+    def take_events(self) -> tuple[()]:
         return ()
 
     @guarded(False)
-    def reset_cache(self):
+    def reset_cache(self) -> bool:
         if self._leader is not None:
             self._leader.reset()
         return True
 
-    def get_finished_count(self):
+    def get_finished_count(self) -> int | None:
         return None
 
-    def set_xfer_handshake_metadata(self, metadata) -> None:
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
         """Scheduler: vLLM hands over what every worker's
         get_handshake_metadata returned (tp rank → metadata) once the KV
         caches are registered, before the first step: register the disk
@@ -544,7 +548,7 @@ class DynamoConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker
 
     @guarded(None)
-    def register_kv_caches(self, kv_caches):
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvbm._core import Worker
 
         if self._kv_cache_config is not None:
@@ -583,7 +587,7 @@ class DynamoConnector(KVConnectorBase_V1):
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
                  info["host_blocks"], info["disk_blocks"])
 
-    def get_handshake_metadata(self):
+    def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
         """Worker: this rank's recovered persistent disk tier index (None
         without one), which vLLM passes to the scheduler's connector."""
         if self._worker is None:
@@ -595,7 +599,9 @@ class DynamoConnector(KVConnectorBase_V1):
             return None
         return KvbmRecoveredMetadata(recovered=rec) if rec else None
 
-    def _describe_caches(self, kv_caches):
+    def _describe_caches(
+        self, kv_caches: dict[str, Any],
+    ) -> tuple[list[tuple[int, list[int], list[int]]], str, int]:
         from kvbm._layers import order_layers
 
         names = order_layers(list(kv_caches))
@@ -616,7 +622,7 @@ class DynamoConnector(KVConnectorBase_V1):
         tensors = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in (kv_caches[n] for n in names)]
         return tensors, kind, first.element_size()
 
-    def bind_connector_metadata(self, connector_metadata):
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._unplanned_loads.update(getattr(connector_metadata, "failed_loads", None) or {})
         plan = getattr(connector_metadata, "plan", b"")
@@ -633,19 +639,19 @@ class DynamoConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001
                 self._fail("bind_connector_metadata", e)
 
-    def clear_connector_metadata(self):
+    def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
 
     def _sync_engine_stream(self) -> None:
         # CUDA: our copies must follow the engine's writes (saves) and reads
         # of the blocks being replaced (loads) on its current stream.
-        if self._on_device:
+        if self._on_device and self._worker is not None:
             import torch
 
             self._worker.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
 
     @guarded(None)
-    def start_load_kv(self, forward_context, **kwargs):
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._sync_engine_stream()
             self._worker.start_load()
@@ -653,18 +659,18 @@ class DynamoConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # Saves run in wait_for_save, once the whole step has been written: layer
         # hooks are skipped under full CUDA graphs and on steps without attention.
         return None
 
     @guarded(None)
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         if self._worker is not None:
             self._sync_engine_stream()
             self._worker.wait_for_save()
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         unplanned, self._unplanned_loads = self._unplanned_loads, {}
         done = self._give_up_loads(unplanned)
         if unplanned:
@@ -685,7 +691,7 @@ class DynamoConnector(KVConnectorBase_V1):
         return None, (done | set(loaded)) or None
 
     @guarded(None)
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
         if KVConnectorWorkerMetadata is None or self._worker is None or not self._g4:
             return None
         rep = self._worker.g4_report()

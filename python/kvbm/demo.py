@@ -29,8 +29,10 @@ import argparse
 import os
 import statistics
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
-MODELS = {
+MODELS: dict[str, dict[str, Any] | None] = {
     # ~25M parameters: quick on two CPU cores.
     "small": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8000, arch="qwen2"),
     "0.5b": None,  # filled from QWEN2_05B_LIKE
@@ -70,7 +72,7 @@ def chart(path: str, runs: dict, turns_at: list[int], title: str) -> str | None:
     return os.path.abspath(path)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--conversations", type=int, default=10)
@@ -90,7 +92,7 @@ def main(argv=None):
     from kvbm.testing import compare
     from kvbm.testing.tiny_model import QWEN2_05B_LIKE
 
-    model = dict(QWEN2_05B_LIKE) if a.model == "0.5b" else dict(MODELS[a.model])
+    model = dict(QWEN2_05B_LIKE) if a.model == "0.5b" else dict(MODELS[a.model] or {})
     model["dir"] = f"/tmp/kvbm-demo-model-{a.model}"
     bs = compare.BS
     chat = {"conversations": a.conversations, "turns": a.turns, "prefix_len": a.system_len, "user_len": a.user_len,
@@ -131,7 +133,7 @@ def main(argv=None):
     best = compare.strongest(means)
     lbest = compare.strongest({c: statistics.mean(later[c]) for c in columns})
 
-    def vs(b, k):
+    def vs(b: float, k: float) -> str:
         r = b / k
         return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
 

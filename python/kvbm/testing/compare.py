@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 BS = 32  # vLLM block size of the harness
 
@@ -94,13 +96,14 @@ def run_harness(spec: dict, label: str) -> dict:
             raise SystemExit(f"{label}: vLLM run failed (exit {p.returncode})")
         print(f"== {label}: finished in {time.time() - t0:.0f} s", flush=True)
         with open(op) as f:
-            return json.load(f)
+            out: dict[str, Any] = json.load(f)
+            return out
 
 
 def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, actions: list,
-                columns=COLUMNS, kv_env: dict | None = None) -> dict:
+                columns: Sequence[str] = COLUMNS, kv_env: dict | None = None) -> dict:
     """Every column's run of actions; returns {column: {tag: action record}}."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for i, col in enumerate(columns):
         eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
         spec = {"model": model, "engine": eng, "kvbm": col == "kvbm",
@@ -139,13 +142,13 @@ def fmt_split(s: dict) -> str:
     return ", ".join(parts)
 
 
-def strongest(vals: dict, lower_is_better=True) -> str:
+def strongest(vals: dict, lower_is_better: bool = True) -> str:
     """The baseline column with the best value."""
     cands = [c for c in BASELINES if c in vals]
     return (min if lower_is_better else max)(cands, key=lambda c: vals[c])
 
 
-def print_table(rows: list, columns) -> None:
+def print_table(rows: list[tuple[str, dict, Callable[[Any], str]]], columns: Sequence[str]) -> None:
     """rows: (label, {column: value}, format) as a markdown table."""
     print("| figure | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
@@ -153,10 +156,10 @@ def print_table(rows: list, columns) -> None:
         print(f"| {label} | " + " | ".join(fmt(vals[c]) if c in vals else "–" for c in columns) + " |")
 
 
-def mean_ms(xs) -> str:
+def mean_ms(xs: Iterable[float]) -> str:
     return f"{statistics.mean(xs) * 1000:.0f} ms"
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+def pct(xs: Iterable[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]

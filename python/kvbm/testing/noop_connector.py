@@ -3,34 +3,36 @@ scheduling path when any KV connector is configured, so kvbm's own overhead
 is measured against this, with the same path, as well as against no
 connector at all."""
 
+from typing import Any
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
 
 class NoopConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role, kv_cache_config=None):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False
 
-    def start_load_kv(self, forward_context, **kwargs):
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass
 
-    def wait_for_layer_load(self, layer_name):
+    def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         pass
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         pass
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
         return KVConnectorMetadata()

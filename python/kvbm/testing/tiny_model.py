@@ -45,7 +45,7 @@ _STAMP = ".kvbm_tiny_model.json"
 _SPECIALS = ("<unk>", "<s>", "</s>")
 
 
-def _build_tokenizer(vocab: int):
+def _build_tokenizer(vocab: int) -> Any:
     """Byte-level tokenizer: ids 0..2 specials, 3..258 one token per byte,
     the rest filler tokens (valid ids that text never maps to)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -64,11 +64,11 @@ def _build_tokenizer(vocab: int):
     while len(table) < vocab:
         table[f"<extra_{i}>"] = len(table)
         i += 1
-    tok = Tokenizer(models.BPE(vocab=table, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+    tokenizer = Tokenizer(models.BPE(vocab=table, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=tokenizer,
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",

@@ -4,26 +4,28 @@ that drive DynamoConnector without importing vLLM's scheduler."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 
 class ConstantList:
     """vLLM's ``vllm.v1.utils.ConstantList``: a read-only view of ``_x``."""
 
-    def __init__(self, x):
+    def __init__(self, x: Sequence[int]) -> None:
         self._x = x
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._x)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: Any) -> Any:
         return self._x[i]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._x)
 
 
-def vllm_config(block_size: int):
+def vllm_config(block_size: int) -> SimpleNamespace:
     """The parts of ``VllmConfig`` the connector reads: kvbm as the KV
     connector, prefix caching on, TP=1, no KV events."""
     return SimpleNamespace(
@@ -37,7 +39,7 @@ def vllm_config(block_size: int):
 
 
 def kv_cache_config(num_blocks: int, block_size: int, layers: int, heads: int, head_dim: int,
-                    groups: int = 1, dtype_bytes: int = 2):
+                    groups: int = 1, dtype_bytes: int = 2) -> SimpleNamespace:
     """vLLM's ``KVCacheConfig``: ``groups`` KV cache groups (more than one is a
     hybrid model), each with ``layers`` attention layers."""
     page = 2 * block_size * heads * head_dim * dtype_bytes  # K and V
@@ -52,10 +54,10 @@ def kv_cache_config(num_blocks: int, block_size: int, layers: int, heads: int, h
 class Blocks:
     """vLLM's ``KVCacheBlocks`` with one KV cache group."""
 
-    def __init__(self, ids):
+    def __init__(self, ids: Iterable[int]) -> None:
         self.ids = list(ids)
 
-    def get_block_ids(self, allow_none: bool = False):
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int]]:
         return (list(self.ids),)
 
 
@@ -68,7 +70,7 @@ class FakeRequest:
     """The attributes of vLLM's ``Request`` the connector reads, and the
     scheduler state the fake scheduler keeps for it."""
 
-    def __init__(self, request_id: str, prompt, max_tokens: int = 2, **extra):
+    def __init__(self, request_id: str, prompt: Iterable[int], max_tokens: int = 2, **extra: Any) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
         self.output: list[int] = []
@@ -89,7 +91,7 @@ class FakeRequest:
         self.loads_promised = 0  # asynchronous loads vLLM waited for
 
     @property
-    def all_token_ids(self):
+    def all_token_ids(self) -> ConstantList:
         return ConstantList(self.prompt + self.output)
 
     @property
@@ -129,8 +131,9 @@ class FakeVllm:
     blocks are scribbled over, so a late save or load is caught too.
     G1 has no prefix cache of its own: every hit is the connector's."""
 
-    def __init__(self, connector_cls, config, kv_cache_config, kv_caches, *, token_budget: int = 64,
-                 scheduler_role="SCHEDULER", worker_role="WORKER"):
+    def __init__(self, connector_cls: Callable[..., Any], config: Any, kv_cache_config: Any,
+                 kv_caches: dict[str, Any], *, token_budget: int = 64,
+                 scheduler_role: str = "SCHEDULER", worker_role: str = "WORKER") -> None:
         self.bs = int(config.cache_config.block_size)
         self.kv = kv_caches
         self.layers = list(kv_caches)
@@ -149,10 +152,11 @@ class FakeVllm:
         self.wrong_kv: list[tuple[str, int]] = []
         self.recving_reports: list[str] = []
         self.steps = 0
-        self.last_meta = None
-        self.metas: list = []  # connector metadata, per step
-        self.outputs: list = []  # scheduler outputs, per step
-        self.after_schedule = None  # callable(fake, metadata), run after build_connector_meta
+        self.last_meta: Any = None
+        self.metas: list[Any] = []  # connector metadata, per step
+        self.outputs: list[SimpleNamespace] = []  # scheduler outputs, per step
+        # Run after build_connector_meta with (fake, metadata).
+        self.after_schedule: Callable[[FakeVllm, Any], None] | None = None
 
     # ---------------------------------------------------------------- requests
 
@@ -202,7 +206,7 @@ class FakeVllm:
 
     # ------------------------------------------------------------------- KV
 
-    def _prefix_hashes(self, tokens):
+    def _prefix_hashes(self, tokens: Iterable[int]) -> list[int]:
         h, out = 17, []
         for t in tokens:
             h = (h * 1000003 + t + 1) % (1 << 61)
@@ -229,9 +233,11 @@ class FakeVllm:
 
     # -------------------------------------------------------------- schedule
 
-    def _schedule(self):
+    def _schedule(self) -> SimpleNamespace:
         budget = self.budget
-        new_reqs, cached, num_sched = [], [], {}
+        new_reqs: list[FakeRequest] = []
+        cached: list[tuple[FakeRequest, list[int] | None, bool]] = []  # None: preempted meanwhile
+        num_sched: dict[str, int] = {}
         preempted_now: list[FakeRequest] = []
         for req in list(self.running):
             if req not in self.running:
@@ -327,7 +333,7 @@ class FakeVllm:
 
     # ----------------------------------------------------------------- step
 
-    def step(self):
+    def step(self) -> Any:
         """One engine step. Returns the connector metadata it built."""
         so = self._schedule()
         self.outputs.append(so)

@@ -29,6 +29,8 @@ import socket
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
 
 CONNECTOR = {
     "kv_connector": "DynamoConnector",
@@ -42,7 +44,8 @@ _METRIC_LINE = re.compile(r"^(kvbm_[a-z0-9_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def scrape(port: int) -> dict:
@@ -91,7 +94,7 @@ def engine_kwargs(model: str, spec: dict) -> dict:
 class FrameCollector:
     """Collects every ZMQ message published at an endpoint (a SUB thread)."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str) -> None:
         import threading
 
         import zmq
@@ -107,7 +110,7 @@ class FrameCollector:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self):
+    def _run(self) -> None:
         import zmq
 
         poller = zmq.Poller()
@@ -139,7 +142,7 @@ class FrameCollector:
         return self.frames
 
 
-def _wait_for(pred, timeout: float) -> bool:
+def _wait_for(pred: Callable[[], bool], timeout: float) -> bool:
     end = time.time() + timeout
     while time.time() < end:
         if pred():
@@ -148,10 +151,10 @@ def _wait_for(pred, timeout: float) -> bool:
     return False
 
 
-def _decode_frames(frames):
+def _decode_frames(frames: Sequence[Sequence[bytes]]) -> list[Any]:
     import msgpack
 
-    out = []
+    out: list[Any] = []
     for f in frames:
         try:
             out.append(msgpack.unpackb(f[-1], raw=False, strict_map_key=False))
@@ -181,7 +184,7 @@ def corrupt_disk_files(directory: str) -> int:
     return n
 
 
-def _conversations(llm, SamplingParams, act) -> dict:
+def _conversations(llm: Any, SamplingParams: Any, act: dict[str, Any]) -> dict[str, Any]:
     """Multi-turn chat: every conversation shares a system prefix; each turn
     appends a user message and the model's reply to its history. Turns are
     interleaved across conversations, so their KV competes for G1. TTFT is the
@@ -193,10 +196,10 @@ def _conversations(llm, SamplingParams, act) -> dict:
     vocab = act.get("vocab", 500)
     prefix = [rng.randrange(3, vocab - 1) for _ in range(act.get("prefix_len", 256))]
     n, turns = act["conversations"], act.get("turns", 3)
-    history = [[] for _ in range(n)]
+    history: list[list[int]] = [[] for _ in range(n)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     reply = SamplingParams(temperature=0.0, max_tokens=act.get("reply_len", 32), ignore_eos=True)
-    out = {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": []}
+    out: dict[str, list[Any]] = {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": []}
     total = n * turns
     for t in range(turns):
         for c in range(n):
@@ -242,7 +245,7 @@ def run(spec: dict) -> dict:
     collectors = {name: FrameCollector(ep) for name, ep in (spec.get("collect") or {}).items()}
     t0 = time.time()
     llm = LLM(**engine_kwargs(model, spec))
-    result = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
+    result: dict[str, Any] = {"startup_s": time.time() - t0, "metrics_port": metrics_port, "actions": []}
     for name, c in collectors.items():  # both publishers are bound once the engine is up
         if not c.wait_joined(60):
             raise RuntimeError(f"collector {name!r} did not join its publisher in 60 s")
@@ -304,7 +307,7 @@ def run(spec: dict) -> dict:
             poke = act.get("poke")
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-            def reached():
+            def reached() -> bool:
                 if poke:  # workers report their counters with each engine step
                     llm.generate([{"prompt_token_ids": poke}], one, use_tqdm=False)
                 v = scrape(metrics_port).get(name)
@@ -339,15 +342,24 @@ def run(spec: dict) -> dict:
         # event the consolidator counted as published.
         cons = collectors.get("consolidated")
         if cons is not None and metrics_port:
-            want = lambda: scrape(metrics_port).get("kvbm_consolidator_events_out")  # noqa: E731
-            if not _wait_for(lambda: want() is not None and cons.events() >= want(), 60):
+            port = metrics_port
+
+            def want() -> float | None:
+                n: float | None = scrape(port).get("kvbm_consolidator_events_out")
+                return n
+
+            def complete() -> bool:
+                n = want()
+                return n is not None and cons.events() >= n
+
+            if not _wait_for(complete, 60):
                 raise RuntimeError(f"consolidated events: received {cons.events()}, published {want()}")
         result["collected"] = {name: _decode_frames(c.close()) for name, c in collectors.items()}
     del llm
     return result
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = argv or sys.argv[1:]
     with open(argv[0]) as f:
         spec = json.load(f)

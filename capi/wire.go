@@ -230,11 +230,6 @@ type wireWorkerHandle struct {
 	w *wire.Worker
 	// exec serialises broadcast operations on this rank.
 	exec sync.Mutex
-	// closing is closed by kvbm_wire_worker_free before the side channel
-	// closes: an operation still waiting for its engine step (worker.Run)
-	// is abandoned instead of holding the close up.
-	closing   chan struct{}
-	closeOnce sync.Once
 }
 
 // kvbm_wire_worker_connect attaches the worker handle workerHd (created by
@@ -273,7 +268,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: %v", err), errOut)
 	}
 	hostBlocks, diskBlocks := wh.info.HostBlocks, wh.info.DiskBlocks
-	h := &wireWorkerHandle{closing: make(chan struct{})}
+	h := &wireWorkerHandle{}
 	w, err := wire.Connect(wire.WorkerOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
@@ -286,7 +281,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 			}
 			return nil
 		},
-		Execute: func(step []byte) error {
+		Execute: func(ctx context.Context, step []byte) error {
 			// exec keeps the worker handle alive (kvbm_worker_free is
 			// documented to come after this handle's free) and orders
 			// operations on this rank; the worker itself serialises Run
@@ -301,31 +296,17 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 			if err != nil {
 				return err
 			}
-			// Run may wait for the engine step the operation follows; that
-			// wait must not block closing this handle. An abandoned Run ends
-			// when the worker closes (or runs later, harmlessly: operations
-			// run in the order sent, see goext/leader/background.go).
-			type result struct {
-				failed []int64
-				err    error
+			// Run may wait for the engine step the operation follows; ctx
+			// ends when this handle is freed (wire.Worker.Close), which then
+			// waits for Run to return instead of leaving it behind.
+			failed, err := ww.Run(ctx, st)
+			if err != nil {
+				return err
 			}
-			done := make(chan result, 1)
-			go func() {
-				failed, err := ww.Run(st)
-				done <- result{failed, err}
-			}()
-			select {
-			case r := <-done:
-				if r.err != nil {
-					return r.err
-				}
-				if len(r.failed) > 0 {
-					return fmt.Errorf("loads into G1 blocks %v failed", r.failed)
-				}
-				return nil
-			case <-h.closing:
-				return errors.New("side channel closing")
+			if len(failed) > 0 {
+				return fmt.Errorf("loads into G1 blocks %v failed", failed)
 			}
+			return nil
 		},
 	})
 	if err != nil {
@@ -419,7 +400,6 @@ func kvbm_wire_worker_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
 	if h, err := handle[*wireWorkerHandle](hd); err == nil {
-		h.closeOnce.Do(func() { close(h.closing) })
 		_ = h.w.Close()
 		deleteHandle(hd)
 	}

@@ -73,14 +73,15 @@ type Worker struct {
 	reconnects atomic.Uint64 // subscriptions redialed after leader silence
 
 	stop  chan struct{} // closed by Close
-	// execCtx is Execute's context, cancelled by Close (with stop).
-	execCtx    context.Context
-	execCancel context.CancelFunc
 	done  chan struct{} // closed when the run loop ended
 	ready chan struct{} // closed when Allocate succeeded
 	exec  chan leaderMsg
 	wg    sync.WaitGroup
 	once  sync.Once
+
+	// execCtx is Execute's context, cancelled by Close (with stop).
+	execCtx    context.Context
+	execCancel context.CancelFunc
 
 	mu        sync.Mutex // guards everything below
 	t         workerTransport

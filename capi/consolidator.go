@@ -105,6 +105,23 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 	return statusOK
 }
 
+// consolidatorStats is the JSON kvbm_consolidator_stats returns (Python:
+// ConsolidatorStats in python/kvbm/_core.py).
+type consolidatorStats struct {
+	BatchesIn      uint64 `json:"batches_in"`
+	EventsIn       uint64 `json:"events_in"`
+	Invalid        uint64 `json:"invalid"`
+	Deduplicated   uint64 `json:"deduplicated"`
+	UnknownRemoves uint64 `json:"unknown_removes"`
+	Tracked        int    `json:"tracked"`
+	ZMQMessages    uint64 `json:"zmq_messages"`
+	ZMQEvents      uint64 `json:"zmq_events"`
+	NATSEvents     uint64 `json:"nats_events"`
+	NATSDropped    uint64 `json:"nats_dropped"`
+	NATSBuffered   int    `json:"nats_buffered"`
+	ZMQEndpoint    string `json:"zmq_endpoint"`
+}
+
 // kvbm_consolidator_stats returns the consolidator's counters as JSON.
 //
 //export kvbm_consolidator_stats
@@ -118,11 +135,11 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 		return finish(err, errOut)
 	}
 	st := h.c.Stats()
-	b, _ := json.Marshal(map[string]any{
-		"batches_in": st.BatchesIn, "events_in": st.EventsIn, "invalid": st.Invalid,
-		"deduplicated": st.Deduplicated, "unknown_removes": st.UnknownRemoves, "tracked": st.Tracked,
-		"zmq_messages": st.ZMQMessages, "zmq_events": st.ZMQEvents, "nats_events": st.NATSEvents,
-		"nats_dropped": st.NATSDropped, "nats_buffered": st.NATSBuffered, "zmq_endpoint": h.c.ZMQEndpoint(),
+	b, _ := json.Marshal(consolidatorStats{
+		BatchesIn: st.BatchesIn, EventsIn: st.EventsIn, Invalid: st.Invalid,
+		Deduplicated: st.Deduplicated, UnknownRemoves: st.UnknownRemoves, Tracked: st.Tracked,
+		ZMQMessages: st.ZMQMessages, ZMQEvents: st.ZMQEvents, NATSEvents: st.NATSEvents,
+		NATSDropped: st.NATSDropped, NATSBuffered: st.NATSBuffered, ZMQEndpoint: h.c.ZMQEndpoint(),
 	})
 	cBuffer(b, out, outLen)
 	return statusOK

@@ -94,6 +94,16 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 
 func wireLeaderOf(hd C.uint64_t) (*wireLeaderHandle, error) { return live[*wireLeaderHandle](hd) }
 
+// wireHandshake is the JSON kvbm_wire_leader_handshake returns (Python: the
+// Handshake dataclass in python/kvbm/_wire.py).
+type wireHandshake struct {
+	NumWorkers      int   `json:"num_workers"`
+	BytesPerBlock   int64 `json:"bytes_per_block"`
+	NumDeviceBlocks int   `json:"num_device_blocks"`
+	NumHostBlocks   int   `json:"num_host_blocks"`
+	NumDiskBlocks   int   `json:"num_disk_blocks"`
+}
+
 // kvbm_wire_leader_handshake waits until every rank reported and allocated
 // and returns JSON {num_workers, bytes_per_block, num_device_blocks,
 // num_host_blocks, num_disk_blocks}. DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS
@@ -125,9 +135,9 @@ func kvbm_wire_leader_handshake(hd C.uint64_t, timeoutMs C.int64_t, out **C.uint
 		}
 		return finish(withCode(code, err), errOut)
 	}
-	b, _ := json.Marshal(map[string]any{
-		"num_workers": hs.NumWorkers, "bytes_per_block": hs.BytesPerBlock, "num_device_blocks": hs.NumDeviceBlocks,
-		"num_host_blocks": hs.NumHostBlocks, "num_disk_blocks": hs.NumDiskBlocks,
+	b, _ := json.Marshal(wireHandshake{
+		NumWorkers: hs.NumWorkers, BytesPerBlock: hs.BytesPerBlock, NumDeviceBlocks: hs.NumDeviceBlocks,
+		NumHostBlocks: hs.NumHostBlocks, NumDiskBlocks: hs.NumDiskBlocks,
 	})
 	cBuffer(b, out, outLen)
 	return statusOK
@@ -162,6 +172,18 @@ func kvbm_wire_leader_broadcast(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, 
 	return statusOK
 }
 
+// wireLeaderInfo is the JSON kvbm_wire_leader_info returns (Python:
+// WireLeaderInfo in python/kvbm/_wire.py).
+type wireLeaderInfo struct {
+	Transport      string `json:"transport"`
+	PubPort        int    `json:"pub_port"`
+	AckPort        int    `json:"ack_port"`
+	Healthy        bool   `json:"healthy"`
+	DeadRanks      []int  `json:"dead_ranks"`
+	SuspectRanks   []int  `json:"suspect_ranks"`
+	ForgedMessages uint64 `json:"forged_messages"`
+}
+
 // kvbm_wire_leader_info returns JSON {transport, pub_port, ack_port,
 // healthy, dead_ranks, suspect_ranks, forged_messages}.
 //
@@ -176,10 +198,10 @@ func kvbm_wire_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 		return finish(err, errOut)
 	}
 	ep := h.l.Endpoint()
-	b, _ := json.Marshal(map[string]any{
-		"transport": h.l.Transport().String(), "pub_port": ep.PubPort, "ack_port": ep.AckPort,
-		"healthy": h.l.Healthy(), "dead_ranks": nonNil(h.l.DeadRanks()), "suspect_ranks": nonNil(h.l.SuspectRanks()),
-		"forged_messages": h.l.Forged(),
+	b, _ := json.Marshal(wireLeaderInfo{
+		Transport: h.l.Transport().String(), PubPort: ep.PubPort, AckPort: ep.AckPort,
+		Healthy: h.l.Healthy(), DeadRanks: nonNil(h.l.DeadRanks()), SuspectRanks: nonNil(h.l.SuspectRanks()),
+		ForgedMessages: h.l.Forged(),
 	})
 	cBuffer(b, out, outLen)
 	return statusOK
@@ -208,21 +230,6 @@ type wireWorkerHandle struct {
 	w *wire.Worker
 	// exec serialises broadcast operations on this rank.
 	exec sync.Mutex
-	// closing is closed by kvbm_wire_worker_free before the side channel
-	// closes: an operation still waiting for its engine step (worker.Run)
-	// is abandoned instead of holding the close up.
-	closing   chan struct{}
-	closeOnce sync.Once
-}
-
-func summaryInt(m map[string]any, k string) int {
-	switch v := m[k].(type) {
-	case int:
-		return v
-	case int64:
-		return int(v)
-	}
-	return -1
 }
 
 // kvbm_wire_worker_connect attaches the worker handle workerHd (created by
@@ -260,8 +267,8 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	if err != nil {
 		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: %v", err), errOut)
 	}
-	hostBlocks, diskBlocks := summaryInt(wh.summary, "host_blocks"), summaryInt(wh.summary, "disk_blocks")
-	h := &wireWorkerHandle{closing: make(chan struct{})}
+	hostBlocks, diskBlocks := wh.info.HostBlocks, wh.info.DiskBlocks
+	h := &wireWorkerHandle{}
 	w, err := wire.Connect(wire.WorkerOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
@@ -274,7 +281,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 			}
 			return nil
 		},
-		Execute: func(step []byte) error {
+		Execute: func(ctx context.Context, step []byte) error {
 			// exec keeps the worker handle alive (kvbm_worker_free is
 			// documented to come after this handle's free) and orders
 			// operations on this rank; the worker itself serialises Run
@@ -289,31 +296,17 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 			if err != nil {
 				return err
 			}
-			// Run may wait for the engine step the operation follows; that
-			// wait must not block closing this handle. An abandoned Run ends
-			// when the worker closes (or runs later, harmlessly: operations
-			// run in the order sent, see goext/leader/background.go).
-			type result struct {
-				failed []int64
-				err    error
+			// Run may wait for the engine step the operation follows; ctx
+			// ends when this handle is freed (wire.Worker.Close), which then
+			// waits for Run to return instead of leaving it behind.
+			failed, err := ww.Run(ctx, st)
+			if err != nil {
+				return err
 			}
-			done := make(chan result, 1)
-			go func() {
-				failed, err := ww.Run(st)
-				done <- result{failed, err}
-			}()
-			select {
-			case r := <-done:
-				if r.err != nil {
-					return r.err
-				}
-				if len(r.failed) > 0 {
-					return fmt.Errorf("loads into G1 blocks %v failed", r.failed)
-				}
-				return nil
-			case <-h.closing:
-				return errors.New("side channel closing")
+			if len(failed) > 0 {
+				return fmt.Errorf("loads into G1 blocks %v failed", failed)
 			}
+			return nil
 		},
 	})
 	if err != nil {
@@ -325,6 +318,14 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 }
 
 func wireWorkerOf(hd C.uint64_t) (*wireWorkerHandle, error) { return live[*wireWorkerHandle](hd) }
+
+// wireLeaderMetadata is the JSON kvbm_wire_worker_wait_ready returns
+// (Python: the LeaderMetadata dataclass in python/kvbm/_wire.py).
+type wireLeaderMetadata struct {
+	NumHostBlocks int `json:"num_host_blocks"`
+	NumDiskBlocks int `json:"num_disk_blocks"`
+	WorldSize     int `json:"world_size"`
+}
 
 // kvbm_wire_worker_wait_ready blocks until the handshake completed for this
 // rank (timeoutMs > 0 bounds it) and returns JSON {num_host_blocks,
@@ -346,9 +347,19 @@ func kvbm_wire_worker_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, out **C.uin
 	if err != nil {
 		return finish(withCode(statusIO, err), errOut)
 	}
-	b, _ := json.Marshal(map[string]any{"num_host_blocks": md.NumHostBlocks, "num_disk_blocks": md.NumDiskBlocks, "world_size": md.WorldSize})
+	b, _ := json.Marshal(wireLeaderMetadata{NumHostBlocks: md.NumHostBlocks, NumDiskBlocks: md.NumDiskBlocks, WorldSize: md.WorldSize})
 	cBuffer(b, out, outLen)
 	return statusOK
+}
+
+// wireWorkerInfo is the JSON kvbm_wire_worker_info returns (Python:
+// WireWorkerInfo in python/kvbm/_wire.py).
+type wireWorkerInfo struct {
+	Ready          bool   `json:"ready"`
+	Stopped        bool   `json:"stopped"`
+	Error          string `json:"error"` // "" while healthy
+	ForgedMessages uint64 `json:"forged_messages"`
+	Reconnects     uint64 `json:"reconnects"`
 }
 
 // kvbm_wire_worker_info returns JSON {ready, stopped, error, forged_messages,
@@ -365,10 +376,10 @@ func kvbm_wire_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 	if err := checkOut("kvbm_wire_worker_info", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	info := map[string]any{"ready": isClosed(h.w.Ready()), "stopped": isClosed(h.w.Done()), "error": "",
-		"forged_messages": h.w.Forged(), "reconnects": h.w.Reconnects()}
+	info := wireWorkerInfo{Ready: isClosed(h.w.Ready()), Stopped: isClosed(h.w.Done()),
+		ForgedMessages: h.w.Forged(), Reconnects: h.w.Reconnects()}
 	if e := h.w.Err(); e != nil {
-		info["error"] = e.Error()
+		info.Error = e.Error()
 	}
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)
@@ -389,7 +400,6 @@ func kvbm_wire_worker_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
 	if h, err := handle[*wireWorkerHandle](hd); err == nil {
-		h.closeOnce.Do(func() { close(h.closing) })
 		_ = h.w.Close()
 		deleteHandle(hd)
 	}

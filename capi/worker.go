@@ -58,7 +58,7 @@ type workerHandle struct {
 	w       *worker.Worker
 	m       *metrics.Metrics
 	layout  *layout.Engine
-	summary map[string]any
+	info    workerInfo // kvbm_worker_info's answer but for DiskDegraded
 	// recovered is the persistent disk tier's recovered index (persist.go).
 	recovered []byte
 }
@@ -157,13 +157,13 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if g1c != nil {
 		g1desc = fmt.Sprint(g1c)
 	}
-	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, recovered: recovered, summary: map[string]any{
-		"g4":              g4s != nil,
-		"g1":              g1desc,
-		"bytes_per_block": eng.BytesPerBlock(), "host_blocks": hostBlocks, "disk_blocks": diskBlocks,
-		"disk_path": w.DiskPath(), "layout": eng.String(), "num_layers": eng.NumLayers,
-		"fingerprint": fp.Sum().String(), "disk_persistent": w.DiskPersistent(),
-		"disk_recovered_blocks": len(w.Recovered().Blocks),
+	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, recovered: recovered, info: workerInfo{
+		G4:            g4s != nil,
+		G1:            g1desc,
+		BytesPerBlock: eng.BytesPerBlock(), HostBlocks: hostBlocks, DiskBlocks: diskBlocks,
+		DiskPath: w.DiskPath(), Layout: eng.String(), NumLayers: eng.NumLayers,
+		Fingerprint: fp.Sum().String(), DiskPersistent: w.DiskPersistent(),
+		DiskRecoveredBlocks: len(w.Recovered().Blocks),
 	}}
 	*out = newHandle(h)
 	return statusOK
@@ -194,6 +194,23 @@ func kvbm_worker_free(hd C.uint64_t) {
 	}
 }
 
+// workerInfo is the JSON kvbm_worker_info returns (Python: WorkerInfo in
+// python/kvbm/_core.py).
+type workerInfo struct {
+	DiskDegraded        bool   `json:"disk_degraded"`
+	G1                  string `json:"g1"` // "host", or the device copier
+	BytesPerBlock       int64  `json:"bytes_per_block"`
+	HostBlocks          int    `json:"host_blocks"`
+	DiskBlocks          int    `json:"disk_blocks"`
+	DiskPath            string `json:"disk_path"`
+	Layout              string `json:"layout"`
+	NumLayers           int    `json:"num_layers"`
+	Fingerprint         string `json:"fingerprint"`
+	DiskPersistent      bool   `json:"disk_persistent"`
+	DiskRecoveredBlocks int    `json:"disk_recovered_blocks"`
+	G4                  bool   `json:"g4"`
+}
+
 //export kvbm_worker_info
 func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
@@ -204,10 +221,8 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	if err := checkOut("kvbm_worker_info", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	info := map[string]any{"disk_degraded": h.w.DiskDegraded()}
-	for k, v := range h.summary {
-		info[k] = v
-	}
+	info := h.info
+	info.DiskDegraded = h.w.DiskDegraded()
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)
 	return statusOK

@@ -140,7 +140,7 @@ func workerMain() int {
 			}
 			return w.RegisterG1(g1)
 		},
-		Execute: func(b []byte) error {
+		Execute: func(_ context.Context, b []byte) error {
 			ops++
 			st, err := plan.Decode(b)
 			if err != nil {

@@ -73,13 +73,17 @@ func (c *cluster) connect(t *testing.T, rank int, mod func(*WorkerOptions)) *Wor
 			f.alloc = append(f.alloc, md)
 			return nil
 		},
-		Execute: func(step []byte) error {
+		Execute: func(ctx context.Context, step []byte) error {
 			f.mu.Lock()
 			f.executed = append(f.executed, step)
 			fail, block := f.fail, f.block
 			f.mu.Unlock()
 			if block != nil {
-				<-block
+				select {
+				case <-block:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			}
 			if fail != "" {
 				return errors.New(fail)
@@ -426,7 +430,7 @@ func TestParseTransport(t *testing.T) {
 }
 
 func TestConnectValidates(t *testing.T) {
-	ok := WorkerOptions{Rank: 0, WorldSize: 1, BytesPerBlock: 1, Allocate: func(LeaderMetadata) error { return nil }, Execute: func([]byte) error { return nil }}
+	ok := WorkerOptions{Rank: 0, WorldSize: 1, BytesPerBlock: 1, Allocate: func(LeaderMetadata) error { return nil }, Execute: func(context.Context, []byte) error { return nil }}
 	for name, mod := range map[string]func(*WorkerOptions){
 		"rank too big":  func(o *WorkerOptions) { o.Rank = 1 },
 		"no world":      func(o *WorkerOptions) { o.WorldSize = 0 },
@@ -471,4 +475,47 @@ func TestHandshakeInSlices(t *testing.T) {
 	hs, err := l.Handshake(ctxTimeout(t, 20*time.Second))
 	require.NoError(t, err)
 	require.Equal(t, 1, hs.NumWorkers)
+}
+
+// TestWorkerCloseCancelsExecute: Close cancels the context of an operation
+// still running in Execute and returns only once it returned, so nothing
+// keeps running on the rank after its side channel closed.
+func TestWorkerCloseCancelsExecute(t *testing.T) {
+	c := newCluster(t, TransportInProc, 1)
+	entered := make(chan struct{})
+	returned := make(chan error, 1)
+	w := c.connect(t, 0, func(o *WorkerOptions) {
+		o.Execute = func(ctx context.Context, step []byte) error {
+			close(entered)
+			<-ctx.Done() // an operation waiting for an engine step that never comes
+			returned <- ctx.Err()
+			return ctx.Err()
+		}
+	})
+	l := c.listen(t, nil)
+	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
+	require.NoError(t, err)
+	_, err = w.WaitReady(ctxTimeout(t, 5*time.Second))
+	require.NoError(t, err)
+
+	bctx, cancel := context.WithCancel(t.Context())
+	broadcastDone := make(chan struct{})
+	go func() {
+		defer close(broadcastDone)
+		_ = l.Broadcast(bctx, []byte("waits"))
+	}()
+	select {
+	case <-entered:
+	case <-time.After(time.Minute):
+		t.Fatal("the operation never reached Execute")
+	}
+	require.NoError(t, w.Close())
+	select {
+	case err := <-returned:
+		require.ErrorIs(t, err, context.Canceled)
+	default:
+		t.Fatal("Close returned while Execute was still running")
+	}
+	cancel()
+	<-broadcastDone
 }

@@ -29,8 +29,10 @@ type WorkerOptions struct {
 	Allocate func(LeaderMetadata) error
 	// Execute runs one broadcast operation (an encoded plan.Step). Calls are
 	// sequential, in the order the leader sent them; the returned error
-	// travels back in the ack.
-	Execute func(step []byte) error
+	// travels back in the ack. ctx ends when Close is called: an operation
+	// still waiting (for the engine step it follows) must then return, as
+	// Close waits for it.
+	Execute func(ctx context.Context, step []byte) error
 	// RetryInterval between connection attempts while the leader is not up
 	// (0: DefaultRetryInterval).
 	RetryInterval time.Duration
@@ -77,6 +79,10 @@ type Worker struct {
 	wg    sync.WaitGroup
 	once  sync.Once
 
+	// execCtx is Execute's context, cancelled by Close (with stop).
+	execCtx    context.Context
+	execCancel context.CancelFunc
+
 	mu        sync.Mutex // guards everything below
 	t         workerTransport
 	meta      *LeaderMetadata
@@ -112,6 +118,7 @@ func Connect(opts WorkerOptions) (*Worker, error) {
 		ready:    make(chan struct{}),
 		exec:     make(chan leaderMsg, 1024),
 	}
+	w.execCtx, w.execCancel = context.WithCancel(context.Background())
 	if w.log == nil {
 		w.log = slog.Default()
 	}
@@ -441,7 +448,7 @@ func (w *Worker) execute(step []byte) (err error) {
 			w.log.Error("kvbm worker: recovered from a panic in Execute", "err", err)
 		}
 	}()
-	return w.opts.Execute(step)
+	return w.opts.Execute(w.execCtx, step)
 }
 
 // Close stops the worker's goroutines (an allocation in progress finishes
@@ -450,6 +457,7 @@ func (w *Worker) Close() error {
 	w.once.Do(func() {
 		w.send(0, fnBye, nil) // best effort: the leader logs a departure, not a failure
 		close(w.stop)
+		w.execCancel() // an operation still waiting gives up
 		w.mu.Lock()
 		t := w.t
 		w.mu.Unlock()

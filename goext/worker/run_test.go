@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"context"
 	"runtime"
 	"sync"
 	"testing"
@@ -44,7 +45,7 @@ func TestRunOutsideEngineSteps(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			errs, err := w.Run(tc.step)
+			errs, err := w.Run(t.Context(), tc.step)
 			require.NoError(t, err)
 			require.ElementsMatch(t, tc.wantErrs, errs)
 		})
@@ -70,11 +71,11 @@ func TestRunErrors(t *testing.T) {
 	t.Run("failed move fails the step", func(t *testing.T) {
 		g := newG1(t, layout.CPU)
 		w := newWorker(t, g, Options{HostBlocks: 4, DiskBlocks: 4, DiskDir: t.TempDir()})
-		errs, err := w.Run(&plan.Step{Moves: copies(plan.G2, []int64{0, 3}, plan.G3, []int64{0, 1})})
+		errs, err := w.Run(t.Context(), &plan.Step{Moves: copies(plan.G2, []int64{0, 3}, plan.G3, []int64{0, 1})})
 		require.Empty(t, errs)
 		require.ErrorIs(t, err, ErrNotValid)
 		require.ErrorContains(t, err, "worker rank 0: run step: 2 of 2 moves failed")
-		errs, err = w.Run(&plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0}, plan.G1, []int64{1})}}})
+		errs, err = w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0}, plan.G1, []int64{1})}}})
 		require.NoError(t, err, "load failures are per G1 block, not a step error")
 		require.Equal(t, []int64{1}, errs, "the failed move left its destination invalid")
 	})
@@ -82,13 +83,13 @@ func TestRunErrors(t *testing.T) {
 	g := newG1(t, layout.CPU)
 	w, err := New(Options{HostBlocks: 4})
 	require.NoError(t, err)
-	_, err = w.Run(&plan.Step{})
+	_, err = w.Run(t.Context(), &plan.Step{})
 	require.ErrorContains(t, err, "KV caches not registered")
-	_, err = w.Run(nil)
+	_, err = w.Run(t.Context(), nil)
 	require.ErrorContains(t, err, "nil step")
 	require.NoError(t, w.RegisterG1(g.e))
 	require.NoError(t, w.Close())
-	_, err = w.Run(&plan.Step{})
+	_, err = w.Run(t.Context(), &plan.Step{})
 	require.ErrorContains(t, err, "worker rank 0: run step: worker is closed")
 }
 
@@ -110,7 +111,7 @@ func TestRunConcurrentWithEngineSteps(t *testing.T) {
 	go func() {
 		defer wg.Done()
 		for i := range int64(8) {
-			errs, err := w.Run(&plan.Step{Moves: copies(plan.G2, []int64{i}, plan.G3, []int64{i})})
+			errs, err := w.Run(t.Context(), &plan.Step{Moves: copies(plan.G2, []int64{i}, plan.G3, []int64{i})})
 			if err != nil || len(errs) > 0 {
 				t.Errorf("run %d: %v %v", i, errs, err)
 			}
@@ -122,7 +123,7 @@ func TestRunConcurrentWithEngineSteps(t *testing.T) {
 		require.Empty(t, failed)
 	}
 	wg.Wait()
-	errs, err := w.Run(&plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0, 1, 2, 3, 4, 5, 6, 7}, plan.G1, []int64{30, 31, 32, 33, 34, 35, 36, 37})}}})
+	errs, err := w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0, 1, 2, 3, 4, 5, 6, 7}, plan.G1, []int64{30, 31, 32, 33, 34, 35, 36, 37})}}})
 	require.NoError(t, err)
 	require.Empty(t, errs)
 	for i := range int64(8) {
@@ -146,7 +147,7 @@ func TestRunWaitsForTheEngineStepsSaves(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		_, err := w.Run(&plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
+		_, err := w.Run(t.Context(), &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
 		done <- err
 	}()
 	for range 100 {
@@ -159,14 +160,14 @@ func TestRunWaitsForTheEngineStepsSaves(t *testing.T) {
 	}
 	w.WaitForSave() // the forward pass is done; step 2's save runs, then the move
 	require.NoError(t, <-done)
-	errs, err := w.Run(&plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
+	errs, err := w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
 	require.NoError(t, err)
 	require.Empty(t, errs)
 	require.Equal(t, want, g.block(9))
 
 	// A Run waiting for a step that never comes ends when the worker closes.
 	go func() {
-		_, err := w.Run(&plan.Step{Seq: 99})
+		_, err := w.Run(t.Context(), &plan.Step{Seq: 99})
 		done <- err
 	}()
 	require.NoError(t, w.Close())
@@ -187,7 +188,7 @@ func TestRunAfterAStepWithNothingToSave(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		_, err := w.Run(&plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
+		_, err := w.Run(t.Context(), &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
 		done <- err
 	}()
 	select {
@@ -196,8 +197,78 @@ func TestRunAfterAStepWithNothingToSave(t *testing.T) {
 	case <-time.After(time.Minute):
 		t.Fatal("Run waited for the saves of a step that has none")
 	}
-	errs, err := w.Run(&plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
+	errs, err := w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
 	require.NoError(t, err)
 	require.Empty(t, errs)
 	require.Equal(t, g.block(1), g.block(9))
+}
+
+// TestRunCancelled: a Run waiting for an engine step's saves returns
+// ctx.Err() when its context ends, runs nothing, and leaves the worker
+// working: the step's saves and a later Run proceed as usual. The same holds
+// for a Run waiting for the execution lock.
+func TestRunCancelled(t *testing.T) {
+	g := newG1(t, layout.FlashAttn)
+	w := newWorker(t, g, Options{HostBlocks: 4, DiskBlocks: 4, DiskDir: t.TempDir()})
+	_, failed := run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+	b, err := (&plan.Step{Seq: 2, Saves: copies(plan.G1, []int64{2}, plan.G2, []int64{0})}).Encode()
+	require.NoError(t, err)
+	require.NoError(t, w.BindStep(b))
+	w.StartLoad()
+
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		_, err := w.Run(ctx, &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
+		done <- err
+	}()
+	for range 100 {
+		runtime.Gosched()
+		select {
+		case err := <-done:
+			t.Fatalf("Run finished before step 2's saves ran: %v", err)
+		default:
+		}
+	}
+	cancel()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+		require.ErrorContains(t, err, "waiting for step 2's saves")
+	case <-time.After(time.Minute):
+		t.Fatal("a cancelled Run kept waiting for the step's saves")
+	}
+
+	// The cancelled move never ran: G3 block 3 holds nothing.
+	errs, err := w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{9})}}})
+	require.NoError(t, err)
+	require.Equal(t, []int64{9}, errs)
+
+	// The worker is not closed: step 2's saves run, then the same move does.
+	w.WaitForSave()
+	_, err = w.Run(t.Context(), &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{3})})
+	require.NoError(t, err)
+	errs, err = w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{3}, plan.G1, []int64{10})}}})
+	require.NoError(t, err)
+	require.Empty(t, errs)
+	require.Equal(t, g.block(2), g.block(10))
+
+	// Waiting for the execution lock (held here as an engine call holds it).
+	w.lockExec()
+	ctx, cancel = context.WithCancel(t.Context())
+	go func() {
+		_, err := w.Run(ctx, &plan.Step{Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{1})})
+		done <- err
+	}()
+	cancel()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(time.Minute):
+		t.Fatal("a cancelled Run kept waiting for the execution lock")
+	}
+	w.unlockExec()
+	_, err = w.Run(t.Context(), &plan.Step{Moves: copies(plan.G2, []int64{0}, plan.G3, []int64{1})})
+	require.NoError(t, err)
 }

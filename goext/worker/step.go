@@ -4,6 +4,7 @@ package worker
 // Finished) and Run, the same execution for side-channel operations.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -41,8 +42,8 @@ func (w *Worker) Bind(s *plan.Step) error {
 		w.WaitForSave()
 	}
 
-	w.exec.Lock()
-	defer w.exec.Unlock()
+	w.lockExec()
+	defer w.unlockExec()
 	w.mu.Lock()
 	if s.Seq != 0 && s.Seq <= w.lastSeq {
 		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
@@ -57,7 +58,7 @@ func (w *Worker) Bind(s *plan.Step) error {
 		w.savesRun = true
 		if s.Seq > w.savedSeq {
 			w.savedSeq = s.Seq
-			w.saved.Broadcast()
+			w.savedChangedLocked()
 		}
 	}
 	w.mu.Unlock()
@@ -88,8 +89,8 @@ func (w *Worker) applyDrops(drops []plan.Copy) {
 // reports them once done. Copies into G2 (G3→G2 staging) run before the
 // copies into G1 of the same step, so a load may stage through G2.
 func (w *Worker) StartLoad() {
-	w.exec.Lock()
-	defer w.exec.Unlock()
+	w.lockExec()
+	defer w.unlockExec()
 	w.mu.Lock()
 	s := w.step
 	if s == nil || w.loadsRun || w.closed {
@@ -173,8 +174,8 @@ func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
 // leaves its destination invalid (a later load of it fails); it is logged,
 // not returned: the engine must keep running.
 func (w *Worker) WaitForSave() {
-	w.exec.Lock()
-	defer w.exec.Unlock()
+	w.lockExec()
+	defer w.unlockExec()
 	w.mu.Lock()
 	s := w.step
 	if s == nil || w.savesRun || w.closed {
@@ -198,7 +199,7 @@ func (w *Worker) WaitForSave() {
 	w.mu.Lock()
 	if s.Seq > w.savedSeq {
 		w.savedSeq = s.Seq
-		w.saved.Broadcast()
+		w.savedChangedLocked()
 	}
 	w.mu.Unlock()
 }
@@ -218,7 +219,8 @@ func (w *Worker) WaitForSave() {
 //     that Seq (or a later one). The leader plans a background G2→G3 move as
 //     soon as the source's save is planned, which may be before this rank
 //     has run that save; copying earlier would copy the block's previous
-//     contents. The wait ends early (with an error) when the worker closes.
+//     contents. The wait ends early (with an error) when the worker closes,
+//     or when ctx ends (the error wraps ctx.Err(); the worker is untouched).
 //     s.Seq == 0: no wait.
 //   - Then Run holds the worker's execution lock for the rest of its
 //     duration, and Bind, StartLoad (until its loads are launched) and
@@ -230,22 +232,34 @@ func (w *Worker) WaitForSave() {
 //     reports the load finished). A Run may delay the engine's WaitForSave
 //     by its own duration, so background operations should stay small.
 //
+// ctx bounds the waits before the step starts (for the engine step's saves,
+// then for the execution lock); once its copies start they run to the end.
+//
 // err is non-nil when the step could not run (worker closed, KV caches not
-// registered) or when any of its Moves or Saves failed: their destinations
+// registered, ctx ended) or when any of its Moves or Saves failed: their destinations
 // hold no valid bytes on this rank, so the leader must not register them.
 // Failed loads are reported through loadErrors only.
-func (w *Worker) Run(s *plan.Step) (loadErrors []int64, err error) {
+func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err error) {
 	if s == nil {
 		return nil, errors.New("run step: nil step")
 	}
 	w.mu.Lock()
 	for s.Seq > w.savedSeq && !w.closed {
-		w.saved.Wait()
+		saved := w.saved
+		w.mu.Unlock()
+		select {
+		case <-saved:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("worker rank %d: run step: waiting for step %d's saves: %w", w.opts.Rank, s.Seq, ctx.Err())
+		}
+		w.mu.Lock()
 	}
 	w.mu.Unlock()
 
-	w.exec.Lock()
-	defer w.exec.Unlock()
+	if err := w.lockExecContext(ctx); err != nil {
+		return nil, fmt.Errorf("worker rank %d: run step: waiting for the engine's step calls: %w", w.opts.Rank, err)
+	}
+	defer w.unlockExec()
 	w.mu.Lock()
 	switch {
 	case w.closed:

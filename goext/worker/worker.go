@@ -31,6 +31,7 @@
 package worker
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -163,8 +164,10 @@ type Worker struct {
 
 	// exec serialises Run with the engine's per-step calls: Bind (its
 	// drops), StartLoad (the launch; the loads themselves run after it
-	// returns) and WaitForSave (all of it). See Run for the ordering.
-	exec sync.Mutex
+	// returns) and WaitForSave (all of it). See Run for the ordering. A
+	// one-slot channel rather than a mutex, so that Run can stop waiting for
+	// it when its context ends.
+	exec chan struct{}
 
 	mu       sync.Mutex // guards everything below
 	step     *plan.Step // the bound step
@@ -174,8 +177,11 @@ type Worker struct {
 	loaded   []string // requests whose loads completed since the last Finished
 	loadErrs []int64  // G1 blocks whose load failed since the last Finished
 	closed   bool
-	savedSeq uint64     // highest Seq of a bound step whose Moves/Saves finished
-	saved    *sync.Cond // on mu: signalled when savedSeq grows or the worker closes
+	savedSeq uint64 // highest Seq of a bound step whose Moves/Saves finished
+	// saved is closed (and replaced) when savedSeq grows or the worker
+	// closes: a Run waiting for a step's saves selects on it and on its
+	// context, which a sync.Cond could not.
+	saved chan struct{}
 	// loading counts the background load goroutines (started by StartLoad,
 	// waited for by WaitLoads and Close). Not a sync.WaitGroup: the engine
 	// may call WaitLoads from one thread while the next step's StartLoad
@@ -199,8 +205,8 @@ func New(opts Options) (*Worker, error) {
 		opts.BatchSize = DefaultBatchSize
 	}
 	w := &Worker{opts: opts, log: opts.Logger, m: opts.Metrics, lim: transfer.NewLimiter(opts.MaxConcurrent),
-		diskLim: transfer.NewLimiter(diskSlots(opts.MaxConcurrent))}
-	w.saved = sync.NewCond(&w.mu)
+		diskLim: transfer.NewLimiter(diskSlots(opts.MaxConcurrent)),
+		exec:    make(chan struct{}, 1), saved: make(chan struct{})}
 	w.loadingDone = sync.NewCond(&w.mu)
 	if w.log == nil {
 		w.log = slog.Default()
@@ -311,6 +317,27 @@ func (w *Worker) DiskDirect() bool { return w.diskFile != nil && w.diskFile.Dire
 // DiskDegraded reports whether a disk I/O error switched the disk tier off.
 func (w *Worker) DiskDegraded() bool { return w.degraded.Load() }
 
+// savedChangedLocked wakes every Run waiting on saved; mu is held.
+func (w *Worker) savedChangedLocked() {
+	close(w.saved)
+	w.saved = make(chan struct{})
+}
+
+// lockExec takes the execution lock (see exec).
+func (w *Worker) lockExec() { w.exec <- struct{}{} }
+
+// lockExecContext takes the execution lock unless ctx ends first.
+func (w *Worker) lockExecContext(ctx context.Context) error {
+	select {
+	case w.exec <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (w *Worker) unlockExec() { <-w.exec }
+
 // Close waits for in-flight loads, then releases the host region and removes
 // the disk file. The engine's tensors are untouched.
 func (w *Worker) Close() error {
@@ -320,7 +347,7 @@ func (w *Worker) Close() error {
 		return nil
 	}
 	w.closed = true
-	w.saved.Broadcast() // a Run waiting for a step's saves gives up
+	w.savedChangedLocked() // a Run waiting for a step's saves gives up
 	// Nothing new starts once closed is set; wait for what is running
 	// before the regions it copies into disappear.
 	w.waitLoadsLocked()

@@ -85,7 +85,7 @@ func Wire(workers int, payload []byte, iters int, tr wire.Transport) (Result, er
 		w, err := wire.Connect(wire.WorkerOptions{Rank: r, WorldSize: workers, NumDeviceBlocks: 1, BytesPerBlock: 1,
 			Endpoint: ep, Transport: tr, Logger: quiet, RetryInterval: 10 * time.Millisecond,
 			Allocate: func(wire.LeaderMetadata) error { return nil },
-			Execute:  func([]byte) error { return nil }})
+			Execute:  func(context.Context, []byte) error { return nil }})
 		if err != nil {
 			return Result{}, err
 		}

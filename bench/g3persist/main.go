@@ -8,16 +8,18 @@
 //     alternating for -reps rounds; the table shows medians. With
 //     persistence on a write also invalidates the old header and writes the
 //     new one (two 4 KiB writes per block).
+//
 //   - Recovery at start: the tier written above is closed, dropped from the
 //     page cache and reopened: the time the worker's header scan took, per
 //     block; and the leader's index rebuild (RestoreDisk) for those blocks.
+//
 //   - Recovery at the block count of a 100 GB tier of 2 MiB blocks (51,200
 //     blocks by default, -scan-blocks): headers are what recovery reads, so
 //     this tier's payloads are small (-scan-kib) to fit the disk of a test
 //     machine; the per-block cost is what a 100 GB tier pays per block.
 //
-//	go run ./bench/g3persist                      # 256 blocks: 0.5 GB per operation
-//	go run ./bench/g3persist -blocks 1024 -reps 5
+//     go run ./bench/g3persist                      # 256 blocks: 0.5 GB per operation
+//     go run ./bench/g3persist -blocks 1024 -reps 5
 package main
 
 import (

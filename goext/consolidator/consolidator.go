@@ -57,7 +57,7 @@ type Config struct {
 	ZMQBind string
 	// NATSURL enables RouterEvent JSON output to NATS (e.g.
 	// "nats://localhost:4222", NATS_SERVER). Empty: no NATS output.
-	NATSURL   string
+	NATSURL string
 	// Namespace and Component name the NATS subject. Defaults: namespace
 	// DefaultNamespace; component "tensorrt_llm" for TensorRT-LLM and
 	// "backend" for vLLM, the components Dynamo's workers register.

@@ -69,9 +69,9 @@ type G4Options struct {
 type g4State struct {
 	opts      G4Options
 	storeWait time.Time // Async without a store: Pending until then
-	reg     *object.Registry
-	probes  map[string]*g4Probe
-	release []tierHash // G2 blocks to release next step (write-through off)
+	reg       *object.Registry
+	probes    map[string]*g4Probe
+	release   []tierHash // G2 blocks to release next step (write-through off)
 }
 
 type g4Probe struct{ done bool }

@@ -40,6 +40,7 @@ $(LIB): $(GO_SOURCES)
 test: gotest typecheck pytest
 
 gotest:
+	@unformatted=$$(gofmt -l goext capi bench); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 

@@ -13,9 +13,25 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, overload
+from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypedDict, TypeVar, overload
 
 from kvbm import _plan
+
+
+class StepUpdate(NamedTuple):
+    """One request's row in a step (:meth:`kvbm._core.Leader.step`). A tuple,
+    so msgpack encodes it as the same 8-element array as a plain list."""
+
+    req_id: str
+    new_tokens: list[int]  # tokens not sent before (all of them when resumed)
+    new_block_ids: list[int]  # G1 blocks added since the last step
+    num_computed: int  # tokens whose KV is in G1 before this step
+    num_scheduled: int  # tokens computed in this step
+    # None: no priorities (the offload filter does not apply); a list: the
+    # priority of each new block; an int: one priority for all of them.
+    priority: list[int] | int | None
+    salt: int  # the request's salt hash (_native.salt_hash)
+    resumed: bool  # token and block lists start over (preempted, replayed)
 
 
 class Guardable(Protocol):

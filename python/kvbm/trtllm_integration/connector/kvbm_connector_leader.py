@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
-from kvbm._adapter_common import FailureState, guarded
+from kvbm._adapter_common import FailureState, StepUpdate, guarded
 from kvbm.trtllm_integration.connector._common import (
     DEFAULT_PRIORITY,
     LOCAL,
@@ -232,7 +232,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         leader = self._ensure_leader()
         if leader is None:
             return b""
-        updates: list[list[object]] = []
+        updates: list[StepUpdate] = []
         for rd in getattr(scheduler_output, "new_requests", None) or ():
             rid = str(rd.request_id)
             # A request seen before and reported as new again was reset and is
@@ -251,10 +251,11 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
                 # matched prefix is in G1 now.
                 computed = max(computed, m[0] + m[1])
             blocks = list(rd.new_block_ids)
-            updates.append([
-                rid, list(rd.new_tokens), blocks, computed, self._scheduled(rd),
-                self._block_priorities(rd, len(blocks)), self._salt(rid, rd), resumed,
-            ])
+            updates.append(StepUpdate(
+                req_id=rid, new_tokens=list(rd.new_tokens), new_block_ids=blocks, num_computed=computed,
+                num_scheduled=self._scheduled(rd), priority=self._block_priorities(rd, len(blocks)),
+                salt=self._salt(rid, rd), resumed=resumed,
+            ))
             self._seen.add(rid)
         for rd in getattr(scheduler_output, "cached_requests", None) or ():
             rid = str(rd.request_id)
@@ -265,10 +266,11 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
             # Block ids may be resent in full or overlap what the slot has;
             # the Go leader keeps only what follows the overlap.
             blocks = list(rd.new_block_ids)
-            updates.append([
-                rid, list(rd.new_tokens), blocks, int(rd.computed_position), self._scheduled(rd),
-                self._block_priorities(rd, len(blocks)), self._salts.get(rid, 0), False,
-            ])
+            updates.append(StepUpdate(
+                req_id=rid, new_tokens=list(rd.new_tokens), new_block_ids=blocks,
+                num_computed=int(rd.computed_position), num_scheduled=self._scheduled(rd),
+                priority=self._block_priorities(rd, len(blocks)), salt=self._salts.get(rid, 0), resumed=False,
+            ))
         loaded, self._loaded = self._loaded, []
         return leader.step(updates, loaded, LOCAL.take_load_errors())
 

@@ -1,0 +1,344 @@
+"""The scheduler side of :class:`~kvbm.vllm_integration.connector.DynamoConnector`
+(role SCHEDULER, in vLLM's EngineCore process): it owns a
+:class:`kvbm._core.Leader` and, with tensor parallelism, the side channel to
+the workers.
+
+Each step ``build_connector_meta`` sends what was scheduled to the leader and
+ships the returned plan (bytes) in :class:`DynamoConnectorMetadata`. A load
+promised to vLLM (``update_state_after_alloc`` with external tokens) keeps
+the request waiting until the workers report it finished; if kvbm fails
+before that load is in a plan, the next metadata names it in
+``failed_loads`` so the workers report it failed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvbm import _native
+from kvbm._adapter_common import StepUpdate, guarded
+from kvbm.vllm_integration.connector._common import (
+    DynamoConnectorMetadata,
+    VllmSide,
+    _bypassed,
+    _lora_name,
+    _side_channel_secret,
+    _single_group,
+    _tp,
+    log,
+)
+
+if TYPE_CHECKING:
+    from kvbm._core import ConsolidatorOptions, Leader
+    from kvbm._wire import BackgroundPump, WireLeader
+
+
+class VllmConnectorLeader(VllmSide):
+    """kvbm's scheduler-side connector for vLLM."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, kv_cache_config)
+        self._leader: Leader | None = None
+        # Tensor parallel > 1 only: the leader⇄worker side channel.
+        self._wire: WireLeader | None = None
+        self._pump: BackgroundPump | None = None
+        # Rank 0's G4 block fingerprint, as the workers reported it.
+        self._g4_fingerprint = ""
+        # Requests answered with an asynchronous load (request id →
+        # num_computed_tokens at matching), and loads promised by
+        # update_state_after_alloc that no plan carries yet (request id →
+        # their G1 blocks).
+        self._async_matches: dict[str, int] = {}
+        self._promised_loads: dict[str, list[int]] = {}
+        self._requests: dict[str, Any] = {}
+        self._sent_tokens: dict[str, int] = {}
+        self._salts: dict[str, int] = {}
+        self._bypassed: set[str] = set()  # multimodal / embedding prompts
+        self._loaded: list[str] = []
+        self._invalid_blocks: list[int] = []
+        self._seq = 0
+        self._prefer_recompute_on_load_failure()
+        self._init_scheduler()
+
+    def shutdown(self) -> None:
+        if self._pump is not None:
+            self._pump.stop()  # TP > 1: nothing new goes out; the wire's close fails what is in flight
+        if self._wire is not None:
+            try:
+                self._wire.close()
+            except Exception:  # pragma: no cover
+                log.exception("kvbm: error while closing the side channel")
+        if self._pump is not None:
+            self._pump.wait(5)
+        self._wire = self._pump = None
+        if self._leader is not None:
+            try:
+                self._leader.close()
+            except Exception:  # pragma: no cover
+                log.exception("kvbm: error while shutting down")
+        self._leader = None
+
+    def _prefer_recompute_on_load_failure(self) -> None:
+        # kvbm is a cache: a block that cannot be loaded (failed read, checksum
+        # mismatch) must be recomputed, not fail the request. vLLM's default
+        # policy is "fail"; its scheduler reads the policy after creating this
+        # connector, so it can be set here. kv_connector_extra_config
+        # {"kv_load_failure_policy": "fail"} keeps vLLM's behaviour.
+        ktc = getattr(self._vllm_config, "kv_transfer_config", None)
+        if ktc is None or not hasattr(ktc, "kv_load_failure_policy"):
+            return
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        wanted = extra.get("kv_load_failure_policy", "recompute")
+        if ktc.kv_load_failure_policy != wanted:
+            try:
+                ktc.kv_load_failure_policy = wanted
+                log.info("kvbm: kv_load_failure_policy=%s (a failed kvbm load is recomputed)", wanted)
+            except Exception as e:  # noqa: BLE001 - frozen config: keep vLLM's policy
+                log.warning("kvbm: could not set kv_load_failure_policy=%s: %s", wanted, e)
+
+    def _init_scheduler(self) -> None:
+        from kvbm._core import Leader
+        from kvbm.vllm_integration.consolidator_config import get_consolidator_endpoints, should_enable_consolidator
+
+        group, why = _single_group(self._kv_cache_config)
+        if group is None:
+            self._disable(str(why))
+            return
+        spec = group.kv_cache_spec
+        num_layers = len(group.layer_names)
+        bytes_per_block = int(spec.page_size_bytes) * num_layers
+        _, tp_size = _tp(self._vllm_config)
+        consolidator: ConsolidatorOptions | None = None
+        if should_enable_consolidator(self._vllm_config):
+            engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
+            consolidator = {"engine": "vllm", "engine_endpoint": engine_ep, "zmq_bind": out_bind}
+        if tp_size > 1:
+            bytes_per_block = self._start_wire(tp_size)
+        self._leader = Leader(
+            block_size=self._block_size,
+            bytes_per_block=bytes_per_block,
+            num_workers=tp_size,
+            consolidator=consolidator,
+            background=tp_size > 1,
+            g4_async=True,  # vLLM asks again when told "not ready yet" (None)
+        )
+        if self._wire is not None:
+            from kvbm._wire import BackgroundPump
+
+            self._pump = BackgroundPump(self._wire, self._leader)
+        info = self._leader.info()
+        log.info(
+            "kvbm leader ready (pid %d): block_size=%d layers=%d bytes_per_block=%d tp=%d host_blocks=%d "
+            "disk_blocks=%d consolidator=%s metrics=%s",
+            os.getpid(), self._block_size, num_layers, bytes_per_block, tp_size, info["host_blocks"],
+            info["disk_blocks"], bool(consolidator), info.get("metrics_addr", "off"),
+        )
+
+    def _start_wire(self, tp_size: int) -> int:
+        """TP > 1: bind the side channel and wait until every rank's worker
+        reported and allocated (vLLM registers the workers' KV caches before
+        it creates the scheduler). Returns one rank's bytes per block.
+
+        Errors propagate: a taken port or a rank that never answers is a
+        configuration error, and the message names the variable to change
+        (DYN_KVBM_LEADER_ZMQ_PUB_PORT / _ACK_PORT,
+        DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)."""
+        from kvbm._wire import WireLeader
+
+        self._wire = WireLeader(num_workers=tp_size, secret=_side_channel_secret(self._vllm_config))
+        try:
+            hs = self._wire.handshake()
+        except BaseException:
+            self._wire.close()
+            self._wire = None
+            raise
+        info = self._wire.info()
+        log.info("kvbm side channel ready: %d ranks, transport %s, pub port %s, ack port %s, "
+                 "bytes_per_block=%d per rank", hs.num_workers, info["transport"], info["pub_port"],
+                 info["ack_port"], hs.bytes_per_block)
+        return int(hs.bytes_per_block)
+
+    def _salt(self, request: Any) -> int:
+        rid = request.request_id
+        s = self._salts.get(rid)
+        if s is None:
+            s = _native.salt_hash(getattr(request, "cache_salt", None), _lora_name(request))
+            self._salts[rid] = s
+        return s
+
+    @guarded((0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._leader is None:
+            return 0, False
+        if _bypassed(request):
+            log.debug("kvbm: request %s bypassed (multimodal or prompt embeddings)", request.request_id)
+            return 0, False
+        tokens = request.all_token_ids
+        got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
+        if got == self._leader.PENDING:
+            # A G4 lookup for this request is running: vLLM keeps the request
+            # waiting and asks again on a later step.
+            self._async_matches.pop(request.request_id, None)
+            return None, False
+        if got and is_async:
+            self._async_matches[request.request_id] = int(num_computed_tokens)
+        else:
+            self._async_matches.pop(request.request_id, None)
+        return got, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        # The promise is recorded even when kvbm has failed since matching:
+        # vLLM now waits for this load, and only a worker can release it.
+        try:
+            self._record_promised_load(request, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - the engine must survive
+            self._fail("update_state_after_alloc", e)
+        self._update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _record_promised_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        computed = self._async_matches.pop(request.request_id, None)
+        if computed is None or num_external_tokens <= 0:
+            return
+        bs = self._block_size
+        first = computed // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        self._promised_loads[request.request_id] = block_ids[first:first + -(-num_external_tokens // bs)]
+
+    @guarded(None)
+    def _update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._leader is None:
+            return
+        rid = request.request_id
+        if _bypassed(request):
+            self._bypassed.add(rid)  # never offloaded either
+            return
+        self._requests[rid] = request
+        if num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+            self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
+
+    def _failure_meta(self) -> DynamoConnectorMetadata:
+        """The metadata of a step kvbm could not plan: the promised loads that
+        no plan carries go to the workers as failed."""
+        failed, self._promised_loads = self._promised_loads, {}
+        return DynamoConnectorMetadata(failed_loads=failed)
+
+    @guarded(lambda self: self._failure_meta())
+    def build_connector_meta(self, scheduler_output: Any) -> DynamoConnectorMetadata:
+        if self._leader is None:
+            return DynamoConnectorMetadata()
+        num_sched = scheduler_output.num_scheduled_tokens
+        # Rows carry no priority: vLLM's request priority orders scheduling,
+        # not retention, so the offload filter never applies under vLLM.
+        updates: list[StepUpdate] = []
+        for nr in scheduler_output.scheduled_new_reqs:
+            rid = nr.req_id
+            if rid in self._bypassed:
+                continue
+            req = self._requests.get(rid)
+            tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
+            self._sent_tokens[rid] = len(tokens)
+            updates.append(StepUpdate(
+                req_id=rid, new_tokens=tokens, new_block_ids=list(nr.block_ids[0]) if nr.block_ids else [],
+                num_computed=int(nr.num_computed_tokens), num_scheduled=int(num_sched.get(rid, 0)), priority=None,
+                salt=self._salt(req) if req is not None else _native.salt_hash(), resumed=False,
+            ))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            is_resumed = rid in resumed
+            all_tokens = req.all_token_ids
+            if is_resumed:
+                tokens = list(all_tokens)
+            else:
+                tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
+            self._sent_tokens[rid] = len(all_tokens)
+            updates.append(StepUpdate(
+                req_id=rid, new_tokens=tokens, new_block_ids=list(new_blocks[0]) if new_blocks else [],
+                num_computed=int(cached.num_computed_tokens[i]), num_scheduled=int(num_sched.get(rid, 0)),
+                priority=None, salt=self._salt(req), resumed=is_resumed,
+            ))
+        loaded, self._loaded = self._loaded, []
+        invalid, self._invalid_blocks = self._invalid_blocks, []
+        plan = self._leader.step(updates, loaded, invalid)
+        if self._pump is not None:
+            # TP > 1: G2→G3 moves go to every rank over the side channel, off
+            # this thread; dead ranks put the leader in degraded mode.
+            try:
+                self._pump.poll()
+            except Exception as e:  # noqa: BLE001 - only disk offload is lost
+                log.warning("kvbm: background operation not started: %s", e)
+        for rid in scheduler_output.finished_req_ids or ():
+            self._forget(rid)
+        self._seq += 1
+        # The leader emits every load it planned in the next step: the loads
+        # promised so far are in this plan, and the workers own them now.
+        self._promised_loads.clear()
+        return DynamoConnectorMetadata(plan=plan, seq=self._seq)
+
+    @guarded(None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._leader is None:
+            return
+        recv = getattr(connector_output, "finished_recving", None)
+        if recv:
+            self._loaded.extend(recv)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._invalid_blocks.extend(int(b) for b in invalid)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        fp = getattr(meta, "g4_fingerprint", "")
+        if fp and fp != self._g4_fingerprint:
+            # Rank 0's worker names its G4 objects by this: lookups start.
+            self._leader.set_g4_fingerprint(fp)
+            self._g4_fingerprint = fp
+        for rep in getattr(meta, "g4_reports", None) or ():
+            self._leader.g4_report(rep)
+
+    @guarded((False, None))
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self._leader is None:
+            return False, None
+        pending = self._leader.request_finished(request.request_id)
+        return pending, None
+
+    def _forget(self, rid: str) -> None:
+        self._async_matches.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._sent_tokens.pop(rid, None)
+        self._salts.pop(rid, None)
+        self._bypassed.discard(rid)
+
+    def take_events(self) -> tuple[()]:
+        return ()
+
+    @guarded(False)
+    def reset_cache(self) -> bool:
+        if self._leader is not None:
+            self._leader.reset()
+        return True
+
+    def get_finished_count(self) -> int | None:
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        """vLLM hands over what every worker's
+        get_handshake_metadata returned (tp rank → metadata) once the KV
+        caches are registered, before the first step: register the disk
+        tier blocks every rank's persistent tier recovered."""
+        if self._leader is None or not metadata:
+            return
+        _, tp_size = _tp(self._vllm_config)
+        recs = [getattr(metadata.get(r), "recovered", b"") for r in range(tp_size)]
+        if not all(recs):
+            return  # no persistent disk tier (or a rank without one)
+        try:
+            n = self._leader.restore_disk(recs)
+            log.info("kvbm: %d disk tier blocks recovered from the persistent tier of %d rank(s)", n, tp_size)
+        except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
+            log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s", e)

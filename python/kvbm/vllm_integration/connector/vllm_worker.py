@@ -1,0 +1,229 @@
+"""The worker side of :class:`~kvbm.vllm_integration.connector.DynamoConnector`
+(role WORKER, one per tensor-parallel rank): it owns a
+:class:`kvbm._core.Worker`, created in ``register_kv_caches`` once the KV
+cache tensors exist, and, with tensor parallelism, the side channel's end
+that executes the leader's background operations.
+
+Each step ``bind_connector_metadata`` hands the plan to the worker,
+``start_load_kv`` starts its loads (G2/G3 → G1, asynchronous),
+``wait_for_save`` runs its offloads (G1 → G2, G2 → G3) once the forward pass
+has written the step's KV, and ``get_finished`` reports finished loads. Load
+failures (a G3 block whose checksum does not verify, an I/O error) are
+reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them;
+after a kvbm failure every load still owed to vLLM (``_inflight_loads``, and
+the scheduler's ``failed_loads``) is reported finished with its blocks failed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvbm import _native
+from kvbm._adapter_common import guarded, plan_loads
+from kvbm.vllm_integration.connector._common import (
+    KVConnectorWorkerMetadata,
+    KvbmRecoveredMetadata,
+    VllmSide,
+    _model_identity,
+    _side_channel_secret,
+    _single_group,
+    _tp,
+    log,
+)
+
+if TYPE_CHECKING:
+    from kvbm._core import Worker
+    from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
+    from kvbm._wire import WireWorker
+
+
+class VllmConnectorWorker(VllmSide):
+    """kvbm's worker-side connector for vLLM (one tensor-parallel rank)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, kv_cache_config)
+        self._worker: Worker | None = None
+        self._wire_worker: WireWorker | None = None  # tensor parallel > 1 only
+        self._kv_caches: dict[str, Any] = {}
+        self._on_device = False
+        # G4: whether this worker has the tier, and rank 0's block fingerprint
+        # (its own, reported to the scheduler).
+        self._g4 = False
+        self._g4_fingerprint = ""
+        # Loads bound but not yet reported finished (request id → G1 blocks),
+        # so that a failure can still answer vLLM for them; and loads the
+        # scheduler gave up on before planning them.
+        self._inflight_loads: dict[str, list[int]] = {}
+        self._unplanned_loads: dict[str, list[int]] = {}
+        self._load_errors: set[int] = set()
+
+    def _give_up_loads(self, loads: dict[str, list[int]]) -> set[str]:
+        # Loads that will not complete: report them finished with every block
+        # failed, so vLLM recomputes instead of waiting forever.
+        for blocks in loads.values():
+            self._load_errors.update(blocks)
+        return set(loads)
+
+    def _failed_finished(self) -> set[str]:
+        loads, self._inflight_loads = self._inflight_loads, {}
+        return self._give_up_loads(loads)
+
+    def shutdown(self) -> None:
+        if self._wire_worker is not None:
+            try:
+                self._wire_worker.close()
+            except Exception:  # pragma: no cover
+                log.exception("kvbm: error while closing the side channel")
+        self._wire_worker = None
+        if self._worker is not None:
+            try:
+                self._worker.close()
+            except Exception:  # pragma: no cover
+                log.exception("kvbm: error while shutting down")
+        self._worker = None
+
+    @guarded(None)
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from kvbm._core import Worker
+
+        if self._kv_cache_config is not None:
+            _, why = _single_group(self._kv_cache_config)
+            if why is not None:
+                self._disable(why)
+                return
+        try:
+            tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
+        except ValueError as e:
+            self._disable(str(e))
+            return
+        rank, tp_size = _tp(self._vllm_config)
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        if num_blocks is None:
+            num_blocks = next(iter(kv_caches.values())).shape[0]
+        self._on_device = next(iter(kv_caches.values())).device.type == "cuda"
+        self._kv_caches = kv_caches  # keep the engine's tensors alive as long as we hold their addresses
+        self._worker = Worker(
+            tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
+            dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
+            model=_model_identity(self._vllm_config), dtype=str(next(iter(kv_caches.values())).dtype),
+        )
+        if tp_size > 1:
+            # The scheduler's leader handshakes with every rank over the side
+            # channel; this returns at once (the scheduler does not exist yet).
+            from kvbm._wire import WireWorker
+
+            self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size,
+                                           secret=_side_channel_secret(self._vllm_config))
+        info = self._worker.info()
+        self._g4 = bool(info.get("g4"))
+        if self._g4 and rank == 0:
+            self._g4_fingerprint = info["fingerprint"]
+        log.info("kvbm worker ready (pid %d, rank %d): layout %s, %d layers, bytes_per_block=%d, host_blocks=%d, "
+                 "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
+                 info["host_blocks"], info["disk_blocks"])
+
+    def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
+        """This rank's recovered persistent disk tier index (None
+        without one), which vLLM passes to the scheduler's connector."""
+        if self._worker is None:
+            return None
+        try:
+            rec = self._worker.recovered()
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbm: could not read the recovered disk tier index: %s", e)
+            return None
+        return KvbmRecoveredMetadata(recovered=rec) if rec else None
+
+    def _describe_caches(
+        self, kv_caches: dict[str, Any],
+    ) -> tuple[list[tuple[int, list[int], list[int]]], str, int]:
+        from kvbm._layers import order_layers
+
+        names = order_layers(list(kv_caches))
+        first = kv_caches[names[0]]
+        if first.device.type != "cpu" and _native.library_path()[1] != "cuda":
+            raise ValueError(
+                f"KV cache tensors are on {first.device} but the loaded kvbm library has no CUDA support "
+                "(build it with `make cuda`)")
+        nd = first.dim()
+        if first.device.type == "cpu":
+            kind = "cpu_paged" if nd == 4 else ("cpu" if nd == 5 else "mla")
+        elif nd == 5:
+            kind = "flash_attn" if first.shape[0] == 2 else "flashinfer"
+        elif nd == 3:
+            kind = "mla"
+        else:
+            raise ValueError(f"cannot interpret KV cache tensor shape {tuple(first.shape)}")
+        tensors = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in (kv_caches[n] for n in names)]
+        return tensors, kind, first.element_size()
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self._unplanned_loads.update(getattr(connector_metadata, "failed_loads", None) or {})
+        plan = getattr(connector_metadata, "plan", b"")
+        if not plan:
+            return
+        try:
+            self._inflight_loads.update(plan_loads(plan))
+        except Exception as e:  # noqa: BLE001
+            self._fail("bind_connector_metadata", e)
+            return
+        if self._failed is None and self._worker is not None:
+            try:
+                self._worker.bind(plan)
+            except Exception as e:  # noqa: BLE001
+                self._fail("bind_connector_metadata", e)
+
+    def _sync_engine_stream(self) -> None:
+        # CUDA: our copies must follow the engine's writes (saves) and reads
+        # of the blocks being replaced (loads) on its current stream.
+        if self._on_device and self._worker is not None:
+            import torch
+
+            self._worker.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+
+    @guarded(None)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._sync_engine_stream()
+            self._worker.start_load()
+
+    @guarded(None)
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._sync_engine_stream()
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        unplanned, self._unplanned_loads = self._unplanned_loads, {}
+        done = self._give_up_loads(unplanned)
+        if unplanned:
+            log.warning("kvbm: %d promised loads were never planned (kvbm failed); vLLM recomputes them",
+                        len(unplanned))
+        if self._worker is None or self._failed is not None:
+            return None, (done | self._failed_finished()) or None
+        try:
+            loaded, errors = self._worker.finished()
+        except Exception as e:  # noqa: BLE001
+            self._fail("get_finished", e)
+            return None, (done | self._failed_finished()) or None
+        for rid in loaded:
+            self._inflight_loads.pop(rid, None)
+        if errors:
+            self._load_errors.update(errors)
+            log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
+        return None, (done | set(loaded)) or None
+
+    @guarded(None)
+    def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
+        if KVConnectorWorkerMetadata is None or self._worker is None or not self._g4:
+            return None
+        from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
+
+        rep = self._worker.g4_report()
+        # Only rank 0's acknowledgements name blocks the leader can look up.
+        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs

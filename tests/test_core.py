@@ -297,3 +297,14 @@ def test_worker_fingerprint_separates_models_and_dtypes(env):
     assert a != fp(model="org/tiny@v2", dtype="torch.bfloat16")
     assert a != fp(model="org/tiny@main", dtype="torch.float16")
     assert a != fp(model="org/tiny@main", dtype="torch.bfloat16", rank=1, num_workers=2)
+
+
+def test_step_update_record_encodes_as_the_positional_row():
+    import msgpack
+
+    from kvbm._adapter_common import StepUpdate
+
+    rows = [StepUpdate("r1", [1, 2, 3], [4, 5], 0, 3, None, 7, False),
+            StepUpdate("r2", [], [6], 16, 1, [80, 10], 2**63 + 5, True)]
+    assert msgpack.packb([rows, [], []], use_bin_type=True) == \
+        msgpack.packb([[list(r) for r in rows], [], []], use_bin_type=True)

@@ -258,8 +258,10 @@ class Leader(_native.Handle):
 
     def step(self, updates: Sequence[Sequence[object]], loaded: Iterable[str] = (),
              load_errors: Iterable[int] = ()) -> bytes:
-        """updates: [req_id, new_tokens, new_block_ids, num_computed, num_scheduled, priority, salt, resumed]
-        rows (lists or tuples: msgpack arrays).
+        """updates: one row per request, ``kvbm._adapter_common.StepUpdate``
+        (req_id, new_tokens, new_block_ids, num_computed, num_scheduled,
+        priority, salt, resumed); any list or tuple in that order encodes to
+        the same msgpack array.
 
         priority: None (no priorities: the offload filter does not apply), a
         list with the priority of each new block id, or one int for all of them.

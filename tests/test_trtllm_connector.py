@@ -798,3 +798,39 @@ def test_g4_onboarding_rank0_in_the_leader_process(make_engine, s3_server, tmp_p
         assert eng.leader.info()["g4"]["onboard_blocks_obj2h"] - g4["onboard_blocks_obj2h"] == 6
     finally:
         pool.close()
+
+
+def test_g4_onboarding_tp2_rank1_in_its_own_process(make_engine, s3_server, tmp_path):
+    # TP=2 as TensorRT-LLM runs it: the leader and rank 0's worker in this
+    # process, rank 1 in another. Each rank uploads its own shard under its
+    # own fingerprint; after the G2 copies are gone, both ranks load the
+    # prefix from the object store, each byte-exact.
+    import time
+
+    from kvbm.testing.s3server import count_objects
+
+    from trtllm_contract import MixedPool
+
+    bucket = "kvbm-trtllm-tp2"
+    pool = MixedPool(2)
+    try:
+        eng = make_engine(env_extra=s3_server.env(bucket), spec_extra={"tp": 2}, workers=pool)
+        g4 = eng.leader.info()["g4"]
+        first = toks(6 * BS + 1)
+        a = eng.submit(FakeLlmRequest(1, first, 1))
+        eng.run()
+        assert a.phase == "done"
+        end = time.time() + 60
+        while count_objects(s3_server.state_dir, bucket) < 2 * 6:  # 6 blocks × 2 ranks
+            assert time.time() < end, (count_objects(s3_server.state_dir, bucket), eng.leader.info()["g4"])
+            time.sleep(0.02)
+        assert eng.leader.reset_cache()
+        loaded = []
+        eng.on_loaded = lambda r: (eng.check_prefix(r, 0, r.matched // BS), loaded.append(r))
+        b = eng.submit(FakeLlmRequest(2, first[:6 * BS] + [5, 5], 2))
+        eng.run()
+        assert b.matched == 6 * BS
+        assert loaded == [b] and b.phase == "done", (b.phase, eng.leader.info())
+        assert eng.leader.info()["g4"]["onboard_blocks_obj2h"] - g4["onboard_blocks_obj2h"] == 6
+    finally:
+        pool.close()

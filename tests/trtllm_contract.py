@@ -275,6 +275,35 @@ class InProcessPool:
         self.side.shutdown()
 
 
+class MixedPool:
+    """TensorRT-LLM's layout of processes at TP>1: rank 0's worker in this
+    process (the leader's, as MPI rank 0 runs the scheduler and its own model
+    shard), every other rank in a process of its own."""
+
+    def __init__(self, n: int):
+        self.side = WorkerSide()
+        ctx = mp.get_context("spawn")
+        self.procs = [WorkerProc(ctx) for _ in range(n - 1)]
+        self.workers = [self.side, *self.procs]
+
+    def all(self, cmd, args_for_rank):
+        args = [args_for_rank(r) for r in range(len(self.workers))]
+        if cmd == "init":
+            # The other processes need this process's environment (the
+            # leader's settings, set by the test just before).
+            args = [(a[0], a[1] if a[1] is not None or r == 0 else dict(os.environ), a[2])
+                    for r, a in enumerate(args)]
+        for r, w in enumerate(self.procs, start=1):
+            w.send(cmd, args[r])
+        first = self.side.handle(cmd, args[0])
+        return [first, *(w.recv() for w in self.procs)]
+
+    def close(self):
+        self.side.shutdown()
+        for w in self.procs:
+            w.close()
+
+
 class WorkerProc:
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe()

@@ -77,23 +77,37 @@ func TestWorkerExecutesOnlyTheLeadersPlans(t *testing.T) {
 
 	wrong := newSealer("not the engine's secret", labelToWorkers, labelToLeader)
 	right := newSealer(c.secret, labelToWorkers, labelToLeader)
-	// A forged allocation request is ignored; the signed one is answered.
+	// PUB drops what it sends before the worker's subscription reaches it
+	// (and while the worker redials after a silent leader), so each message
+	// is repeated until its effect shows. A forged allocation request (other
+	// sizes) is ignored; the signed one is answered, and allocates once.
 	lm := marshal(LeaderMetadata{NumHostBlocks: 10, NumDiskBlocks: 20, WorldSize: 1})
-	require.NoError(t, pub.Send(zmq4.NewMsgFrom(wrong.seal(encodeLeader(4, fnLeaderMetadata, lm))...)))
-	require.NoError(t, pub.Send(zmq4.NewMsgFrom(right.seal(encodeLeader(5, fnLeaderMetadata, lm))...)))
-	select {
-	case <-w.Ready():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the signed leader_metadata was not answered")
-	}
-	for i := range 3 {
-		require.NoError(t, pub.Send(zmq4.NewMsgFrom(encodeLeader(uint64(10+i), fnStep, []byte("unsigned"))...)))
-		require.NoError(t, pub.Send(zmq4.NewMsgFrom(wrong.seal(encodeLeader(uint64(20+i), fnStep, []byte("wrong key")))...)))
-	}
-	// Positive control: the same kind of message, signed with the secret.
-	require.NoError(t, pub.Send(zmq4.NewMsgFrom(right.seal(encodeLeader(30, fnStep, []byte("signed")))...)))
-	checkFor(t, 10*time.Second, func() bool { return len(c.ranks[0].steps()) == 1 }, "the signed plan ran")
-	require.Equal(t, [][]byte{[]byte("signed")}, c.ranks[0].steps(), "only the signed plan ran")
-	require.Equal(t, uint64(7), w.Forged(), fmt.Sprintf("logs:\n%s", c.logs.String()))
+	forgedLM := marshal(LeaderMetadata{NumHostBlocks: 666, NumDiskBlocks: 666, WorldSize: 1})
+	checkFor(t, 30*time.Second, func() bool {
+		require.NoError(t, pub.Send(zmq4.NewMsgFrom(wrong.seal(encodeLeader(4, fnLeaderMetadata, forgedLM))...)))
+		require.NoError(t, pub.Send(zmq4.NewMsgFrom(right.seal(encodeLeader(5, fnLeaderMetadata, lm))...)))
+		select {
+		case <-w.Ready():
+			return true
+		default:
+			return false
+		}
+	}, "the signed leader_metadata was answered")
+	checkFor(t, 30*time.Second, func() bool {
+		for i := range 3 {
+			require.NoError(t, pub.Send(zmq4.NewMsgFrom(encodeLeader(uint64(10+i), fnStep, []byte("unsigned"))...)))
+			require.NoError(t, pub.Send(zmq4.NewMsgFrom(wrong.seal(encodeLeader(uint64(20+i), fnStep, []byte("wrong key")))...)))
+		}
+		return w.Forged() >= 7
+	}, "the forged plans reached the worker")
+	// Positive control: the same kind of message, signed with the secret
+	// (repeats carry the same id: the worker runs it once).
+	checkFor(t, 30*time.Second, func() bool {
+		require.NoError(t, pub.Send(zmq4.NewMsgFrom(right.seal(encodeLeader(30, fnStep, []byte("signed")))...)))
+		return len(c.ranks[0].steps()) >= 1
+	}, "the signed plan ran")
+	require.Equal(t, [][]byte{[]byte("signed")}, c.ranks[0].steps(), "only the signed plan ran, once")
+	require.GreaterOrEqual(t, w.Forged(), uint64(7), fmt.Sprintf("logs:\n%s", c.logs.String()))
 	require.Len(t, c.ranks[0].alloc, 1, "allocated once, from the signed request")
+	require.Equal(t, 10, c.ranks[0].alloc[0].NumHostBlocks, "the signed sizes, not the forged ones")
 }

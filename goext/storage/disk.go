@@ -152,7 +152,7 @@ func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger)
 		var rnd [4]byte
 		_, _ = rand.Read(rnd[:])
 		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
-		fd, odirect, err := openTierFile(path, direct, log)
+		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, log)
 		if err != nil {
 			return fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
 		}
@@ -173,10 +173,12 @@ func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger)
 // we had just created, before we could lock it.
 var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked")
 
-// openTierFile creates path, with O_DIRECT when direct is set and the
-// filesystem accepts it at open; the result says whether it did.
-func openTierFile(path string, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
-	const baseFlags = unix.O_RDWR | unix.O_CREAT | unix.O_EXCL | unix.O_CLOEXEC
+// openTierFile opens path read-write, creating it, with the extra open
+// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one),
+// and with O_DIRECT when direct is set and the filesystem accepts it at
+// open; the result says whether it did.
+func openTierFile(path string, extra int, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
+	baseFlags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC | extra
 	if direct {
 		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
 		if err == nil {

@@ -145,7 +145,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	}
 	path := PersistentPath(dir, o.Fingerprint, o.Rank)
 	listForeignTiers(dir, path, log)
-	fd, odirect, err := openPersistentFile(path, !o.DisableODirect, log)
+	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, log)
 	if err != nil {
 		return nil, fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
 	}
@@ -229,23 +229,6 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		"discarded_blocks", rec.NumDiscarded(), "discarded_by_reason", fmt.Sprint(rec.Discarded),
 		"recovery_seconds", rec.Duration.Seconds())
 	return d, nil
-}
-
-// openPersistentFile opens or creates path, with O_DIRECT when asked and accepted.
-func openPersistentFile(path string, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
-	const baseFlags = unix.O_RDWR | unix.O_CREAT | unix.O_NOFOLLOW | unix.O_CLOEXEC
-	if direct {
-		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
-		if err == nil {
-			return fd, true, nil
-		}
-		if !errors.Is(err, unix.EINVAL) {
-			return -1, false, err
-		}
-		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open, using buffered I/O", "path", path, "err", err)
-	}
-	fd, err = unix.Open(path, baseFlags, 0o600)
-	return fd, false, err
 }
 
 // listForeignTiers logs the persistent tier files in dir other than ours

@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+import tp_procs
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -156,20 +158,8 @@ def _leader_main(env: dict, to_workers, from_workers, results):
     wl = None
 
     def collect(kind):
-        got = {}
-        deadline = time.monotonic() + TIMEOUT
-        while len(got) < WORLD:
-            try:
-                msg = from_workers.get(timeout=0.2)
-            except queue.Empty:
-                if wl is not None and wl.dead_ranks:
-                    raise RuntimeError(f"worker rank(s) {wl.dead_ranks} died waiting for {kind!r}")
-                if time.monotonic() > deadline:
-                    raise
-                continue
-            assert msg[0] == kind, msg
-            got[msg[1]] = msg
-        return got
+        return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT,
+                                lambda: wl.dead_ranks if wl is not None else [])
 
     res = {"registered": {r: m[2:] for r, m in collect("registered").items()}}
     wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, suspect_after_ms=30000)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import time
 
 import pytest
+
+import tp_procs
 
 from test_tp_harness import (
     BLOCK_SIZE,
@@ -113,20 +114,8 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     wl = None
 
     def collect(kind):
-        got = {}
-        deadline = time.monotonic() + TIMEOUT
-        while len(got) < WORLD:
-            try:
-                msg = from_workers.get(timeout=0.2)
-            except queue.Empty:
-                if wl is not None and wl.dead_ranks:
-                    raise RuntimeError(f"worker rank(s) {wl.dead_ranks} died waiting for {kind!r}")
-                if time.monotonic() > deadline:
-                    raise
-                continue
-            assert msg[0] == kind, msg
-            got[msg[1]] = msg
-        return got
+        return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT,
+                                lambda: wl.dead_ranks if wl is not None else [])
 
     collect("registered")
     wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, suspect_after_ms=30000)

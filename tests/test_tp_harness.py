@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import pytest
 
+import tp_procs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.path.join(ROOT, "python", "kvbm", "lib", "libkvbm.so")
 
@@ -139,22 +141,8 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     wl = None
 
     def collect(kind):
-        # The executor waits for every worker's output; a worker that died
-        # shows up as a dead rank on the side channel instead of a hang.
-        got = {}
-        deadline = time.monotonic() + TIMEOUT
-        while len(got) < WORLD:
-            try:
-                msg = from_workers.get(timeout=0.2)
-            except queue.Empty:
-                if wl is not None and wl.dead_ranks:
-                    raise RuntimeError(f"worker rank(s) {wl.dead_ranks} died waiting for {kind!r}")
-                if time.monotonic() > deadline:
-                    raise
-                continue
-            assert msg[0] == kind, msg
-            got[msg[1]] = msg
-        return got
+        return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT,
+                                lambda: wl.dead_ranks if wl is not None else [])
 
     reg = collect("registered")  # the executor initialised every worker first
     wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, suspect_after_ms=30000)

@@ -1,0 +1,31 @@
+"""Shared by the tensor-parallel process tests (CPU and GPU): the leader
+process gathering one message of a kind from every worker process."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any, Callable
+
+
+def collect(from_workers: Any, kind: str, world: int, timeout: float,
+            dead_ranks: Callable[[], list[int]]) -> dict[int, tuple]:
+    """One ``(kind, rank, ...)`` message from each of ``world`` ranks, by rank.
+
+    The executor waits for every worker's output; a worker that died shows up
+    as a dead rank on the side channel instead of a hang."""
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < world:
+        try:
+            msg = from_workers.get(timeout=0.2)
+        except queue.Empty:
+            dead = dead_ranks()
+            if dead:
+                raise RuntimeError(f"worker rank(s) {dead} died waiting for {kind!r}") from None
+            if time.monotonic() > deadline:
+                raise
+            continue
+        assert msg[0] == kind, msg
+        got[msg[1]] = msg
+    return got

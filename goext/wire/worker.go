@@ -311,8 +311,10 @@ func (w *Worker) run() {
 func (w *Worker) watchLeader(r subRedialer, ended <-chan struct{}) {
 	defer w.wg.Done()
 	silence := w.opts.LeaderSilence
-	tick := time.NewTicker(silence / 4)
+	period := silence / 4
+	tick := time.NewTicker(period)
 	defer tick.Stop()
+	last := time.Now()
 	for {
 		select {
 		case <-w.stop:
@@ -321,6 +323,14 @@ func (w *Worker) watchLeader(r subRedialer, ended <-chan struct{}) {
 			return
 		case <-tick.C:
 		}
+		now := time.Now()
+		if now.Sub(last) > 2*period {
+			// This process did not run (stopped, swapped out, starved): the
+			// silence was its own, not the leader's, and what the leader sent
+			// meanwhile waits in the socket. Redialing now would drop it.
+			w.lastHeard.Store(now.UnixNano())
+		}
+		last = now
 		quiet := time.Since(time.Unix(0, w.lastHeard.Load()))
 		if quiet < silence {
 			continue

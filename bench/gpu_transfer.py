@@ -66,6 +66,7 @@ KNOBS = {
     "threads": "KVBM_CUDA_STAGED_THREADS",  # threads per gather/scatter thread block
     "streams": "KVBM_CUDA_DMA_STREAMS",  # DMA streams per direction
     "prio": "KVBM_CUDA_STAGED_PRIORITY",  # high or low: the gather/scatter stream's priority
+    "pct": "KVBM_CUDA_SPLIT_PCT",  # split: share of each batch's blocks sent by cuMemcpyBatchAsync
 }
 
 

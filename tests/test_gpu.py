@@ -99,8 +99,8 @@ def set_stream(w, stream):
     _native.call("kvbm_worker_set_cuda_stream", w._h, stream.cuda_stream)
 
 
-MODES = {"flash_attn": ["kernel", "staged", "batch"], "flashinfer": ["kernel", "staged", "batch"],
-         "trtllm": ["direct", "kernel", "staged", "batch", "auto"]}
+MODES = {"flash_attn": ["kernel", "staged", "batch", "split"], "flashinfer": ["kernel", "staged", "batch", "split"],
+         "trtllm": ["direct", "kernel", "staged", "batch", "split", "auto"]}
 CASES = [(k, m, via) for k, ms in MODES.items() for m in ms for via in ("g2", "g3")]
 
 
@@ -115,9 +115,10 @@ def test_round_trip(tmp_path, kind, mode, via):
     w = cache.worker(tmp_path, mode)
     try:
         info = w.info()
-        # batch falls back to staged on drivers without cuMemcpyBatchAsync;
-        # auto picks batch for TensorRT-LLM's contiguous blocks.
-        want = {"batch": ("batch", "staged"), "auto": ("batch", "staged")}.get(mode, (mode,))
+        # batch and split fall back to staged on drivers without
+        # cuMemcpyBatchAsync; auto picks batch for TensorRT-LLM's contiguous blocks.
+        want = {"batch": ("batch", "staged"), "split": ("split", "staged"),
+                "auto": ("batch", "staged")}.get(mode, (mode,))
         assert any(info["g1"].startswith("cuda:0 " + m) for m in want), info
 
         # The engine writes the source blocks late: after a ~20 ms sleep on

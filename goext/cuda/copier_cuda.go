@@ -41,6 +41,13 @@ const (
 	// copy of one cuMemcpyBatchAsync call (CUDA >= 12.8 driver, looked up at
 	// run time). Experimental; where the driver lacks it, Staged is used.
 	Batch
+	// Split: each batch's blocks are shared between Batch (on DMA streams of
+	// their own) and Staged, both enqueued at once. The copy engines then
+	// take descriptors from both: the staged share's long contiguous copies
+	// fill the gaps the batch share's per-piece overhead leaves, while the
+	// gather/scatter kernel touches only the staged share's bytes. Where the
+	// driver lacks cuMemcpyBatchAsync, Staged is used.
+	Split
 )
 
 // DefaultMode is what Auto picks unless Batch applies (batchMinRun):
@@ -75,7 +82,16 @@ const (
 // slowed an H200's matmuls as much as 256 (docs/cuda.md).
 const DefaultStagedThreads = 256
 
-var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch"}
+// DefaultSplitPercent is Options.SplitPercent's default: the share of a
+// Split batch's blocks that goes by Batch. DefaultSplitStreams is how many
+// DMA streams per direction that share gets (besides Options.DMAStreams for
+// the staged share).
+const (
+	DefaultSplitPercent = 50
+	DefaultSplitStreams = 2
+)
+
+var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch", Split: "split"}
 
 func (m Mode) String() string {
 	if int(m) < len(modeNames) {
@@ -97,8 +113,10 @@ func ParseMode(s string) (Mode, error) {
 		return Direct, nil
 	case "batch":
 		return Batch, nil
+	case "split":
+		return Split, nil
 	}
-	return Auto, fmt.Errorf("DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct or batch", s)
+	return Auto, fmt.Errorf("DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct, batch or split", s)
 }
 
 // Options tune a Copier; zero values pick the defaults.
@@ -134,6 +152,10 @@ type Options struct {
 	// engine, so per-copy overhead overlaps and one busy engine does not
 	// hold up the other direction.
 	DMAStreams int
+	// SplitPercent is the share (1–99 %) of a Split batch's blocks that goes
+	// by Batch, the rest by Staged (default DefaultSplitPercent;
+	// KVBM_CUDA_SPLIT_PCT).
+	SplitPercent int
 	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
@@ -166,6 +188,8 @@ type lane struct {
 	descH        uintptr // page-locked host descriptors: [ids n][addrs n] uint64
 	descD        cu.DevicePtr
 	staging      cu.DevicePtr // Staged mode
+	// Split mode: the batch share's DMA streams (the staged share uses dma).
+	bdma []cu.Stream
 }
 
 // Copier implements worker.G1Copier for GPU-resident engine tensors.
@@ -225,6 +249,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1)
 	envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1)
 	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
+	envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1)
+	if p := opts.SplitPercent; p < 0 || p > 99 {
+		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_SPLIT_PCT=%d: want 1 to 99", p)
+	}
+	if opts.SplitPercent == 0 {
+		opts.SplitPercent = DefaultSplitPercent
+	}
 	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
 	case "", "high":
 	case "low":
@@ -303,9 +334,9 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	if err = c.loadKernels(); err != nil {
 		return nil, err
 	}
-	if c.mode == Batch {
+	if c.mode == Batch || c.mode == Split {
 		if berr := batchInit(); berr != nil {
-			c.mode, c.batchNote = Staged, fmt.Sprintf(" (batch unavailable: %v)", berr)
+			c.mode, c.batchNote = Staged, fmt.Sprintf(" (%s unavailable: %v)", c.mode, berr)
 		}
 		for l := 0; l < e.NumLayers; l++ {
 			for o := 0; o < e.OuterDim; o++ {
@@ -344,6 +375,15 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			l.dma = append(l.dma, s)
 		}
 		l.stream = l.dma[0]
+		if c.mode == Split {
+			for range DefaultSplitStreams {
+				s, err := cu.MakeStream(cu.NonBlocking)
+				if err != nil {
+					return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+				}
+				l.bdma = append(l.bdma, s)
+			}
+		}
 		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
 			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
 		}
@@ -496,6 +536,9 @@ func (c *Copier) String() string {
 	if c.mode == Batch {
 		return fmt.Sprintf("cuda:%d %s copies (cuMemcpyBatchAsync on %d streams, no kernel)", c.ordinal, c.mode, c.opts.DMAStreams)
 	}
+	if c.mode == Split {
+		return fmt.Sprintf("cuda:%d %s copies (%d%% of each batch by cuMemcpyBatchAsync on %d streams, the rest staged: vec16=%v, grid %d×%d, %d×%d-block staging slots, %d DMA streams)", c.ordinal, c.mode, c.opts.SplitPercent, DefaultSplitStreams, c.vecOK, c.stagedGrid, c.opts.StagedThreads, c.depth, c.stagingSlots, c.opts.DMAStreams)
+	}
 	if c.mode == Direct {
 		return fmt.Sprintf("cuda:%d %s copies (%d DMA streams)", c.ordinal, c.mode, c.opts.DMAStreams)
 	}
@@ -536,6 +579,9 @@ func (c *Copier) Fence() error {
 		for _, l := range c.lanes {
 			for i := range l.dma {
 				streams = append(streams, rawStream(&l.dma[i]))
+			}
+			for i := range l.bdma {
+				streams = append(streams, rawStream(&l.bdma[i]))
 			}
 			streams = append(streams, rawStream(&l.kstream))
 		}
@@ -609,7 +655,9 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		case Staged:
 			err = c.runStaged(l, toG1, blocks, host)
 		case Batch:
-			err = c.runBatch(l, toG1, blocks, host)
+			err = c.runBatch(l.dma, toG1, blocks, host)
+		case Split:
+			err = c.runSplit(l, toG1, blocks, host)
 		default:
 			err = c.runKernel(l, toG1, blocks, host)
 		}
@@ -638,10 +686,21 @@ func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	return nil
 }
 
+// runSplit enqueues the batch share first (on the lane's bdma streams, so
+// the copy engines start at once) and then the staged share; run waits for
+// both.
+func (c *Copier) runSplit(l *lane, toG1 bool, blocks []int, host []uintptr) error {
+	k := len(blocks) * c.opts.SplitPercent / 100
+	if err := c.runBatch(l.bdma, toG1, blocks[:k], host[:k]); err != nil {
+		return err
+	}
+	return c.runStaged(l, toG1, blocks[k:], host[k:])
+}
+
 // runBatch moves every chunk with the driver's batched copy, merging chunks
 // adjacent in both G1 and host memory. The copies are split into one
-// contiguous share per DMA stream, at most batchMax copies per call.
-func (c *Copier) runBatch(l *lane, toG1 bool, blocks []int, host []uintptr) error {
+// contiguous share per stream, at most batchMax copies per call.
+func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []uintptr) error {
 	const batchMax = 8192
 	e := c.eng
 	n := len(blocks) * e.NumLayers * e.OuterDim
@@ -663,12 +722,12 @@ func (c *Copier) runBatch(l *lane, toG1 bool, blocks []int, host []uintptr) erro
 			}
 		}
 	}
-	ns := min(len(l.dma), len(sizes))
+	ns := min(len(streams), len(sizes))
 	for k := range ns {
 		lo, hi := k*len(sizes)/ns, (k+1)*len(sizes)/ns
 		for ; lo < hi; lo += batchMax {
 			m := min(hi, lo+batchMax)
-			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&l.dma[k])); err != nil {
+			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&streams[k])); err != nil {
 				return fmt.Errorf("cuda copier: batched copy: %w", err)
 			}
 		}
@@ -866,6 +925,9 @@ func (l *lane) synchronize() error {
 	for i := range l.dma {
 		errs = append(errs, l.dma[i].Synchronize())
 	}
+	for i := range l.bdma {
+		errs = append(errs, l.bdma[i].Synchronize())
+	}
 	if l.kstream != (cu.Stream{}) {
 		errs = append(errs, l.kstream.Synchronize())
 	}
@@ -903,7 +965,10 @@ func (c *Copier) release() error {
 		for i := range l.dma {
 			errs = append(errs, l.dma[i].Destroy())
 		}
-		l.dma, l.stream = nil, cu.Stream{}
+		for i := range l.bdma {
+			errs = append(errs, l.bdma[i].Destroy())
+		}
+		l.dma, l.bdma, l.stream = nil, nil, cu.Stream{}
 		if l.kstream != (cu.Stream{}) {
 			errs = append(errs, l.kstream.Destroy())
 		}

@@ -163,7 +163,7 @@ func modesFor(c *Copier) []Mode {
 		ms = append(ms, Direct)
 	}
 	if batchInit() == nil {
-		ms = append(ms, Batch)
+		ms = append(ms, Batch, Split)
 	}
 	return ms
 }
@@ -181,7 +181,7 @@ func TestDeviceOf(t *testing.T) {
 }
 
 func TestParseMode(t *testing.T) {
-	for s, want := range map[string]Mode{"": Auto, "auto": Auto, "kernel": Kernel, "STAGED": Staged, "direct": Direct, "batch": Batch} {
+	for s, want := range map[string]Mode{"": Auto, "auto": Auto, "kernel": Kernel, "STAGED": Staged, "direct": Direct, "batch": Batch, "Split": Split} {
 		got, err := ParseMode(s)
 		require.NoError(t, err)
 		require.Equal(t, want, got)
@@ -348,7 +348,7 @@ func TestRoundTrip(t *testing.T) {
 						roundTrip(t, g, c, viaDisk)
 					})
 				}
-				if m == Batch || m == Direct || m == Staged {
+				if m == Batch || m == Direct || m == Staged || m == Split {
 					for _, ns := range []int{1, 5} {
 						t.Run(fmt.Sprintf("%s/streams%d", name, ns), func(t *testing.T) {
 							c, err := New(g.eng, Options{Mode: m, StagingBytes: 3 * g.eng.BytesPerBlock(), MaxBatch: 16, DMAStreams: ns})
@@ -370,6 +370,8 @@ func TestBadOptions(t *testing.T) {
 	require.ErrorContains(t, err, "KVBM_CUDA_STAGED_THREADS=48")
 	_, err = New(g.eng, Options{DMAStreams: 9})
 	require.ErrorContains(t, err, "KVBM_CUDA_DMA_STREAMS=9")
+	_, err = New(g.eng, Options{Mode: Split, SplitPercent: 100})
+	require.ErrorContains(t, err, "KVBM_CUDA_SPLIT_PCT=100")
 	c, err := New(g.eng, Options{Mode: Staged, StagedLowPriority: true})
 	require.NoError(t, err)
 	require.Contains(t, c.String(), "low priority")

@@ -153,7 +153,7 @@ type region struct {
 // lane is one direction's streams and scratch memory; its mutex serialises
 // the calls of that direction.
 type lane struct {
-	mu     sync.Mutex
+	mu     sync.Mutex  // guards the fields below, to the end of the struct
 	stream cu.Stream   // DMA copies (and the Kernel mode's work); dma[0]
 	dma    []cu.Stream // every DMA stream of the direction, stream first
 	// Staged mode: the gather/scatter kernels run on kstream (highest
@@ -186,20 +186,20 @@ type Copier struct {
 	vecOK        bool  // G1 addresses and chunk size are 16-byte multiples
 	minRun       int64 // shortest run of a block's chunks contiguous in G1 (host order)
 	bpb          int64
-	batchNote    string  // why Batch fell back to Staged
-	hostOff      []int64 // Batch: host-layout offset of chunk (layer, outer)
-	stagingSlots int     // blocks per staging slot
-	depth        int     // staging slots
+	batchNote    string   // why Batch fell back to Staged
+	hostOff      []int64  // Batch: host-layout offset of chunk (layer, outer)
+	stagingSlots int      // blocks per staging slot
+	depth        int      // staging slots
+	lanes        [2]*lane // 0: G1 → host, 1: host → G1
 
-	fenceMu      sync.Mutex
-	fenceEv      cu.Event
 	engineStream atomic.Uintptr // the engine's CUDA stream (0: legacy default stream)
+	closed       atomic.Bool
 
-	regMu   sync.RWMutex
+	fenceMu sync.Mutex // guards fenceEv
+	fenceEv cu.Event
+
+	regMu   sync.RWMutex // guards regions
 	regions []region
-
-	lanes  [2]*lane // 0: G1 → host, 1: host → G1
-	closed atomic.Bool
 }
 
 // New prepares a copier for e's tensors, which must all live on one GPU.

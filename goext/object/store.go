@@ -68,9 +68,11 @@ type Store struct {
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	pending sync.WaitGroup // queued or running uploads (Flush)
-	ackMu   sync.Mutex
-	acked   []uint64 // hashes stored since the last TakeAcked (bounded)
-	closeMu sync.RWMutex
+
+	ackMu sync.Mutex // guards acked
+	acked []uint64   // hashes stored since the last TakeAcked (bounded)
+
+	closeMu sync.RWMutex // guards closed: enqueuers (read) against Close (write)
 	closed  bool
 }
 

@@ -169,7 +169,7 @@ type Worker struct {
 	// it when its context ends.
 	exec chan struct{}
 
-	mu       sync.Mutex // guards everything below
+	mu       sync.Mutex // guards the fields below, to the end of the struct
 	step     *plan.Step // the bound step
 	loadsRun bool       // the bound step's Loads were started
 	savesRun bool       // the bound step's Moves/Saves ran

@@ -98,7 +98,7 @@ func ParseMode(s string) (Mode, error) {
 	case "batch":
 		return Batch, nil
 	}
-	return Auto, fmt.Errorf("DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct or batch", s)
+	return Auto, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct or batch", s)
 }
 
 // Options tune a Copier; zero values pick the defaults.
@@ -209,7 +209,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		return nil, err
 	}
 	if ord < 0 {
-		return nil, fmt.Errorf("cuda copier: KV tensor 0 at %#x is not GPU memory", e.Base(0))
+		return nil, fmt.Errorf("cuda: KV tensor 0 at %#x is not GPU memory", e.Base(0))
 	}
 	for i := 1; i < e.Tensors(); i++ {
 		o, err := DeviceOf(e.Base(i))
@@ -217,7 +217,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, err
 		}
 		if o != ord {
-			return nil, fmt.Errorf("cuda copier: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
+			return nil, fmt.Errorf("cuda: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
 	envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20)
@@ -230,16 +230,16 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	case "low":
 		opts.StagedLowPriority = true
 	default:
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
 	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
 	}
 	if opts.StagedThreads <= 0 {
 		opts.StagedThreads = DefaultStagedThreads
 	}
 	if opts.DMAStreams > 8 {
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
 	}
 	if opts.StagingBytes <= 0 {
 		opts.StagingBytes = 128 << 20
@@ -255,13 +255,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	dev, err := cu.GetDevice(ord)
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: device %d: %w", ord, err)
+		return nil, fmt.Errorf("cuda: device %d: %w", ord, err)
 	}
 	c = &Copier{eng: e, opts: opts, dev: dev, ordinal: ord, bpb: e.BytesPerBlock()}
 	c.analyse()
 	switch {
 	case opts.Mode == Direct && !c.contiguousBlocks():
-		return nil, fmt.Errorf("cuda copier: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
+		return nil, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
 	case opts.Mode == Auto:
 		c.mode = DefaultMode
 		// Blocks made of long contiguous pieces (TensorRT-LLM: one 2 MiB
@@ -287,11 +287,11 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if c.ctx, err = c.dev.RetainPrimaryCtx(); err != nil {
-		return nil, fmt.Errorf("cuda copier: retain primary context of device %d: %w", ord, err)
+		return nil, fmt.Errorf("cuda: retain primary context of device %d: %w", ord, err)
 	}
 	if err := cu.PushCurrentCtx(c.ctx); err != nil {
 		_ = c.dev.ReleasePrimaryCtx()
-		return nil, fmt.Errorf("cuda copier: make device %d's primary context current: %w", ord, err)
+		return nil, fmt.Errorf("cuda: make device %d's primary context current: %w", ord, err)
 	}
 	defer func() {
 		_, _ = cu.PopCurrentCtx()
@@ -315,7 +315,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	sms, err := c.dev.Attribute(cu.MultiprocessorCount)
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: multiprocessor count: %w", err)
+		return nil, fmt.Errorf("cuda: multiprocessor count: %w", err)
 	}
 	c.grid = sms * opts.CTAsPerSM
 	c.stagedGrid = opts.StagedCTAs
@@ -324,14 +324,14 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	least, greatest, err := cu.StreamPriorityRange()
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: stream priority range: %w", err)
+		return nil, fmt.Errorf("cuda: stream priority range: %w", err)
 	}
 	kprio := greatest
 	if opts.StagedLowPriority {
 		kprio = least
 	}
 	if c.fenceEv, err = cu.MakeEvent(cu.DisableTiming); err != nil {
-		return nil, fmt.Errorf("cuda copier: create event: %w", err)
+		return nil, fmt.Errorf("cuda: create event: %w", err)
 	}
 	for i := range c.lanes {
 		l := &lane{}
@@ -339,13 +339,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		for range opts.DMAStreams {
 			s, err := cu.MakeStream(cu.NonBlocking)
 			if err != nil {
-				return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+				return nil, fmt.Errorf("cuda: create stream: %w", err)
 			}
 			l.dma = append(l.dma, s)
 		}
 		l.stream = l.dma[0]
 		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
-			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
+			return nil, fmt.Errorf("cuda: create kernel stream: %w", err)
 		}
 		for range c.depth {
 			var k, d cu.Event
@@ -356,7 +356,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 				}
 			}
 			if err != nil {
-				return nil, fmt.Errorf("cuda copier: create event: %w", err)
+				return nil, fmt.Errorf("cuda: create event: %w", err)
 			}
 		}
 	}
@@ -365,10 +365,10 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		bases[l] = uint64(e.ChunkAddr(0, l, 0))
 	}
 	if c.bases, err = cu.MemAlloc(int64(8 * len(bases))); err != nil {
-		return nil, fmt.Errorf("cuda copier: allocate %d layer addresses: %w", len(bases), err)
+		return nil, fmt.Errorf("cuda: allocate %d layer addresses: %w", len(bases), err)
 	}
 	if err = cu.MemcpyHtoD(c.bases, unsafe.Pointer(&bases[0]), int64(8*len(bases))); err != nil {
-		return nil, fmt.Errorf("cuda copier: upload layer addresses: %w", err)
+		return nil, fmt.Errorf("cuda: upload layer addresses: %w", err)
 	}
 	return c, nil
 }
@@ -445,7 +445,7 @@ func (c *Copier) loadKernels() error {
 	if c.opts.KernelsFile != "" {
 		b, err := os.ReadFile(c.opts.KernelsFile)
 		if err != nil {
-			return fmt.Errorf("cuda copier: KVBM_CUDA_KERNELS: %w", err)
+			return fmt.Errorf("cuda: KVBM_CUDA_KERNELS: %w", err)
 		}
 		images, src = []string{string(b)}, c.opts.KernelsFile
 	} else {
@@ -456,7 +456,7 @@ func (c *Copier) loadKernels() error {
 		}
 	}
 	if len(images) == 0 {
-		return errors.New("cuda copier: this library was built without compiled kernels (run kernels/build.sh on a machine with nvcc, then go run kernels/gen.go)")
+		return errors.New("cuda: this library was built without compiled kernels (run kernels/build.sh on a machine with nvcc, then go run kernels/gen.go)")
 	}
 	var errs []error
 	for _, im := range images {
@@ -476,7 +476,7 @@ func (c *Copier) loadKernels() error {
 		c.mod, c.fnVec, c.fnB1 = mod, fv, fb
 		return nil
 	}
-	return fmt.Errorf("cuda copier: load %s: %w", src, errors.Join(errs...))
+	return fmt.Errorf("cuda: load %s: %w", src, errors.Join(errs...))
 }
 
 // Mode is the mode in use.
@@ -515,12 +515,12 @@ func (c *Copier) MaxBatch() int { return c.opts.MaxBatch }
 // (through the C ABI) whose own context must survive.
 func (c *Copier) with(fn func() error) error {
 	if c.closed.Load() {
-		return errors.New("cuda copier is closed")
+		return errors.New("cuda: copier is closed")
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if err := cu.PushCurrentCtx(c.ctx); err != nil {
-		return fmt.Errorf("cuda copier: make the primary context current: %w", err)
+		return fmt.Errorf("cuda: make the primary context current: %w", err)
 	}
 	defer func() { _, _ = cu.PopCurrentCtx() }()
 	return fn()
@@ -539,7 +539,10 @@ func (c *Copier) Fence() error {
 			}
 			streams = append(streams, rawStream(&l.kstream))
 		}
-		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(), streams...)
+		if err := fence(rawEvent(&c.fenceEv), c.engineStream.Load(), streams...); err != nil {
+			return fmt.Errorf("cuda: %w", err)
+		}
+		return nil
 	})
 }
 
@@ -551,7 +554,7 @@ func (c *Copier) RegisterHost(r *storage.HostRegion) error {
 	return c.with(func() error {
 		dev, err := hostRegister(base, size)
 		if err != nil {
-			return fmt.Errorf("cuda copier: page-lock %d host blocks (%d bytes): %w", r.NumBlocks(), size, err)
+			return fmt.Errorf("cuda: page-lock %d host blocks (%d bytes): %w", r.NumBlocks(), size, err)
 		}
 		c.regMu.Lock()
 		c.regions = append(c.regions, region{host: base, dev: dev, size: size})
@@ -569,7 +572,7 @@ func (c *Copier) devAddr(p uintptr, n int64) (uintptr, error) {
 			return r.dev + (p - r.host), nil
 		}
 	}
-	return 0, fmt.Errorf("cuda copier: host buffer %#x (%d bytes) is not in a registered host region", p, n)
+	return 0, fmt.Errorf("cuda: host buffer %#x (%d bytes) is not in a registered host region", p, n)
 }
 
 // GatherBlocks implements worker.G1Copier (G1 → host).
@@ -584,7 +587,7 @@ func (c *Copier) ScatterBlocks(blocks []int, srcs [][]byte) error {
 
 func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 	if len(blocks) != len(bufs) {
-		return fmt.Errorf("cuda copier: %d blocks but %d buffers", len(blocks), len(bufs))
+		return fmt.Errorf("cuda: %d blocks but %d buffers", len(blocks), len(bufs))
 	}
 	if len(blocks) == 0 {
 		return nil
@@ -592,10 +595,10 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 	host := make([]uintptr, len(bufs))
 	for i, b := range blocks {
 		if b < 0 || b >= c.eng.NumBlocks {
-			return fmt.Errorf("cuda copier: G1 block %d out of range [0, %d)", b, c.eng.NumBlocks)
+			return fmt.Errorf("cuda: G1 block %d out of range [0, %d)", b, c.eng.NumBlocks)
 		}
 		if int64(len(bufs[i])) < c.bpb {
-			return fmt.Errorf("cuda copier: buffer %d holds %d bytes, a block is %d", i, len(bufs[i]), c.bpb)
+			return fmt.Errorf("cuda: buffer %d holds %d bytes, a block is %d", i, len(bufs[i]), c.bpb)
 		}
 		host[i] = uintptr(unsafe.Pointer(&bufs[i][0]))
 	}
@@ -616,7 +619,7 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		// Wait even after an enqueue error: work already queued may still
 		// touch the buffers the caller is about to reuse.
 		if serr := l.synchronize(); serr != nil {
-			err = errors.Join(err, fmt.Errorf("cuda copier: synchronize: %w", serr))
+			err = errors.Join(err, fmt.Errorf("cuda: synchronize: %w", serr))
 		}
 		return err
 	})
@@ -631,7 +634,7 @@ func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) err
 			j++
 		}
 		if err := c.dma(l.dma[k%len(l.dma)], toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
-			return fmt.Errorf("cuda copier: copy G1 block %d: %w", blocks[i], err)
+			return fmt.Errorf("cuda: copy G1 block %d: %w", blocks[i], err)
 		}
 		i, k = j, k+1
 	}
@@ -669,7 +672,7 @@ func (c *Copier) runBatch(l *lane, toG1 bool, blocks []int, host []uintptr) erro
 		for ; lo < hi; lo += batchMax {
 			m := min(hi, lo+batchMax)
 			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&l.dma[k])); err != nil {
-				return fmt.Errorf("cuda copier: batched copy: %w", err)
+				return fmt.Errorf("cuda: batched copy: %w", err)
 			}
 		}
 	}
@@ -730,7 +733,7 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	if l.staging == 0 {
 		p, err := cu.MemAlloc(int64(c.depth*per) * c.bpb)
 		if err != nil {
-			return fmt.Errorf("cuda copier: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
+			return fmt.Errorf("cuda: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
 		}
 		l.staging = p
 	}
@@ -753,18 +756,18 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		if !toG1 {
 			if j >= c.depth {
 				if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-					return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+					return fmt.Errorf("cuda: wait for staging slot: %w", err)
 				}
 			}
 			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
 			if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
-				return fmt.Errorf("cuda copier: order staging copies: %w", err)
+				return fmt.Errorf("cuda: order staging copies: %w", err)
 			}
 		} else if j >= c.depth {
 			if err := ds.Wait(l.kDone[s], 0); err != nil {
-				return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+				return fmt.Errorf("cuda: wait for staging slot: %w", err)
 			}
 		}
 		for i := lo; i < hi; {
@@ -773,22 +776,22 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 				k++
 			}
 			if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
-				return fmt.Errorf("cuda copier: staging copy of G1 block %d: %w", blocks[i], err)
+				return fmt.Errorf("cuda: staging copy of G1 block %d: %w", blocks[i], err)
 			}
 			i = k
 		}
 		if err := l.dDone[s].Record(ds); err != nil {
-			return fmt.Errorf("cuda copier: record staging copy: %w", err)
+			return fmt.Errorf("cuda: record staging copy: %w", err)
 		}
 		if toG1 {
 			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-				return fmt.Errorf("cuda copier: order staging copies: %w", err)
+				return fmt.Errorf("cuda: order staging copies: %w", err)
 			}
 			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
 			if err := l.kDone[s].Record(l.kstream); err != nil {
-				return fmt.Errorf("cuda copier: record staging kernel: %w", err)
+				return fmt.Errorf("cuda: record staging kernel: %w", err)
 			}
 		}
 	}
@@ -805,12 +808,12 @@ func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (id
 		}
 		want := max(n, 1024)
 		if l.descH, err = hostAlloc(int64(16 * want)); err != nil {
-			return 0, 0, fmt.Errorf("cuda copier: descriptor buffer: %w", err)
+			return 0, 0, fmt.Errorf("cuda: descriptor buffer: %w", err)
 		}
 		if l.descD, err = cu.MemAlloc(int64(16 * want)); err != nil {
 			_ = hostFree(l.descH)
 			l.descH = 0
-			return 0, 0, fmt.Errorf("cuda copier: device descriptor buffer: %w", err)
+			return 0, 0, fmt.Errorf("cuda: device descriptor buffer: %w", err)
 		}
 		l.descCap = want
 	}
@@ -820,7 +823,7 @@ func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (id
 		d[n+i] = uint64(addrs[i])
 	}
 	if err := cu.MemcpyHtoDAsync(l.descD, unsafePtr(l.descH), int64(16*n), s); err != nil {
-		return 0, 0, fmt.Errorf("cuda copier: upload descriptors: %w", err)
+		return 0, 0, fmt.Errorf("cuda: upload descriptors: %w", err)
 	}
 	return l.descD, l.descD + cu.DevicePtr(8*n), nil
 }
@@ -855,7 +858,7 @@ func (c *Copier) launch(s cu.Stream, maxGrid, threads int, toG1 bool, ids, dAddr
 		params[i] = unsafe.Pointer(&args[i])
 	}
 	if err := fn.Launch(grid, 1, 1, threads, 1, 1, 0, s, params); err != nil {
-		return fmt.Errorf("cuda copier: launch copy kernel (%d blocks): %w", n, err)
+		return fmt.Errorf("cuda: launch copy kernel (%d blocks): %w", n, err)
 	}
 	return nil
 }
@@ -948,7 +951,10 @@ func (c *Copier) Close() error {
 	if cerr != nil {
 		return cerr
 	}
-	return errors.Join(err, c.dev.ReleasePrimaryCtx())
+	if err = errors.Join(err, c.dev.ReleasePrimaryCtx()); err != nil {
+		return fmt.Errorf("cuda: close: %w", err)
+	}
+	return nil
 }
 
 func unsafePtr(p uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&p)) }

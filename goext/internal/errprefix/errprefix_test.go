@@ -15,7 +15,8 @@ import (
 // this test skips for now, with everything below them.
 var notYetChecked = []string{"leader", "wire"}
 
-// marker, in a comment on the line of an error's creation or the line above,
+// marker, in a comment on the line of an error's creation or the line
+// above, or in the doc comment of the function or declaration holding it,
 // exempts that error because its message gets the prefix elsewhere: it is
 // only ever wrapped by an error of the same package that carries it, or it
 // leads with a wrapped error of the same package. A prefix of its own would
@@ -97,6 +98,20 @@ func checkPackage(t *testing.T, dir string, files []string) int {
 				if strings.Contains(c.Text, marker) {
 					l := fset.Position(c.Pos()).Line
 					marked[l], marked[l+1] = true, true
+				}
+			}
+		}
+		for _, d := range f.Decls {
+			var doc *ast.CommentGroup
+			switch d := d.(type) {
+			case *ast.FuncDecl:
+				doc = d.Doc
+			case *ast.GenDecl:
+				doc = d.Doc
+			}
+			if doc != nil && strings.Contains(doc.Text(), marker) {
+				for l := fset.Position(d.Pos()).Line; l <= fset.Position(d.End()).Line; l++ {
+					marked[l] = true
 				}
 			}
 		}

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -75,6 +76,7 @@ func TestRunErrors(t *testing.T) {
 		require.Empty(t, errs)
 		require.ErrorIs(t, err, ErrNotValid)
 		require.ErrorContains(t, err, "worker: rank 0: run step: 2 of 2 moves failed")
+		require.Equal(t, 1, strings.Count(err.Error(), "worker: "), "the package is named once: %s", err)
 		errs, err = w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0}, plan.G1, []int64{1})}}})
 		require.NoError(t, err, "load failures are per G1 block, not a step error")
 		require.Equal(t, []int64{1}, errs, "the failed move left its destination invalid")

@@ -125,11 +125,11 @@ func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 // size the tiers with this one function, so they agree.
 func (c *Config) TierBlocks(bytesPerBlock int64, numWorkers int) (host, disk int, err error) {
 	if bytesPerBlock < 1 || numWorkers < 1 {
-		return 0, 0, fmt.Errorf("tier sizing: %d workers × %d bytes per block: both must be positive", numWorkers, bytesPerBlock)
+		return 0, 0, fmt.Errorf("config: tier sizing: %d workers × %d bytes per block: both must be positive", numWorkers, bytesPerBlock)
 	}
 	total := bytesPerBlock * int64(numWorkers)
 	if total/int64(numWorkers) != bytesPerBlock {
-		return 0, 0, fmt.Errorf("tier sizing: %d workers × %d bytes per block overflows", numWorkers, bytesPerBlock)
+		return 0, 0, fmt.Errorf("config: tier sizing: %d workers × %d bytes per block overflows", numWorkers, bytesPerBlock)
 	}
 	if err := c.CheckBlocks(total); err != nil {
 		return 0, 0, err

@@ -290,7 +290,7 @@ func blocks(override int, gb float64, bytesPerBlock int64) int64 {
 }
 
 // ErrNoTier is returned by Validate when neither cache tier is configured.
-var ErrNoTier = fmt.Errorf("no KV cache tier configured: set %s and/or %s (or their _OVERRIDE_NUM_BLOCKS variants)",
+var ErrNoTier = fmt.Errorf("config: no KV cache tier configured: set %s and/or %s (or their _OVERRIDE_NUM_BLOCKS variants)",
 	EnvCPUCacheGB, EnvDiskCacheGB)
 
 // Validate checks what the offload path needs beyond per-variable parsing:

@@ -415,5 +415,5 @@ func TestVarErrorIsErrorsAsable(t *testing.T) {
 	_, err := load(t, map[string]string{EnvMetricsPort: "0"})
 	var ve *VarError
 	require.True(t, errors.As(err, &ve))
-	require.Equal(t, `invalid DYN_KVBM_METRICS_PORT="0": port out of range 1..65535`, ve.Error())
+	require.Equal(t, `config: invalid DYN_KVBM_METRICS_PORT="0": port out of range 1..65535`, ve.Error())
 }

@@ -20,7 +20,7 @@ type VarError struct {
 }
 
 func (e *VarError) Error() string {
-	return fmt.Sprintf("invalid %s=%q: %s", e.Name, e.Value, e.Reason)
+	return fmt.Sprintf("config: invalid %s=%q: %s", e.Name, e.Value, e.Reason)
 }
 
 // parser reads variables through lookup and records one VarError per bad
@@ -204,16 +204,16 @@ func gbToBytes(gb float64) float64 { return math.Round(gb * 1e9) }
 // it, so a bad disk tier fails at start-up rather than on the first offload.
 func checkWritableDir(dir string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("cannot create directory: %w", err)
+		return fmt.Errorf("cannot create directory: %w", err) // errprefix: wrapped: the reason of a VarError
 	}
 	f, err := os.CreateTemp(dir, ".kvbm-write-check-*")
 	if err != nil {
-		return fmt.Errorf("directory not writable: %w", err)
+		return fmt.Errorf("directory not writable: %w", err) // errprefix: wrapped: the reason of a VarError
 	}
 	name := f.Name()
 	_ = f.Close()
 	if err := os.Remove(name); err != nil {
-		return fmt.Errorf("cannot remove write-check file %s: %w", name, err)
+		return fmt.Errorf("cannot remove write-check file %s: %w", name, err) // errprefix: wrapped: the reason of a VarError
 	}
 	return nil
 }

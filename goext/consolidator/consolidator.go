@@ -119,7 +119,7 @@ type Consolidator struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu     sync.Mutex // guards tr, closed, stats (input side)
+	mu     sync.Mutex // guards the fields below until the blank line (input side)
 	tr     *Tracker
 	closed bool
 	stats  Stats
@@ -130,9 +130,10 @@ type Consolidator struct {
 	flushWG   sync.WaitGroup
 	closeOnce sync.Once
 
-	pub    zmq4.Socket // nil without ZMQ output; used by the flusher only
-	pubEP  string
-	seq    uint64 // next ZMQ sequence number; flusher only
+	pub   zmq4.Socket // nil without ZMQ output; used by the flusher only
+	pubEP string
+	seq   uint64 // next ZMQ sequence number; flusher only
+	// zmqOut's mutex guards its counters.
 	zmqOut struct {
 		sync.Mutex
 		messages, events uint64

@@ -46,7 +46,7 @@ type natsOut struct {
 	log      *slog.Logger
 	m        *metrics.Metrics
 
-	mu      sync.Mutex // guards the fields below
+	mu      sync.Mutex // guards the fields below until the blank line
 	buf     [][]byte   // encoded RouterEvents, oldest first
 	nextID  uint64     // event_id of the next event
 	sent    uint64     // confirmed by the server

@@ -116,7 +116,7 @@ func ParseMode(s string) (Mode, error) {
 	case "split":
 		return Split, nil
 	}
-	return Auto, fmt.Errorf("DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct, batch or split", s)
+	return Auto, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct, batch or split", s)
 }
 
 // Options tune a Copier; zero values pick the defaults.
@@ -175,7 +175,7 @@ type region struct {
 // lane is one direction's streams and scratch memory; its mutex serialises
 // the calls of that direction.
 type lane struct {
-	mu     sync.Mutex
+	mu     sync.Mutex  // guards the fields below, to the end of the struct
 	stream cu.Stream   // DMA copies (and the Kernel mode's work); dma[0]
 	dma    []cu.Stream // every DMA stream of the direction, stream first
 	// Staged mode: the gather/scatter kernels run on kstream (highest
@@ -210,20 +210,20 @@ type Copier struct {
 	vecOK        bool  // G1 addresses and chunk size are 16-byte multiples
 	minRun       int64 // shortest run of a block's chunks contiguous in G1 (host order)
 	bpb          int64
-	batchNote    string  // why Batch fell back to Staged
-	hostOff      []int64 // Batch: host-layout offset of chunk (layer, outer)
-	stagingSlots int     // blocks per staging slot
-	depth        int     // staging slots
+	batchNote    string   // why Batch fell back to Staged
+	hostOff      []int64  // Batch: host-layout offset of chunk (layer, outer)
+	stagingSlots int      // blocks per staging slot
+	depth        int      // staging slots
+	lanes        [2]*lane // 0: G1 → host, 1: host → G1
 
-	fenceMu      sync.Mutex
-	fenceEv      cu.Event
 	engineStream atomic.Uintptr // the engine's CUDA stream (0: legacy default stream)
+	closed       atomic.Bool
 
-	regMu   sync.RWMutex
+	fenceMu sync.Mutex // guards fenceEv
+	fenceEv cu.Event
+
+	regMu   sync.RWMutex // guards regions
 	regions []region
-
-	lanes  [2]*lane // 0: G1 → host, 1: host → G1
-	closed atomic.Bool
 }
 
 // New prepares a copier for e's tensors, which must all live on one GPU.
@@ -233,7 +233,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		return nil, err
 	}
 	if ord < 0 {
-		return nil, fmt.Errorf("cuda copier: KV tensor 0 at %#x is not GPU memory", e.Base(0))
+		return nil, fmt.Errorf("cuda: KV tensor 0 at %#x is not GPU memory", e.Base(0))
 	}
 	for i := 1; i < e.Tensors(); i++ {
 		o, err := DeviceOf(e.Base(i))
@@ -241,7 +241,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, err
 		}
 		if o != ord {
-			return nil, fmt.Errorf("cuda copier: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
+			return nil, fmt.Errorf("cuda: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
 	envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20)
@@ -251,7 +251,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
 	envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1)
 	if p := opts.SplitPercent; p < 0 || p > 99 {
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_SPLIT_PCT=%d: want 1 to 99", p)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_PCT=%d: want 1 to 99", p)
 	}
 	if opts.SplitPercent == 0 {
 		opts.SplitPercent = DefaultSplitPercent
@@ -261,16 +261,16 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	case "low":
 		opts.StagedLowPriority = true
 	default:
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
 	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
 	}
 	if opts.StagedThreads <= 0 {
 		opts.StagedThreads = DefaultStagedThreads
 	}
 	if opts.DMAStreams > 8 {
-		return nil, fmt.Errorf("cuda copier: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
 	}
 	if opts.StagingBytes <= 0 {
 		opts.StagingBytes = 128 << 20
@@ -286,13 +286,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	dev, err := cu.GetDevice(ord)
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: device %d: %w", ord, err)
+		return nil, fmt.Errorf("cuda: device %d: %w", ord, err)
 	}
 	c = &Copier{eng: e, opts: opts, dev: dev, ordinal: ord, bpb: e.BytesPerBlock()}
 	c.analyse()
 	switch {
 	case opts.Mode == Direct && !c.contiguousBlocks():
-		return nil, fmt.Errorf("cuda copier: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
+		return nil, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
 	case opts.Mode == Auto:
 		c.mode = DefaultMode
 		// Blocks made of long contiguous pieces (TensorRT-LLM: one 2 MiB
@@ -318,11 +318,11 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if c.ctx, err = c.dev.RetainPrimaryCtx(); err != nil {
-		return nil, fmt.Errorf("cuda copier: retain primary context of device %d: %w", ord, err)
+		return nil, fmt.Errorf("cuda: retain primary context of device %d: %w", ord, err)
 	}
 	if err := cu.PushCurrentCtx(c.ctx); err != nil {
 		_ = c.dev.ReleasePrimaryCtx()
-		return nil, fmt.Errorf("cuda copier: make device %d's primary context current: %w", ord, err)
+		return nil, fmt.Errorf("cuda: make device %d's primary context current: %w", ord, err)
 	}
 	defer func() {
 		_, _ = cu.PopCurrentCtx()
@@ -346,7 +346,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	sms, err := c.dev.Attribute(cu.MultiprocessorCount)
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: multiprocessor count: %w", err)
+		return nil, fmt.Errorf("cuda: multiprocessor count: %w", err)
 	}
 	c.grid = sms * opts.CTAsPerSM
 	c.stagedGrid = opts.StagedCTAs
@@ -355,14 +355,14 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	least, greatest, err := cu.StreamPriorityRange()
 	if err != nil {
-		return nil, fmt.Errorf("cuda copier: stream priority range: %w", err)
+		return nil, fmt.Errorf("cuda: stream priority range: %w", err)
 	}
 	kprio := greatest
 	if opts.StagedLowPriority {
 		kprio = least
 	}
 	if c.fenceEv, err = cu.MakeEvent(cu.DisableTiming); err != nil {
-		return nil, fmt.Errorf("cuda copier: create event: %w", err)
+		return nil, fmt.Errorf("cuda: create event: %w", err)
 	}
 	for i := range c.lanes {
 		l := &lane{}
@@ -370,7 +370,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		for range opts.DMAStreams {
 			s, err := cu.MakeStream(cu.NonBlocking)
 			if err != nil {
-				return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+				return nil, fmt.Errorf("cuda: create stream: %w", err)
 			}
 			l.dma = append(l.dma, s)
 		}
@@ -379,13 +379,13 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			for range DefaultSplitStreams {
 				s, err := cu.MakeStream(cu.NonBlocking)
 				if err != nil {
-					return nil, fmt.Errorf("cuda copier: create stream: %w", err)
+					return nil, fmt.Errorf("cuda: create stream: %w", err)
 				}
 				l.bdma = append(l.bdma, s)
 			}
 		}
 		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
-			return nil, fmt.Errorf("cuda copier: create kernel stream: %w", err)
+			return nil, fmt.Errorf("cuda: create kernel stream: %w", err)
 		}
 		for range c.depth {
 			var k, d cu.Event
@@ -396,7 +396,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 				}
 			}
 			if err != nil {
-				return nil, fmt.Errorf("cuda copier: create event: %w", err)
+				return nil, fmt.Errorf("cuda: create event: %w", err)
 			}
 		}
 	}
@@ -405,10 +405,10 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		bases[l] = uint64(e.ChunkAddr(0, l, 0))
 	}
 	if c.bases, err = cu.MemAlloc(int64(8 * len(bases))); err != nil {
-		return nil, fmt.Errorf("cuda copier: allocate %d layer addresses: %w", len(bases), err)
+		return nil, fmt.Errorf("cuda: allocate %d layer addresses: %w", len(bases), err)
 	}
 	if err = cu.MemcpyHtoD(c.bases, unsafe.Pointer(&bases[0]), int64(8*len(bases))); err != nil {
-		return nil, fmt.Errorf("cuda copier: upload layer addresses: %w", err)
+		return nil, fmt.Errorf("cuda: upload layer addresses: %w", err)
 	}
 	return c, nil
 }
@@ -485,7 +485,7 @@ func (c *Copier) loadKernels() error {
 	if c.opts.KernelsFile != "" {
 		b, err := os.ReadFile(c.opts.KernelsFile)
 		if err != nil {
-			return fmt.Errorf("cuda copier: KVBM_CUDA_KERNELS: %w", err)
+			return fmt.Errorf("cuda: KVBM_CUDA_KERNELS: %w", err)
 		}
 		images, src = []string{string(b)}, c.opts.KernelsFile
 	} else {
@@ -496,7 +496,7 @@ func (c *Copier) loadKernels() error {
 		}
 	}
 	if len(images) == 0 {
-		return errors.New("cuda copier: this library was built without compiled kernels (run kernels/build.sh on a machine with nvcc, then go run kernels/gen.go)")
+		return errors.New("cuda: this library was built without compiled kernels (run kernels/build.sh on a machine with nvcc, then go run kernels/gen.go)")
 	}
 	var errs []error
 	for _, im := range images {
@@ -516,7 +516,7 @@ func (c *Copier) loadKernels() error {
 		c.mod, c.fnVec, c.fnB1 = mod, fv, fb
 		return nil
 	}
-	return fmt.Errorf("cuda copier: load %s: %w", src, errors.Join(errs...))
+	return fmt.Errorf("cuda: load %s: %w", src, errors.Join(errs...))
 }
 
 // Mode is the mode in use.
@@ -558,12 +558,12 @@ func (c *Copier) MaxBatch() int { return c.opts.MaxBatch }
 // (through the C ABI) whose own context must survive.
 func (c *Copier) with(fn func() error) error {
 	if c.closed.Load() {
-		return errors.New("cuda copier is closed")
+		return errors.New("cuda: copier is closed")
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if err := cu.PushCurrentCtx(c.ctx); err != nil {
-		return fmt.Errorf("cuda copier: make the primary context current: %w", err)
+		return fmt.Errorf("cuda: make the primary context current: %w", err)
 	}
 	defer func() { _, _ = cu.PopCurrentCtx() }()
 	return fn()
@@ -585,7 +585,10 @@ func (c *Copier) Fence() error {
 			}
 			streams = append(streams, rawStream(&l.kstream))
 		}
-		return fence(rawEvent(&c.fenceEv), c.engineStream.Load(), streams...)
+		if err := fence(rawEvent(&c.fenceEv), c.engineStream.Load(), streams...); err != nil {
+			return fmt.Errorf("cuda: %w", err)
+		}
+		return nil
 	})
 }
 
@@ -597,7 +600,7 @@ func (c *Copier) RegisterHost(r *storage.HostRegion) error {
 	return c.with(func() error {
 		dev, err := hostRegister(base, size)
 		if err != nil {
-			return fmt.Errorf("cuda copier: page-lock %d host blocks (%d bytes): %w", r.NumBlocks(), size, err)
+			return fmt.Errorf("cuda: page-lock %d host blocks (%d bytes): %w", r.NumBlocks(), size, err)
 		}
 		c.regMu.Lock()
 		c.regions = append(c.regions, region{host: base, dev: dev, size: size})
@@ -615,7 +618,7 @@ func (c *Copier) devAddr(p uintptr, n int64) (uintptr, error) {
 			return r.dev + (p - r.host), nil
 		}
 	}
-	return 0, fmt.Errorf("cuda copier: host buffer %#x (%d bytes) is not in a registered host region", p, n)
+	return 0, fmt.Errorf("cuda: host buffer %#x (%d bytes) is not in a registered host region", p, n)
 }
 
 // GatherBlocks implements worker.G1Copier (G1 → host).
@@ -630,7 +633,7 @@ func (c *Copier) ScatterBlocks(blocks []int, srcs [][]byte) error {
 
 func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 	if len(blocks) != len(bufs) {
-		return fmt.Errorf("cuda copier: %d blocks but %d buffers", len(blocks), len(bufs))
+		return fmt.Errorf("cuda: %d blocks but %d buffers", len(blocks), len(bufs))
 	}
 	if len(blocks) == 0 {
 		return nil
@@ -638,10 +641,10 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 	host := make([]uintptr, len(bufs))
 	for i, b := range blocks {
 		if b < 0 || b >= c.eng.NumBlocks {
-			return fmt.Errorf("cuda copier: G1 block %d out of range [0, %d)", b, c.eng.NumBlocks)
+			return fmt.Errorf("cuda: G1 block %d out of range [0, %d)", b, c.eng.NumBlocks)
 		}
 		if int64(len(bufs[i])) < c.bpb {
-			return fmt.Errorf("cuda copier: buffer %d holds %d bytes, a block is %d", i, len(bufs[i]), c.bpb)
+			return fmt.Errorf("cuda: buffer %d holds %d bytes, a block is %d", i, len(bufs[i]), c.bpb)
 		}
 		host[i] = uintptr(unsafe.Pointer(&bufs[i][0]))
 	}
@@ -664,7 +667,7 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		// Wait even after an enqueue error: work already queued may still
 		// touch the buffers the caller is about to reuse.
 		if serr := l.synchronize(); serr != nil {
-			err = errors.Join(err, fmt.Errorf("cuda copier: synchronize: %w", serr))
+			err = errors.Join(err, fmt.Errorf("cuda: synchronize: %w", serr))
 		}
 		return err
 	})
@@ -679,7 +682,7 @@ func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) err
 			j++
 		}
 		if err := c.dma(l.dma[k%len(l.dma)], toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
-			return fmt.Errorf("cuda copier: copy G1 block %d: %w", blocks[i], err)
+			return fmt.Errorf("cuda: copy G1 block %d: %w", blocks[i], err)
 		}
 		i, k = j, k+1
 	}
@@ -728,7 +731,7 @@ func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []u
 		for ; lo < hi; lo += batchMax {
 			m := min(hi, lo+batchMax)
 			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&streams[k])); err != nil {
-				return fmt.Errorf("cuda copier: batched copy: %w", err)
+				return fmt.Errorf("cuda: batched copy: %w", err)
 			}
 		}
 	}
@@ -789,7 +792,7 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	if l.staging == 0 {
 		p, err := cu.MemAlloc(int64(c.depth*per) * c.bpb)
 		if err != nil {
-			return fmt.Errorf("cuda copier: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
+			return fmt.Errorf("cuda: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
 		}
 		l.staging = p
 	}
@@ -812,18 +815,18 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		if !toG1 {
 			if j >= c.depth {
 				if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-					return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+					return fmt.Errorf("cuda: wait for staging slot: %w", err)
 				}
 			}
 			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
 			if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
-				return fmt.Errorf("cuda copier: order staging copies: %w", err)
+				return fmt.Errorf("cuda: order staging copies: %w", err)
 			}
 		} else if j >= c.depth {
 			if err := ds.Wait(l.kDone[s], 0); err != nil {
-				return fmt.Errorf("cuda copier: wait for staging slot: %w", err)
+				return fmt.Errorf("cuda: wait for staging slot: %w", err)
 			}
 		}
 		for i := lo; i < hi; {
@@ -832,22 +835,22 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 				k++
 			}
 			if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
-				return fmt.Errorf("cuda copier: staging copy of G1 block %d: %w", blocks[i], err)
+				return fmt.Errorf("cuda: staging copy of G1 block %d: %w", blocks[i], err)
 			}
 			i = k
 		}
 		if err := l.dDone[s].Record(ds); err != nil {
-			return fmt.Errorf("cuda copier: record staging copy: %w", err)
+			return fmt.Errorf("cuda: record staging copy: %w", err)
 		}
 		if toG1 {
 			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-				return fmt.Errorf("cuda copier: order staging copies: %w", err)
+				return fmt.Errorf("cuda: order staging copies: %w", err)
 			}
 			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
 				return err
 			}
 			if err := l.kDone[s].Record(l.kstream); err != nil {
-				return fmt.Errorf("cuda copier: record staging kernel: %w", err)
+				return fmt.Errorf("cuda: record staging kernel: %w", err)
 			}
 		}
 	}
@@ -864,12 +867,12 @@ func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (id
 		}
 		want := max(n, 1024)
 		if l.descH, err = hostAlloc(int64(16 * want)); err != nil {
-			return 0, 0, fmt.Errorf("cuda copier: descriptor buffer: %w", err)
+			return 0, 0, fmt.Errorf("cuda: descriptor buffer: %w", err)
 		}
 		if l.descD, err = cu.MemAlloc(int64(16 * want)); err != nil {
 			_ = hostFree(l.descH)
 			l.descH = 0
-			return 0, 0, fmt.Errorf("cuda copier: device descriptor buffer: %w", err)
+			return 0, 0, fmt.Errorf("cuda: device descriptor buffer: %w", err)
 		}
 		l.descCap = want
 	}
@@ -879,7 +882,7 @@ func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (id
 		d[n+i] = uint64(addrs[i])
 	}
 	if err := cu.MemcpyHtoDAsync(l.descD, unsafePtr(l.descH), int64(16*n), s); err != nil {
-		return 0, 0, fmt.Errorf("cuda copier: upload descriptors: %w", err)
+		return 0, 0, fmt.Errorf("cuda: upload descriptors: %w", err)
 	}
 	return l.descD, l.descD + cu.DevicePtr(8*n), nil
 }
@@ -914,7 +917,7 @@ func (c *Copier) launch(s cu.Stream, maxGrid, threads int, toG1 bool, ids, dAddr
 		params[i] = unsafe.Pointer(&args[i])
 	}
 	if err := fn.Launch(grid, 1, 1, threads, 1, 1, 0, s, params); err != nil {
-		return fmt.Errorf("cuda copier: launch copy kernel (%d blocks): %w", n, err)
+		return fmt.Errorf("cuda: launch copy kernel (%d blocks): %w", n, err)
 	}
 	return nil
 }
@@ -994,9 +997,13 @@ func (c *Copier) release() error {
 	if c.mod != (cu.Module{}) {
 		errs = append(errs, c.mod.Unload())
 	}
+	// A Fence that passed the closed check before Close began holds fenceMu
+	// until it is done with the event.
+	c.fenceMu.Lock()
 	if c.fenceEv != (cu.Event{}) {
 		errs = append(errs, cu.DestroyEvent(&c.fenceEv))
 	}
+	c.fenceMu.Unlock()
 	return errors.Join(errs...)
 }
 
@@ -1013,7 +1020,10 @@ func (c *Copier) Close() error {
 	if cerr != nil {
 		return cerr
 	}
-	return errors.Join(err, c.dev.ReleasePrimaryCtx())
+	if err = errors.Join(err, c.dev.ReleasePrimaryCtx()); err != nil {
+		return fmt.Errorf("cuda: close: %w", err)
+	}
+	return nil
 }
 
 func unsafePtr(p uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&p)) }

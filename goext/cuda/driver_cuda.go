@@ -135,6 +135,7 @@ func cuErr(what string, r C.int) error {
 	if r == 0 {
 		return nil
 	}
+	// errprefix: wrapped by the copier's errors; DeviceOf, Fence and Close add it too
 	return fmt.Errorf("%s: CUDA error %d: %s", what, int(r), C.GoString(C.kvbm_cu_error(r)))
 }
 
@@ -143,7 +144,7 @@ func cuErr(what string, r C.int) error {
 func DeviceOf(p uintptr) (int, error) {
 	var ord C.int
 	if err := cuErr("cuPointerGetAttribute", C.kvbm_pointer_device(C.uintptr_t(p), &ord)); err != nil {
-		return -1, err
+		return -1, fmt.Errorf("cuda: %w", err)
 	}
 	return int(ord), nil
 }

@@ -14,7 +14,7 @@ import (
 
 // ErrFrameCount is returned for a ZMQ message that has neither 2 nor 3
 // frames (design §7.1).
-var ErrFrameCount = errors.New("unexpected frame count (expected 2 or 3)")
+var ErrFrameCount = errors.New("events: unexpected frame count (expected 2 or 3)")
 
 // Decoder decodes engine KV event messages (design §7.1): vLLM's
 // msgspec-encoded batches in both their array and map encodings, and the
@@ -86,7 +86,7 @@ func (dec *Decoder) DecodePayload(p []byte) (Batch, error) {
 	dec.d.Reset(&dec.r)
 	c, err := dec.d.PeekCode()
 	if err != nil {
-		return b, fmt.Errorf("event batch: empty payload: %w", err)
+		return b, fmt.Errorf("events: event batch: empty payload: %w", err)
 	}
 	switch {
 	case isArray(c):
@@ -95,7 +95,7 @@ func (dec *Decoder) DecodePayload(p []byte) (Batch, error) {
 			return b, batchErr(err)
 		}
 		if n < 2 {
-			return b, fmt.Errorf("event batch: array has %d elements, want [ts, events, dp_rank]", n)
+			return b, fmt.Errorf("events: event batch: array has %d elements, want [ts, events, dp_rank]", n)
 		}
 		if err := dec.batchTS(&b); err != nil {
 			return b, batchErr(err)
@@ -146,16 +146,16 @@ func (dec *Decoder) DecodePayload(p []byte) (Batch, error) {
 			}
 		}
 		if !sawEvents {
-			return b, errors.New("event batch: map has no \"events\" key")
+			return b, errors.New("events: event batch: map has no \"events\" key")
 		}
 	default:
-		return b, fmt.Errorf("event batch: payload is msgpack %s, want array or map", typeName(c))
+		return b, fmt.Errorf("events: event batch: payload is msgpack %s, want array or map", typeName(c))
 	}
 	return b, nil
 }
 
 func batchErr(err error) error {
-	return fmt.Errorf("event batch: malformed msgpack: %w", err)
+	return fmt.Errorf("events: event batch: malformed msgpack: %w", err)
 }
 
 // batchTS reads the timestamp; a value of another type is ignored (the
@@ -200,7 +200,7 @@ func (dec *Decoder) batchEvents(b *Batch) error {
 		return batchErr(dec.d.DecodeNil())
 	}
 	if !isArray(c) {
-		return fmt.Errorf("event batch: events is msgpack %s, want array", typeName(c))
+		return fmt.Errorf("events: event batch: events is msgpack %s, want array", typeName(c))
 	}
 	n, err := dec.d.DecodeArrayLen()
 	if err != nil {
@@ -213,7 +213,7 @@ func (dec *Decoder) batchEvents(b *Batch) error {
 		dec.bad = ""
 		ev, err := dec.event()
 		if err != nil {
-			return batchErr(fmt.Errorf("event %d: %w", i, err))
+			return batchErr(fmt.Errorf("event %d: %w", i, err)) // errprefix: wrapped by batchErr
 		}
 		if dec.bad != "" {
 			b.Skipped = append(b.Skipped, EventError{Index: i, Reason: dec.bad})
@@ -692,7 +692,7 @@ func (dec *Decoder) readStr() (b []byte, ok bool, err error) {
 		return nil, false, err
 	}
 	if n > dec.r.Len() {
-		return nil, false, fmt.Errorf("string of %d bytes overruns the payload", n)
+		return nil, false, fmt.Errorf("string of %d bytes overruns the payload", n) // errprefix: wrapped by batchErr
 	}
 	if cap(dec.str) < n {
 		dec.str = make([]byte, n)
@@ -759,7 +759,7 @@ func (dec *Decoder) skip(n int) error {
 // the reader safe.
 func (dec *Decoder) discard(n int) error {
 	if n > dec.r.Len() {
-		return fmt.Errorf("value of %d bytes overruns the payload (%d left)", n, dec.r.Len())
+		return fmt.Errorf("value of %d bytes overruns the payload (%d left)", n, dec.r.Len()) // errprefix: wrapped by batchErr
 	}
 	_, err := dec.r.Seek(int64(n), io.SeekCurrent)
 	return err

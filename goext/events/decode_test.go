@@ -3,6 +3,7 @@ package events
 import (
 	"encoding/binary"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -337,6 +338,7 @@ func TestDecodeBatchErrors(t *testing.T) {
 			_, err := DecodeMessage([][]byte{{}, tc.payload})
 			require.Error(t, err)
 			require.Contains(t, err.Error(), tc.msg)
+			require.True(t, strings.HasPrefix(err.Error(), "events: "), "%q names its package first", err)
 		})
 	}
 }

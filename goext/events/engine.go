@@ -70,7 +70,7 @@ type EventError struct {
 }
 
 func (e EventError) Error() string {
-	return fmt.Sprintf("event %d skipped: %s", e.Index, e.Reason)
+	return fmt.Sprintf("events: event %d skipped: %s", e.Index, e.Reason)
 }
 
 // Batch is one decoded engine message.

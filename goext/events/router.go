@@ -89,7 +89,7 @@ func (d KvCacheEventData) MarshalJSON() ([]byte, error) {
 	case d.Cleared:
 		return []byte(`"cleared"`), nil
 	}
-	return nil, errors.New("router event data: none of stored, removed, cleared is set")
+	return nil, errors.New("events: router event data: none of stored, removed, cleared is set")
 }
 
 // UnmarshalJSON reads the externally tagged enum form.
@@ -99,37 +99,37 @@ func (d *KvCacheEventData) UnmarshalJSON(b []byte) error {
 	if len(b) > 0 && b[0] == '"' {
 		var s string
 		if err := json.Unmarshal(b, &s); err != nil {
-			return fmt.Errorf("router event data: %w", err)
+			return fmt.Errorf("events: router event data: %w", err)
 		}
 		if s != "cleared" {
-			return fmt.Errorf("router event data: unknown variant %q", s)
+			return fmt.Errorf("events: router event data: unknown variant %q", s)
 		}
 		d.Cleared = true
 		return nil
 	}
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(b, &m); err != nil {
-		return fmt.Errorf("router event data: %w", err)
+		return fmt.Errorf("events: router event data: %w", err)
 	}
 	if len(m) != 1 {
-		return fmt.Errorf("router event data: want exactly one variant, got %d keys", len(m))
+		return fmt.Errorf("events: router event data: want exactly one variant, got %d keys", len(m))
 	}
 	if raw, ok := m["stored"]; ok {
 		d.Stored = new(KvCacheStoreData)
 		if err := json.Unmarshal(raw, d.Stored); err != nil {
-			return fmt.Errorf("router event data: stored: %w", err)
+			return fmt.Errorf("events: router event data: stored: %w", err)
 		}
 		return nil
 	}
 	if raw, ok := m["removed"]; ok {
 		d.Removed = new(KvCacheRemoveData)
 		if err := json.Unmarshal(raw, d.Removed); err != nil {
-			return fmt.Errorf("router event data: removed: %w", err)
+			return fmt.Errorf("events: router event data: removed: %w", err)
 		}
 		return nil
 	}
 	for k := range m {
-		return fmt.Errorf("router event data: unknown variant %q", k)
+		return fmt.Errorf("events: router event data: unknown variant %q", k)
 	}
 	return nil
 }
@@ -174,10 +174,10 @@ func SubjectWithSuffix(namespace, component, suffix string) string {
 // in the error.
 func ValidateSubjectToken(what, s string) error {
 	if s == "" {
-		return fmt.Errorf("%s is empty", what)
+		return fmt.Errorf("events: %s is empty", what)
 	}
 	if i := strings.IndexAny(s, ".*> \t\r\n"); i >= 0 {
-		return fmt.Errorf("%s %q contains %q, which a NATS subject token cannot hold", what, s, s[i])
+		return fmt.Errorf("events: %s %q contains %q, which a NATS subject token cannot hold", what, s, s[i])
 	}
 	return nil
 }

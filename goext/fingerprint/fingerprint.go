@@ -88,10 +88,10 @@ func (f Fingerprint) IsZero() bool { return f == Fingerprint{} }
 func Parse(s string) (Fingerprint, error) {
 	var f Fingerprint
 	if len(s) != 2*len(f) {
-		return f, fmt.Errorf("fingerprint %q: want %d hex digits", s, 2*len(f))
+		return f, fmt.Errorf("fingerprint: %q: want %d hex digits", s, 2*len(f))
 	}
 	if _, err := hex.Decode(f[:], []byte(strings.ToLower(s))); err != nil {
-		return f, fmt.Errorf("fingerprint %q: %w", s, err)
+		return f, fmt.Errorf("fingerprint: %q: %w", s, err)
 	}
 	return f, nil
 }

@@ -8,7 +8,7 @@ import (
 
 // ErrLayout is wrapped by every error NewEngine returns, so callers can tell
 // "the engine handed us tensors we do not understand" from other failures.
-var ErrLayout = errors.New("unsupported KV cache layout")
+var ErrLayout = errors.New("layout: unsupported KV cache layout")
 
 // Tensor is one engine KV tensor as the engine hands it over. The memory at
 // Ptr belongs to the engine; layout only computes addresses inside it.

@@ -54,7 +54,7 @@ func LayerIndex(name string) (int, error) {
 		}
 	}
 	if found != 1 {
-		return 0, fmt.Errorf("layer name %q: want exactly one integer component (the layer index), found %d", name, found)
+		return 0, fmt.Errorf("layout: layer name %q: want exactly one integer component (the layer index), found %d", name, found)
 	}
 	return idx, nil
 }
@@ -70,7 +70,7 @@ func OrderLayers(names []string) ([]int, error) {
 			return nil, err
 		}
 		if prev, dup := seen[li]; dup {
-			return nil, fmt.Errorf("layer names %q and %q have the same layer index %d", prev, n, li)
+			return nil, fmt.Errorf("layout: layer names %q and %q have the same layer index %d", prev, n, li)
 		}
 		seen[li] = n
 		idx[i] = li

@@ -87,5 +87,5 @@ func ParseKind(s string) (Kind, error) {
 	case "cpu_paged", "lbhnc":
 		return CPUPaged, nil
 	}
-	return Auto, fmt.Errorf("unknown KV layout kind %q (want one of flash_attn, flashinfer, cpu, cpu_paged, mla, trtllm, or auto)", s)
+	return Auto, fmt.Errorf("layout: unknown KV layout kind %q (want one of flash_attn, flashinfer, cpu, cpu_paged, mla, trtllm, or auto)", s)
 }

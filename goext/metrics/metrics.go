@@ -193,7 +193,7 @@ func (m *Metrics) ServeWith(addr string, o ServerOptions) (*Server, error) {
 	o.fill()
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("metrics endpoint %s (set DYN_KVBM_METRICS_PORT to a free port): %w", addr, err)
+		return nil, fmt.Errorf("metrics: endpoint %s (set DYN_KVBM_METRICS_PORT to a free port): %w", addr, err)
 	}
 	mux := http.NewServeMux()
 	g := prometheus.Gatherers{m.Registry}

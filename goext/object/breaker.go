@@ -10,11 +10,11 @@ import (
 // until cooldown passed; then one request at a time is let through, and the
 // first success closes it again.
 type breaker struct {
-	mu        sync.Mutex
 	threshold int
 	cooldown  time.Duration
 	now       func() time.Time
 
+	mu       sync.Mutex // guards the fields below
 	fails    int
 	openTill time.Time // zero: closed
 	probing  bool      // a request is testing a half-open breaker

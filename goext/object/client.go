@@ -26,7 +26,7 @@ type ClientOptions struct {
 }
 
 // ErrNotFound: no object under the key.
-var ErrNotFound = errors.New("G4 object not found")
+var ErrNotFound = errors.New("object: G4 object not found")
 
 // Client is a small S3 client for one bucket: conditional PUT, GET, HEAD,
 // DELETE. It is built on minio-go (Apache-2.0), which speaks plain S3 (AWS
@@ -41,7 +41,7 @@ type Client struct {
 // NewClient creates the client; it does not contact the server.
 func NewClient(o ClientOptions) (*Client, error) {
 	if o.Host == "" || o.Bucket == "" {
-		return nil, errors.New("object client: host and bucket are required")
+		return nil, errors.New("object: client: host and bucket are required")
 	}
 	var creds *credentials.Credentials
 	if o.AccessKey != "" || o.SecretKey != "" {
@@ -55,7 +55,7 @@ func NewClient(o ClientOptions) (*Client, error) {
 	}
 	tr, err := minio.DefaultTransport(o.Secure)
 	if err != nil {
-		return nil, fmt.Errorf("object client: %w", err)
+		return nil, fmt.Errorf("object: client: %w", err)
 	}
 	tr.MaxIdleConns, tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost = conns, conns, conns
 	tr.ResponseHeaderTimeout = 30 * time.Second
@@ -66,7 +66,7 @@ func NewClient(o ClientOptions) (*Client, error) {
 		MaxRetries: 1,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("object client for %s: %w", o.Host, err)
+		return nil, fmt.Errorf("object: client for %s: %w", o.Host, err)
 	}
 	return &Client{mc: mc, bucket: o.Bucket}, nil
 }
@@ -78,7 +78,7 @@ func (c *Client) Bucket() string { return c.bucket }
 func (c *Client) EnsureBucket(ctx context.Context, region string) error {
 	ok, err := c.mc.BucketExists(ctx, c.bucket)
 	if err != nil {
-		return fmt.Errorf("bucket %s: %w", c.bucket, err)
+		return fmt.Errorf("object: bucket %s: %w", c.bucket, err)
 	}
 	if ok {
 		return nil
@@ -89,7 +89,7 @@ func (c *Client) EnsureBucket(ctx context.Context, region string) error {
 		if code == "BucketAlreadyOwnedByYou" || code == "BucketAlreadyExists" {
 			return nil // another instance created it meanwhile
 		}
-		return fmt.Errorf("create bucket %s: %w", c.bucket, err)
+		return fmt.Errorf("object: create bucket %s: %w", c.bucket, err)
 	}
 	return nil
 }

@@ -36,7 +36,7 @@ const HeaderSize = 64
 var magic = [8]byte{'K', 'V', 'B', 'M', 'G', '4', 'v', '1'}
 
 // ErrCorrupt: an object whose header or payload does not verify.
-var ErrCorrupt = errors.New("G4 object does not verify")
+var ErrCorrupt = errors.New("object: G4 object does not verify")
 
 // Header identifies one stored block shard.
 type Header struct {

@@ -9,10 +9,11 @@ import (
 // the least recently added or confirmed hash goes first). Safe for
 // concurrent use.
 type Registry struct {
-	mu  sync.Mutex
 	cap int
-	ll  *list.List // front: most recent
-	m   map[uint64]*list.Element
+
+	mu sync.Mutex // guards the fields below
+	ll *list.List // front: most recent
+	m  map[uint64]*list.Element
 }
 
 // NewRegistry returns an empty registry of at most capacity hashes (≥ 1).

@@ -62,7 +62,7 @@ func Local() Stats {
 // report their counters to the leader's process (SetRemote); the metrics
 // endpoint there serves the sum.
 var remote struct {
-	mu sync.Mutex
+	mu sync.Mutex // guards m
 	m  map[string]Stats
 }
 

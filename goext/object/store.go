@@ -13,7 +13,7 @@ import (
 
 // ErrUnavailable: the circuit breaker refused the request (the store failed
 // repeatedly; it is tried again after the cool-down).
-var ErrUnavailable = errors.New("object store unavailable (circuit breaker open)")
+var ErrUnavailable = errors.New("object: store unavailable (circuit breaker open)")
 
 // Defaults of StoreOptions.
 const (
@@ -68,9 +68,11 @@ type Store struct {
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	pending sync.WaitGroup // queued or running uploads (Flush)
-	ackMu   sync.Mutex
-	acked   []uint64 // hashes stored since the last TakeAcked (bounded)
-	closeMu sync.RWMutex
+
+	ackMu sync.Mutex // guards acked
+	acked []uint64   // hashes stored since the last TakeAcked (bounded)
+
+	closeMu sync.RWMutex // guards closed: enqueuers (read) against Close (write)
 	closed  bool
 }
 
@@ -82,10 +84,10 @@ type upload struct {
 // NewStore starts the upload goroutines.
 func NewStore(o StoreOptions) (*Store, error) {
 	if o.Client == nil {
-		return nil, errors.New("object store: no client")
+		return nil, errors.New("object: store: no client")
 	}
 	if o.BlockBytes <= 0 {
-		return nil, fmt.Errorf("object store: block bytes %d: must be positive", o.BlockBytes)
+		return nil, fmt.Errorf("object: store: block bytes %d: must be positive", o.BlockBytes)
 	}
 	if o.Registry == nil {
 		o.Registry = NewRegistry(100000)
@@ -300,7 +302,7 @@ func (s *Store) Flush(ctx context.Context) error {
 // every instance). dst's contents are undefined after an error.
 func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error {
 	if len(dst) != s.bpb {
-		return fmt.Errorf("G4 download into %d bytes, want %d", len(dst), s.bpb)
+		return fmt.Errorf("object: G4 download into %d bytes, want %d", len(dst), s.bpb)
 	}
 	if !s.allow() {
 		return ErrUnavailable
@@ -337,7 +339,10 @@ func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error 
 	default:
 		stats.errors.Add(1)
 	}
-	return fmt.Errorf("G4 block %s: %w", key, err)
+	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrNotFound) {
+		return fmt.Errorf("%w (G4 block %s)", err, key) // errprefix: err, of this package, carries it
+	}
+	return fmt.Errorf("object: G4 block %s: %w", key, err)
 }
 
 // Lookup returns how many leading hashes are stored: hashes the registry

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -140,6 +141,8 @@ func TestCorruptObjectNeverServed(t *testing.T) {
 	dst := make([]byte, blockBytes)
 	err = s.Download(ctx, 5, dst)
 	require.ErrorIs(t, err, object.ErrCorrupt)
+	require.True(t, strings.HasPrefix(err.Error(), "object: "), err.Error())
+	require.Equal(t, 1, strings.Count(err.Error(), "object: "), "the package is named once: %s", err)
 	require.Equal(t, uint64(1), object.Snapshot().Corrupt-before.Corrupt)
 	require.False(t, s.Registry().Contains(5))
 	ok, err := c.Head(ctx, s.Key(5))

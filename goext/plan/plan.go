@@ -122,11 +122,11 @@ func (s *Step) Encode() ([]byte, error) { return msgpack.Marshal(s) }
 // before the msgpack decoder allocates for them.
 func Decode(b []byte) (*Step, error) {
 	if err := mpbound.Check(b); err != nil {
-		return nil, fmt.Errorf("decode step plan (%d bytes): %w", len(b), err)
+		return nil, fmt.Errorf("plan: decode step plan (%d bytes): %w", len(b), err)
 	}
 	var s Step
 	if err := msgpack.Unmarshal(b, &s); err != nil {
-		return nil, fmt.Errorf("decode step plan (%d bytes): %w", len(b), err)
+		return nil, fmt.Errorf("plan: decode step plan (%d bytes): %w", len(b), err)
 	}
 	return &s, nil
 }
@@ -143,7 +143,7 @@ func appendCopies(dst []byte, cs []Copy) []byte {
 
 func parseCopies(b []byte) ([]Copy, error) {
 	if len(b)%copyBytes != 0 {
-		return nil, fmt.Errorf("copy list of %d bytes is not a multiple of %d", len(b), copyBytes)
+		return nil, fmt.Errorf("copy list of %d bytes is not a multiple of %d", len(b), copyBytes) // errprefix: wrapped by Decode
 	}
 	if len(b) == 0 {
 		return nil, nil
@@ -236,7 +236,7 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 
 func parseUploads(b []byte) ([]Upload, error) {
 	if len(b)%uploadBytes != 0 {
-		return nil, fmt.Errorf("upload list of %d bytes is not a multiple of %d", len(b), uploadBytes)
+		return nil, fmt.Errorf("upload list of %d bytes is not a multiple of %d", len(b), uploadBytes) // errprefix: wrapped by Decode
 	}
 	if len(b) == 0 {
 		return nil, nil
@@ -274,7 +274,7 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 		return err
 	}
 	if n < 0 {
-		return fmt.Errorf("step plan is nil")
+		return fmt.Errorf("step plan is nil") // errprefix: wrapped by Decode
 	}
 	for i := 0; i < n; i++ {
 		key, err := dec.DecodeString()
@@ -301,7 +301,7 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			for j := 0; j < m; j++ {
 				ld, err := decodeLoad(dec)
 				if err != nil {
-					return fmt.Errorf("load %d: %w", j, err)
+					return fmt.Errorf("load %d: %w", j, err) // errprefix: wrapped by Decode
 				}
 				s.Loads = append(s.Loads, ld)
 			}
@@ -312,7 +312,7 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			}
 			cs, err := parseCopies(b)
 			if err != nil {
-				return fmt.Errorf("%q: %w", key, err)
+				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
 			switch key {
 			case "m":
@@ -327,8 +327,8 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			if err != nil {
 				return err
 			}
-			if s.Tags, err = ParseTags(b); err != nil {
-				return fmt.Errorf("%q: %w", key, err)
+			if s.Tags, err = parseTags(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
 		case "u":
 			b, err := dec.DecodeBytes()
@@ -336,7 +336,7 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				return err
 			}
 			if s.Uploads, err = parseUploads(b); err != nil {
-				return fmt.Errorf("%q: %w", key, err)
+				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
 		default:
 			if err := dec.Skip(); err != nil {

@@ -47,11 +47,21 @@ func AppendTags(dst []byte, ts []BlockTag) []byte {
 
 // ParseTags reads what AppendTags wrote; malformed input is an error.
 func ParseTags(b []byte) ([]BlockTag, error) {
+	ts, err := parseTags(b)
+	if err != nil {
+		return nil, fmt.Errorf("plan: %w", err)
+	}
+	return ts, nil
+}
+
+// parseTags is ParseTags without the package prefix, for Decode, which adds
+// its own.
+func parseTags(b []byte) ([]BlockTag, error) {
 	le := binary.LittleEndian
 	var ts []BlockTag
 	for len(b) > 0 {
 		if len(b) < tagFixed {
-			return nil, fmt.Errorf("block tag %d: %d bytes left, want at least %d", len(ts), len(b), tagFixed)
+			return nil, fmt.Errorf("block tag %d: %d bytes left, want at least %d", len(ts), len(b), tagFixed) // errprefix: wrapped by ParseTags and Decode
 		}
 		t := BlockTag{
 			Block: int64(le.Uint64(b[0:])), SeqHash: le.Uint64(b[8:]), Parent: le.Uint64(b[16:]),
@@ -60,7 +70,7 @@ func ParseTags(b []byte) ([]BlockTag, error) {
 		n := uint64(le.Uint32(b[29:]))
 		b = b[tagFixed:]
 		if n*4 > uint64(len(b)) {
-			return nil, fmt.Errorf("block tag %d: %d tokens in %d bytes", len(ts), n, len(b))
+			return nil, fmt.Errorf("block tag %d: %d tokens in %d bytes", len(ts), n, len(b)) // errprefix: wrapped by ParseTags and Decode
 		}
 		if n > 0 {
 			t.Tokens = make([]uint32, n)

@@ -77,14 +77,14 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 		log = slog.Default()
 	}
 	if o.NumBlocks <= 0 || o.BlockBytes <= 0 {
-		return nil, fmt.Errorf("disk tier: %d blocks of %d bytes: both must be > 0", o.NumBlocks, o.BlockBytes)
+		return nil, fmt.Errorf("storage: disk tier: %d blocks of %d bytes: both must be > 0", o.NumBlocks, o.BlockBytes)
 	}
 	dir := o.Dir
 	if dir == "" {
 		dir = "/tmp/"
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, fmt.Errorf("disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
+		return nil, fmt.Errorf("storage: disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
 	}
 	removeStaleFiles(dir, log)
 	if o.Persist {
@@ -98,7 +98,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	stride := layout.AlignUp(o.BlockBytes, Alignment)
 	size := stride * int64(o.NumBlocks)
 	if size/int64(o.NumBlocks) != stride {
-		return nil, fmt.Errorf("disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
+		return nil, fmt.Errorf("storage: disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
 	}
 	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride, slot: stride}
 	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
@@ -106,7 +106,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	}
 	if err := d.preallocate(size, log); err != nil {
 		_ = d.Close()
-		return nil, fmt.Errorf("disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
+		return nil, fmt.Errorf("storage: disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
 			size, o.NumBlocks, stride, dir, err)
 	}
@@ -116,7 +116,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 			if err := d.dropDirect(); err != nil {
 				path := d.path
 				_ = d.Close()
-				return nil, fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err)
+				return nil, fmt.Errorf("storage: disk tier file %s: turn O_DIRECT off: %w", path, err)
 			}
 		}
 	}
@@ -130,14 +130,14 @@ func (d *DiskRegion) preallocate(size int64, log *slog.Logger) error {
 		return nil
 	}
 	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
-		return fmt.Errorf("fallocate: %w", err)
+		return fmt.Errorf("fallocate: %w", err) // errprefix: wrapped by NewDiskRegion and openPersistent
 	}
 	// The filesystem cannot reserve space up front; a sparse file still
 	// works, and a full disk then shows up as a write error at runtime,
 	// which the worker turns into a degraded (G2-only) tier.
 	log.Warn("kvbm disk tier: fallocate not supported, using a sparse file (space is not reserved)", "path", d.path, "err", err)
 	if err := unix.Ftruncate(d.fd, size); err != nil {
-		return fmt.Errorf("ftruncate: %w", err)
+		return fmt.Errorf("ftruncate: %w", err) // errprefix: wrapped by NewDiskRegion and openPersistent
 	}
 	return nil
 }
@@ -154,24 +154,24 @@ func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger)
 		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
 		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, log)
 		if err != nil {
-			return fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
+			return fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
 		}
 		if err := lockTierFile(fd, path); err != nil {
 			_ = unix.Close(fd)
 			if errors.Is(err, errLostToCleanup) {
 				continue
 			}
-			return fmt.Errorf("disk tier file %s: %w", path, err)
+			return fmt.Errorf("storage: disk tier file %s: %w", path, err)
 		}
 		d.fd, d.path, d.direct = fd, path, odirect
 		return nil
 	}
-	return fmt.Errorf("disk tier in DYN_KVBM_DISK_CACHE_DIR=%q: %w %d times", dir, errLostToCleanup, attempts)
+	return fmt.Errorf("storage: disk tier in DYN_KVBM_DISK_CACHE_DIR=%q: %w %d times", dir, errLostToCleanup, attempts)
 }
 
 // errLostToCleanup: another process's stale-file cleanup removed the file
 // we had just created, before we could lock it.
-var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked")
+var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked") // errprefix: wrapped by create
 
 // openTierFile opens path read-write, creating it, with the extra open
 // flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one),
@@ -200,17 +200,17 @@ func lockTierFile(fd int, path string) error {
 		if errors.Is(err, unix.EWOULDBLOCK) {
 			return errLostToCleanup // a cleanup holds it while removing it
 		}
-		return fmt.Errorf("flock: %w", err)
+		return fmt.Errorf("flock: %w", err) // errprefix: wrapped by create
 	}
 	var held, named unix.Stat_t
 	if err := unix.Fstat(fd, &held); err != nil {
-		return fmt.Errorf("fstat: %w", err)
+		return fmt.Errorf("fstat: %w", err) // errprefix: wrapped by create
 	}
 	if err := unix.Stat(path, &named); err != nil {
 		if errors.Is(err, unix.ENOENT) {
 			return errLostToCleanup
 		}
-		return fmt.Errorf("stat: %w", err)
+		return fmt.Errorf("stat: %w", err) // errprefix: wrapped by create
 	}
 	if held.Dev != named.Dev || held.Ino != named.Ino {
 		return errLostToCleanup
@@ -250,13 +250,13 @@ func (d *DiskRegion) Stride() int64 { return d.stride }
 
 func (d *DiskRegion) check(i int, buf []byte) error {
 	if i < 0 || i >= d.numBlocks {
-		return fmt.Errorf("disk block %d out of range [0, %d)", i, d.numBlocks)
+		return fmt.Errorf("storage: disk block %d out of range [0, %d)", i, d.numBlocks)
 	}
 	if int64(len(buf)) != d.stride {
-		return fmt.Errorf("disk block %d: buffer of %d bytes, want the stride %d", i, len(buf), d.stride)
+		return fmt.Errorf("storage: disk block %d: buffer of %d bytes, want the stride %d", i, len(buf), d.stride)
 	}
 	if d.direct && uintptr(unsafe.Pointer(unsafe.SliceData(buf)))%Alignment != 0 {
-		return fmt.Errorf("disk block %d: buffer not %d-aligned for O_DIRECT", i, Alignment)
+		return fmt.Errorf("storage: disk block %d: buffer not %d-aligned for O_DIRECT", i, Alignment)
 	}
 	return nil
 }
@@ -274,10 +274,10 @@ func (d *DiskRegion) WriteBlock(i int, buf []byte) error {
 			continue
 		}
 		if err != nil {
-			return fmt.Errorf("disk tier %s: write block %d: %w", d.path, i, err)
+			return fmt.Errorf("storage: disk tier %s: write block %d: %w", d.path, i, err)
 		}
 		if n == 0 {
-			return fmt.Errorf("disk tier %s: write block %d: %w", d.path, i, io.ErrShortWrite)
+			return fmt.Errorf("storage: disk tier %s: write block %d: %w", d.path, i, io.ErrShortWrite)
 		}
 		buf, off = buf[n:], off+int64(n)
 	}
@@ -296,10 +296,10 @@ func (d *DiskRegion) ReadBlock(i int, buf []byte) error {
 			continue
 		}
 		if err != nil {
-			return fmt.Errorf("disk tier %s: read block %d: %w", d.path, i, err)
+			return fmt.Errorf("storage: disk tier %s: read block %d: %w", d.path, i, err)
 		}
 		if n == 0 {
-			return fmt.Errorf("disk tier %s: read block %d: %w", d.path, i, io.ErrUnexpectedEOF)
+			return fmt.Errorf("storage: disk tier %s: read block %d: %w", d.path, i, io.ErrUnexpectedEOF)
 		}
 		buf, off = buf[n:], off+int64(n)
 	}
@@ -322,18 +322,18 @@ func (d *DiskRegion) Close() error {
 		// The file stays for the next process; what was written reaches
 		// the device before the lock goes.
 		if err := unix.Fdatasync(d.fd); err != nil {
-			errs = append(errs, fmt.Errorf("disk tier %s: fdatasync: %w", path, err))
+			errs = append(errs, fmt.Errorf("storage: disk tier %s: fdatasync: %w", path, err))
 		}
 	}
 	if path != "" && !d.persistent {
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, fmt.Errorf("disk tier %s: remove: %w", path, err))
+			errs = append(errs, fmt.Errorf("storage: disk tier %s: remove: %w", path, err))
 		}
 		d.path = ""
 	}
 	if d.fd >= 0 {
 		if err := unix.Close(d.fd); err != nil {
-			errs = append(errs, fmt.Errorf("disk tier %s: close: %w", path, err))
+			errs = append(errs, fmt.Errorf("storage: disk tier %s: close: %w", path, err))
 		}
 		d.fd = -1
 	}

@@ -33,12 +33,12 @@ type HostRegion struct {
 // no page faults on the first transfers).
 func NewHostRegion(numBlocks int, blockBytes int64, populate bool) (*HostRegion, error) {
 	if numBlocks <= 0 || blockBytes <= 0 {
-		return nil, fmt.Errorf("host region: %d blocks of %d bytes: both must be > 0", numBlocks, blockBytes)
+		return nil, fmt.Errorf("storage: host region: %d blocks of %d bytes: both must be > 0", numBlocks, blockBytes)
 	}
 	stride := layout.AlignUp(blockBytes, Alignment)
 	size := stride * int64(numBlocks)
 	if size/int64(numBlocks) != stride {
-		return nil, fmt.Errorf("host region: %d blocks × %d bytes overflows", numBlocks, stride)
+		return nil, fmt.Errorf("storage: host region: %d blocks × %d bytes overflows", numBlocks, stride)
 	}
 	// Refuse what the machine cannot hold: with overcommit the mmap would
 	// succeed and the populate (or a later transfer) would summon the OOM
@@ -47,13 +47,13 @@ func NewHostRegion(numBlocks int, blockBytes int64, populate bool) (*HostRegion,
 	if err := unix.Sysinfo(&si); err == nil {
 		total := int64(si.Totalram) * int64(si.Unit)
 		if total > 0 && size > total {
-			return nil, fmt.Errorf("host region: %d blocks × %d bytes = %d bytes is more than this machine's %d bytes of RAM "+
+			return nil, fmt.Errorf("storage: host region: %d blocks × %d bytes = %d bytes is more than this machine's %d bytes of RAM "+
 				"(lower DYN_KVBM_CPU_CACHE_GB or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS)", numBlocks, stride, size, total)
 		}
 	}
 	mem, err := mapAnon(size, populate)
 	if err != nil {
-		return nil, fmt.Errorf("host region: map %d blocks × %d bytes: %w", numBlocks, stride, err)
+		return nil, fmt.Errorf("storage: host region: map %d blocks × %d bytes: %w", numBlocks, stride, err)
 	}
 	return &HostRegion{mem: mem, numBlocks: numBlocks, blockBytes: blockBytes, stride: stride}, nil
 }
@@ -108,7 +108,7 @@ func (r *HostRegion) Close() error {
 	err := unix.Munmap(r.mem)
 	r.mem = nil
 	if err != nil {
-		return fmt.Errorf("host region: unmap: %w", err)
+		return fmt.Errorf("storage: host region: unmap: %w", err)
 	}
 	return nil
 }

@@ -123,7 +123,7 @@ func (r Recovery) NumDiscarded() int {
 	return n
 }
 
-var errPersistBusy = errors.New("persistent tier file is locked by another process")
+var errPersistBusy = errors.New("storage: persistent tier file is locked by another process")
 
 // PersistentPath is the tier file of fingerprint fp and rank in dir.
 func PersistentPath(dir string, fp fingerprint.Fingerprint, rank int) string {
@@ -135,26 +135,26 @@ func PersistentPath(dir string, fp fingerprint.Fingerprint, rank int) string {
 // holds it.
 func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, error) {
 	if o.Fingerprint.IsZero() {
-		return nil, errors.New("persistent disk tier (DYN_KVBM_DISK_PERSIST): no fingerprint of the KV layout and model")
+		return nil, errors.New("storage: persistent disk tier (DYN_KVBM_DISK_PERSIST): no fingerprint of the KV layout and model")
 	}
 	stride := layout.AlignUp(o.BlockBytes, Alignment)
 	slot := stride + HeaderBytes
 	size := slot * int64(o.NumBlocks)
 	if size/int64(o.NumBlocks) != slot {
-		return nil, fmt.Errorf("disk tier: %d blocks × %d bytes overflows", o.NumBlocks, slot)
+		return nil, fmt.Errorf("storage: disk tier: %d blocks × %d bytes overflows", o.NumBlocks, slot)
 	}
 	path := PersistentPath(dir, o.Fingerprint, o.Rank)
 	listForeignTiers(dir, path, log)
 	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, log)
 	if err != nil {
-		return nil, fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
+		return nil, fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
 	}
 	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		_ = unix.Close(fd)
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, fmt.Errorf("%s: %w", path, errPersistBusy)
+			return nil, fmt.Errorf("%w: %s", errPersistBusy, path)
 		}
-		return nil, fmt.Errorf("disk tier file %s: flock: %w", path, err)
+		return nil, fmt.Errorf("storage: disk tier file %s: flock: %w", path, err)
 	}
 	d := &DiskRegion{fd: fd, path: path, direct: odirect, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes,
 		stride: stride, slot: slot, payloadAt: HeaderBytes, persistent: true, fp: o.Fingerprint}
@@ -164,7 +164,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
-		return fail(fmt.Errorf("disk tier file %s: fstat: %w", path, err))
+		return fail(fmt.Errorf("storage: disk tier file %s: fstat: %w", path, err))
 	}
 	rec := Recovery{Path: path, Reused: st.Size > 0, OldBlocks: int(st.Size / slot), Discarded: map[string]int{}}
 	if d.direct && rec.Reused {
@@ -172,7 +172,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		if err := d.probeDirectRead(); err != nil {
 			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", path, "err", err)
 			if err := d.dropDirect(); err != nil {
-				return fail(fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err))
+				return fail(fmt.Errorf("storage: disk tier file %s: turn O_DIRECT off: %w", path, err))
 			}
 		}
 	}
@@ -183,11 +183,11 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 			rec.Discarded[DiscardBeyondSize] = n
 		}
 		if err := unix.Ftruncate(fd, size); err != nil {
-			return fail(fmt.Errorf("disk tier file %s: shrink to %d bytes: %w", path, size, err))
+			return fail(fmt.Errorf("storage: disk tier file %s: shrink to %d bytes: %w", path, size, err))
 		}
 	}
 	if err := d.preallocate(size, log); err != nil {
-		return fail(fmt.Errorf("disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
+		return fail(fmt.Errorf("storage: disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
 			size, o.NumBlocks, slot, dir, err))
 	}
@@ -197,7 +197,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		if err := probeDirect(d.fd); err != nil {
 			log.Warn("kvbm disk tier: O_DIRECT I/O fails on this filesystem, using buffered I/O", "path", path, "err", err)
 			if err := d.dropDirect(); err != nil {
-				return fail(fmt.Errorf("disk tier file %s: turn O_DIRECT off: %w", path, err))
+				return fail(fmt.Errorf("storage: disk tier file %s: turn O_DIRECT off: %w", path, err))
 			}
 		}
 	}
@@ -444,10 +444,10 @@ func (d *DiskRegion) pio(op func(int, []byte, int64) (int, error), what string, 
 			continue
 		}
 		if err != nil {
-			return fmt.Errorf("disk tier %s: %s %d: %w", d.path, what, i, err)
+			return fmt.Errorf("storage: disk tier %s: %s %d: %w", d.path, what, i, err)
 		}
 		if n == 0 {
-			return fmt.Errorf("disk tier %s: %s %d: no progress", d.path, what, i)
+			return fmt.Errorf("storage: disk tier %s: %s %d: no progress", d.path, what, i)
 		}
 		buf, off = buf[n:], off+int64(n)
 	}
@@ -472,7 +472,7 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 		// it in order before the call returns, so no payload byte changes
 		// while the old header is still there.
 		if err := d.pwritev([][]byte{zeroHeader, buf}, int64(i)*d.slot); err != nil {
-			return fmt.Errorf("disk tier %s: write block %d: %w", d.path, i, err)
+			return fmt.Errorf("storage: disk tier %s: write block %d: %w", d.path, i, err)
 		}
 		d.live[i].Store(false)
 	} else if err := d.WriteBlock(i, buf); err != nil {

@@ -16,16 +16,21 @@ import (
 // the bytes it describes were replaced. A header still queued when the
 // process dies is simply missing: that block is not recovered.
 type headerWriter struct {
-	d       *DiskRegion
+	d    *DiskRegion
+	jobs chan headerJob
+	log  *slog.Logger
+	wg   sync.WaitGroup
+
 	pending []atomic.Bool // slot has a header write queued or running
-	mu      sync.Mutex    // with done: waiting for a slot's header
-	done    *sync.Cond
-	sendMu  sync.RWMutex // senders (read) against close (write)
-	closed  bool
-	jobs    chan headerJob
-	wg      sync.WaitGroup
 	failed  atomic.Bool
-	log     *slog.Logger
+
+	// mu guards no field: with done it waits for a slot's pending flag to
+	// clear (the writer broadcasts after clearing it).
+	mu   sync.Mutex
+	done *sync.Cond // on mu
+
+	sendMu sync.RWMutex // guards closed: senders (read) against close (write)
+	closed bool
 }
 
 type headerJob struct {

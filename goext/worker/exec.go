@@ -171,6 +171,9 @@ func (w *Worker) scatter(blocks []int, srcs [][]byte) error {
 	return nil
 }
 
+// checkBlock reports a block outside tier t.
+//
+// errprefix: its errors are the copy's, which Run's error wraps.
 func (w *Worker) checkBlock(t plan.Tier, b int64) error {
 	var n int
 	switch t {
@@ -197,6 +200,8 @@ func (w *Worker) checkBlock(t plan.Tier, b int64) error {
 
 // copyMemBatch runs one batch of G1→G2 or G2→G1 copies as a single chunk
 // walk over all its blocks (transfer.GatherBlocks / ScatterBlocks).
+//
+// errprefix: its errors are the copies', which Run's error wraps.
 func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 	toHost := ops[idx[0]].Src == plan.G1
 	g1s := make([]int, 0, len(idx))
@@ -252,6 +257,8 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 
 // copyOne moves one block. slot owns bounce block `slot` for G1↔G3 copies.
 // A panic (a bug, never expected) fails the copy instead of the engine process.
+//
+// errprefix: its errors are the copy's, which Run's error wraps.
 func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 	defer func() {
 		if r := recover(); r != nil {

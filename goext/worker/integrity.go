@@ -11,6 +11,8 @@ import (
 
 // writeDisk writes buf (an aligned IO block whose payload is the first bpb
 // bytes) to G3 block dst and records its checksum.
+//
+// errprefix: its errors are the copy's, which Run's error wraps.
 func (w *Worker) writeDisk(dst int, buf []byte) error {
 	w.diskValid[dst].Store(false)
 	if w.degraded.Load() {
@@ -28,6 +30,8 @@ func (w *Worker) writeDisk(dst int, buf []byte) error {
 
 // readDisk reads G3 block src into buf and verifies it. A block that does not
 // verify is forgotten, so it is never served again.
+//
+// errprefix: its errors are the copy's, which Run's error wraps.
 func (w *Worker) readDisk(src int, buf []byte) error {
 	if w.degraded.Load() {
 		return fmt.Errorf("G3 block %d: %w", src, ErrDiskDegraded)

@@ -23,6 +23,8 @@ const g4Downloads = 16
 // block that fails (missing, unreachable store, does not verify) leaves its
 // G2 block invalid, so the G2 → G1 copy that follows fails and the engine
 // recomputes the block.
+//
+// errprefix: its errors are the copies', logged by execLoads, never returned.
 func (w *Worker) runDownloads(ops []plan.Copy) []error {
 	errs := make([]error, len(ops))
 	if len(ops) == 0 {

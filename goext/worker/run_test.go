@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -74,7 +75,8 @@ func TestRunErrors(t *testing.T) {
 		errs, err := w.Run(t.Context(), &plan.Step{Moves: copies(plan.G2, []int64{0, 3}, plan.G3, []int64{0, 1})})
 		require.Empty(t, errs)
 		require.ErrorIs(t, err, ErrNotValid)
-		require.ErrorContains(t, err, "worker rank 0: run step: 2 of 2 moves failed")
+		require.ErrorContains(t, err, "worker: rank 0: run step: 2 of 2 moves failed")
+		require.Equal(t, 1, strings.Count(err.Error(), "worker: "), "the package is named once: %s", err)
 		errs, err = w.Run(t.Context(), &plan.Step{Loads: []plan.Load{{ReqID: "x", Copies: copies(plan.G3, []int64{0}, plan.G1, []int64{1})}}})
 		require.NoError(t, err, "load failures are per G1 block, not a step error")
 		require.Equal(t, []int64{1}, errs, "the failed move left its destination invalid")
@@ -90,7 +92,7 @@ func TestRunErrors(t *testing.T) {
 	require.NoError(t, w.RegisterG1(g.e))
 	require.NoError(t, w.Close())
 	_, err = w.Run(t.Context(), &plan.Step{})
-	require.ErrorContains(t, err, "worker rank 0: run step: worker is closed")
+	require.ErrorContains(t, err, "worker: rank 0: run step: worker is closed")
 }
 
 // TestRunConcurrentWithEngineSteps: Run from another goroutine (the side

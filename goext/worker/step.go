@@ -17,7 +17,7 @@ import (
 func (w *Worker) BindStep(b []byte) error {
 	s, err := plan.Decode(b)
 	if err != nil {
-		return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+		return fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
 	}
 	return w.Bind(s)
 }
@@ -27,7 +27,7 @@ func (w *Worker) Bind(s *plan.Step) error {
 	w.mu.Lock()
 	if w.g1 == nil {
 		w.mu.Unlock()
-		return errors.New("bind step: KV caches not registered yet")
+		return errors.New("worker: bind step: KV caches not registered yet")
 	}
 	prev := w.step
 	startPrev := prev != nil && !w.loadsRun
@@ -241,7 +241,7 @@ func (w *Worker) WaitForSave() {
 // Failed loads are reported through loadErrors only.
 func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err error) {
 	if s == nil {
-		return nil, errors.New("run step: nil step")
+		return nil, errors.New("worker: run step: nil step")
 	}
 	w.mu.Lock()
 	for s.Seq > w.savedSeq && !w.closed {
@@ -250,24 +250,24 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 		select {
 		case <-saved:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("worker rank %d: run step: waiting for step %d's saves: %w", w.opts.Rank, s.Seq, ctx.Err())
+			return nil, fmt.Errorf("worker: rank %d: run step: waiting for step %d's saves: %w", w.opts.Rank, s.Seq, ctx.Err())
 		}
 		w.mu.Lock()
 	}
 	w.mu.Unlock()
 
 	if err := w.lockExecContext(ctx); err != nil {
-		return nil, fmt.Errorf("worker rank %d: run step: waiting for the engine's step calls: %w", w.opts.Rank, err)
+		return nil, fmt.Errorf("worker: rank %d: run step: waiting for the engine's step calls: %w", w.opts.Rank, err)
 	}
 	defer w.unlockExec()
 	w.mu.Lock()
 	switch {
 	case w.closed:
 		w.mu.Unlock()
-		return nil, fmt.Errorf("worker rank %d: run step: worker is closed", w.opts.Rank)
+		return nil, fmt.Errorf("worker: rank %d: run step: worker is closed", w.opts.Rank)
 	case w.g1 == nil:
 		w.mu.Unlock()
-		return nil, fmt.Errorf("worker rank %d: run step: KV caches not registered yet", w.opts.Rank)
+		return nil, fmt.Errorf("worker: rank %d: run step: KV caches not registered yet", w.opts.Rank)
 	}
 	w.saves.Add(1) // Close waits for it before unmapping the regions
 	w.mu.Unlock()
@@ -285,15 +285,15 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 	var failed []error
 	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
 		w.logFailures("move", s.Moves, errs)
-		failed = append(failed, fmt.Errorf("%d of %d moves failed: %w", countErrs(errs), len(s.Moves), firstErr(errs)))
+		failed = append(failed, fmt.Errorf("%d of %d moves failed: %w", countErrs(errs), len(s.Moves), firstErr(errs))) // errprefix: wrapped by Run's error below
 	}
 	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
-		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs)))
+		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs))) // errprefix: wrapped by Run's error below
 	}
 	w.queueUploads(s.Uploads)
 	if len(failed) > 0 {
-		return loadErrors, fmt.Errorf("worker rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
+		return loadErrors, fmt.Errorf("worker: rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
 	}
 	return loadErrors, nil
 }

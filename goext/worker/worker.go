@@ -49,6 +49,8 @@ import (
 
 // Errors a copy fails with; Finished reports the affected G1 blocks, logs
 // carry these.
+//
+// errprefix: wrapped by the copy's error, which Run's error wraps.
 var (
 	ErrNotValid     = errors.New("source block holds no valid data (never written, save failed, or dropped)")
 	ErrChecksum     = errors.New("disk block checksum mismatch")
@@ -169,7 +171,7 @@ type Worker struct {
 	// it when its context ends.
 	exec chan struct{}
 
-	mu       sync.Mutex // guards everything below
+	mu       sync.Mutex // guards the fields below, to the end of the struct
 	step     *plan.Step // the bound step
 	loadsRun bool       // the bound step's Loads were started
 	savesRun bool       // the bound step's Moves/Saves ran
@@ -193,10 +195,10 @@ type Worker struct {
 // New validates opts. Regions are allocated by RegisterG1, once the block size is known.
 func New(opts Options) (*Worker, error) {
 	if opts.HostBlocks < 0 || opts.DiskBlocks < 0 {
-		return nil, fmt.Errorf("worker rank %d: host blocks %d, disk blocks %d: must not be negative", opts.Rank, opts.HostBlocks, opts.DiskBlocks)
+		return nil, fmt.Errorf("worker: rank %d: host blocks %d, disk blocks %d: must not be negative", opts.Rank, opts.HostBlocks, opts.DiskBlocks)
 	}
 	if opts.HostBlocks == 0 && opts.DiskBlocks == 0 {
-		return nil, fmt.Errorf("worker rank %d: no host or disk blocks: configure DYN_KVBM_CPU_CACHE_GB and/or DYN_KVBM_DISK_CACHE_GB", opts.Rank)
+		return nil, fmt.Errorf("worker: rank %d: no host or disk blocks: configure DYN_KVBM_CPU_CACHE_GB and/or DYN_KVBM_DISK_CACHE_GB", opts.Rank)
 	}
 	if opts.MaxConcurrent <= 0 {
 		opts.MaxConcurrent = DefaultMaxConcurrent
@@ -225,17 +227,17 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
-		return errors.New("worker is closed")
+		return errors.New("worker: worker is closed")
 	}
 	if w.g1 != nil {
-		return errors.New("KV caches already registered with this worker")
+		return errors.New("worker: KV caches already registered with this worker")
 	}
 	if e == nil {
-		return errors.New("register KV caches: nil layout")
+		return errors.New("worker: register KV caches: nil layout")
 	}
 	for i := 0; i < e.Tensors(); i++ {
 		if e.Base(i) == 0 {
-			return fmt.Errorf("register KV caches: tensor %d has a null data pointer", i)
+			return fmt.Errorf("worker: register KV caches: tensor %d has a null data pointer", i)
 		}
 	}
 	bpb := e.BytesPerBlock()
@@ -250,7 +252,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 	}
 	if w.opts.HostBlocks > 0 {
 		if w.host, err = storage.NewHostRegion(w.opts.HostBlocks, bpb, true); err != nil {
-			return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+			return fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
 		}
 		w.hostValid = make([]atomic.Bool, w.opts.HostBlocks)
 	}
@@ -262,12 +264,12 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 		})
 		if err != nil {
 			cleanup()
-			return fmt.Errorf("worker rank %d: %w", w.opts.Rank, err)
+			return fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
 		}
 		w.disk = w.diskFile
 		if w.bounce, err = storage.NewHostRegion(w.diskLim.Slots(), bpb, true); err != nil {
 			cleanup()
-			return fmt.Errorf("worker rank %d: disk bounce buffers: %w", w.opts.Rank, err)
+			return fmt.Errorf("worker: rank %d: disk bounce buffers: %w", w.opts.Rank, err)
 		}
 		w.diskValid = make([]atomic.Bool, w.opts.DiskBlocks)
 		w.diskSum = make([]atomic.Uint64, w.opts.DiskBlocks)
@@ -280,7 +282,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 			}
 			if err = c.RegisterHost(r); err != nil {
 				cleanup()
-				return fmt.Errorf("worker rank %d: register host memory with the G1 copier: %w", w.opts.Rank, err)
+				return fmt.Errorf("worker: rank %d: register host memory with the G1 copier: %w", w.opts.Rank, err)
 			}
 		}
 	}

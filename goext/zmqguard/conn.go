@@ -44,6 +44,7 @@ type Conn struct {
 
 	dropped atomic.Bool // the guard closed the connection
 
+	// w is the write side; its mutex guards its fields.
 	w struct {
 		sync.Mutex
 		greetGot int          // bytes of zmq4's greeting seen (and dropped)

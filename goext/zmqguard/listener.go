@@ -17,6 +17,7 @@ type listener struct {
 	done  chan struct{} // closed by Close
 	slots chan struct{} // one token per handshake in progress
 
+	// mu's mutex guards its fields.
 	mu struct {
 		sync.Mutex
 		closed  bool

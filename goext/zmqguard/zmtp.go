@@ -45,13 +45,13 @@ var greeting = func() [greetingLen]byte {
 // checkGreeting validates a peer's greeting: ZMTP 3.x with NULL security.
 func checkGreeting(g []byte) error {
 	if g[0] != 0xFF || g[9] != 0x7F {
-		return fmt.Errorf("not a ZMTP 3 greeting (signature % x)", g[:10])
+		return fmt.Errorf("zmqguard: not a ZMTP 3 greeting (signature % x)", g[:10])
 	}
 	if g[10] < 3 {
-		return fmt.Errorf("ZMTP version %d.%d; want 3.x", g[10], g[11])
+		return fmt.Errorf("zmqguard: ZMTP version %d.%d; want 3.x", g[10], g[11])
 	}
 	if mech := g[12:32]; !bytes.Equal(mech, greeting[12:32]) {
-		return fmt.Errorf("security mechanism %q; want NULL", bytes.TrimRight(mech, "\x00"))
+		return fmt.Errorf("zmqguard: security mechanism %q; want NULL", bytes.TrimRight(mech, "\x00"))
 	}
 	return nil
 }
@@ -79,7 +79,7 @@ func (t *Transport) handshake(c net.Conn, accepted bool) (*Conn, error) {
 		return nil, fmt.Errorf("zmqguard: read greeting: %w", err)
 	}
 	if err := checkGreeting(buf); err != nil {
-		return nil, fmt.Errorf("zmqguard: %w", err)
+		return nil, err
 	}
 	if !accepted {
 		if err := c.SetWriteDeadline(time.Time{}); err != nil {

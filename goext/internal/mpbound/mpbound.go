@@ -14,7 +14,7 @@ import (
 )
 
 // ErrOverrun is wrapped by the errors of Check.
-var ErrOverrun = errors.New("msgpack value declares more than the input holds")
+var ErrOverrun = errors.New("mpbound: msgpack value declares more than the input holds")
 
 // Check validates the first msgpack value of b (trailing bytes are not
 // examined). It is iterative, so deep nesting cannot exhaust the stack: it

@@ -50,7 +50,7 @@ func Binary() (string, error) {
 			return p, nil
 		}
 	}
-	return "", errors.New("versitygw not found: run .ci/s3-server.sh")
+	return "", errors.New("s3test: versitygw not found: run .ci/s3-server.sh")
 }
 
 // Launch starts a server on a free port, serving dir.
@@ -140,7 +140,7 @@ func (s *Server) Start() error {
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(log.Name())
 			s.Stop()
-			return fmt.Errorf("versitygw did not listen on %s within 30 s: %v\n%s", s.Addr, err, b)
+			return fmt.Errorf("s3test: versitygw did not listen on %s within 30 s: %v\n%s", s.Addr, err, b)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

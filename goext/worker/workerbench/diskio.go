@@ -24,7 +24,7 @@ import (
 
 // ErrNoDirect: the O_DIRECT baselines cannot run because the filesystem of
 // the bench directory does not do O_DIRECT (the wrapped error says how it failed).
-var ErrNoDirect = errors.New("O_DIRECT not available")
+var ErrNoDirect = errors.New("workerbench: O_DIRECT not available")
 
 // DiskDepth is the number of G3 batches kvbm keeps in flight for a given
 // MaxConcurrent. It mirrors worker.diskSlots (diskDepth = 2); keep the two
@@ -119,7 +119,7 @@ func fullIO(fd int, buf []byte, off int64, write bool) error {
 			return err
 		}
 		if n == 0 {
-			return fmt.Errorf("%d bytes left at offset %d: unexpected end", len(buf), off)
+			return fmt.Errorf("workerbench: %d bytes left at offset %d: unexpected end", len(buf), off)
 		}
 		buf, off = buf[n:], off+int64(n)
 	}

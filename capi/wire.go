@@ -42,7 +42,7 @@ type wireLeaderOptions struct {
 }
 
 type wireLeaderHandle struct {
-	l *wire.Leader
+	l *wire.Coordinator
 }
 
 func ms(v int64) time.Duration { return time.Duration(v) * time.Millisecond }
@@ -76,7 +76,7 @@ func kvbm_wire_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (r
 	if err != nil {
 		return finish(errorf(statusInvalid, "kvbm_wire_leader_new: %v", err), errOut)
 	}
-	opts := wire.LeaderOptionsFrom(cfg, max(o.NumWorkers, 1))
+	opts := wire.CoordinatorOptionsFrom(cfg, max(o.NumWorkers, 1))
 	opts.Transport = tr
 	opts.PingInterval = ms(o.PingIntervalMs)
 	opts.Secret = cmp.Or(opts.Secret, o.Secret) // DYN_KVBM_LEADER_WORKER_SECRET wins
@@ -227,7 +227,7 @@ type wireWorkerOptions struct {
 }
 
 type wireWorkerHandle struct {
-	w *wire.Worker
+	w *wire.Member
 	// exec serialises broadcast operations on this rank.
 	exec sync.Mutex
 }
@@ -269,7 +269,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	}
 	hostBlocks, diskBlocks := wh.info.HostBlocks, wh.info.DiskBlocks
 	h := &wireWorkerHandle{}
-	w, err := wire.Connect(wire.WorkerOptions{
+	w, err := wire.Connect(wire.MemberOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
 		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: kvbmLogger(),
@@ -297,7 +297,7 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 				return err
 			}
 			// Run may wait for the engine step the operation follows; ctx
-			// ends when this handle is freed (wire.Worker.Close), which then
+			// ends when this handle is freed (wire.Member.Close), which then
 			// waits for Run to return instead of leaving it behind.
 			failed, err := ww.Run(ctx, st)
 			if err != nil {

@@ -10,12 +10,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"sync"
 	"time"
 	"unsafe"
 
-	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/wire"
 )
 
@@ -228,8 +225,6 @@ type wireWorkerOptions struct {
 
 type wireWorkerHandle struct {
 	w *wire.Member
-	// exec serialises broadcast operations on this rank.
-	exec sync.Mutex
 }
 
 // kvbm_wire_worker_connect attaches the worker handle workerHd (created by
@@ -267,47 +262,14 @@ func kvbm_wire_worker_connect(workerHd C.uint64_t, optsJSON *C.char, out *C.uint
 	if err != nil {
 		return finish(errorf(statusInvalid, "kvbm_wire_worker_connect: %v", err), errOut)
 	}
-	hostBlocks, diskBlocks := wh.info.HostBlocks, wh.info.DiskBlocks
 	h := &wireWorkerHandle{}
 	w, err := wire.Connect(wire.MemberOptions{
 		Rank: o.Rank, WorldSize: max(o.NumWorkers, 1), NumDeviceBlocks: wh.layout.NumBlocks,
 		BytesPerBlock: wh.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
 		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: kvbmLogger(),
-		Allocate: func(md wire.LeaderMetadata) error {
-			if md.NumHostBlocks != hostBlocks || md.NumDiskBlocks != diskBlocks {
-				return fmt.Errorf("this rank sized %d host and %d disk blocks from its own environment, the leader sized %d and %d: "+
-					"DYN_KVBM_CPU_CACHE_* / DYN_KVBM_DISK_CACHE_* differ between the scheduler and worker processes",
-					hostBlocks, diskBlocks, md.NumHostBlocks, md.NumDiskBlocks)
-			}
-			return nil
-		},
-		Execute: func(ctx context.Context, step []byte) error {
-			// exec keeps the worker handle alive (kvbm_worker_free is
-			// documented to come after this handle's free) and orders
-			// operations on this rank; the worker itself serialises Run
-			// with the engine's bind/start_load/wait_for_save.
-			h.exec.Lock()
-			defer h.exec.Unlock()
-			ww := wh.w
-			if ww == nil {
-				return errors.New("worker is closed")
-			}
-			st, err := plan.Decode(step)
-			if err != nil {
-				return err
-			}
-			// Run may wait for the engine step the operation follows; ctx
-			// ends when this handle is freed (wire.Member.Close), which then
-			// waits for Run to return instead of leaving it behind.
-			failed, err := ww.Run(ctx, st)
-			if err != nil {
-				return err
-			}
-			if len(failed) > 0 {
-				return fmt.Errorf("loads into G1 blocks %v failed", failed)
-			}
-			return nil
-		},
+		// The worker already sized its tiers; the side channel runs straight into it.
+		Allocate: wire.ExpectSizes(wh.info.HostBlocks, wh.info.DiskBlocks),
+		Execute:  wire.RunOn(wh.w),
 	})
 	if err != nil {
 		return finish(err, errOut)

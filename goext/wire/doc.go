@@ -9,6 +9,18 @@
 // ranks, TensorRT-LLM broadcasts it). This channel carries what the engine
 // does not: start-up, background operations and liveness.
 //
+// # Ends and owners
+//
+// Coordinator is the scheduler side's end (Listen, Handshake, Broadcast,
+// DeadRanks, SuspectRanks); Member is one rank's end (Connect). Neither is
+// driven from outside Go: the leader (goext/leader) takes a Coordinator as
+// its leader.Broadcaster and runs its background operations over it in its
+// own goroutine, and a worker's Member executes operations straight into
+// worker.Run (RunOn; ExpectSizes checks the leader's tier sizes against the
+// rank's own). The C ABI only converts: the "side_channel" object of the
+// kvbm_leader_new / kvbm_worker_new options creates them, and
+// kvbm_leader_wait_ready runs the handshake in slices.
+//
 // # Sockets
 //
 // The leader binds, workers connect, as in the reference:

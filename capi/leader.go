@@ -252,6 +252,9 @@ func kvbm_leader_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, outReady *C.int3
 		*outReady = 1
 		return statusOK
 	}
+	if h.co == nil { // a leader without a side channel is ready from kvbm_leader_new on
+		return finish(errorf(statusState, "kvbm_leader_wait_ready: leader not ready and no side channel"), errOut)
+	}
 	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
 	hs, err := h.co.Handshake(ctx)

@@ -268,3 +268,50 @@ def test_tp2_background_moves_over_the_side_channel():
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_scheduler_crosses_the_abi_once_per_step(tmp_path, monkeypatch):
+    """TP=2 in one process (in-process side channel): a step whose saves start a
+    background operation costs the scheduler one native call (kvbm_leader_step);
+    the operation's plan, broadcast and commit run inside the library."""
+    import numpy as np
+
+    from kvbm import _native
+    from kvbm._core import Leader, Worker
+
+    for k, v in {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "16", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "16",
+                 "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    bs, n = 4, 16
+    kv = [[np.zeros((2, n, 2, bs, 8), dtype=np.float16) for _ in range(2)] for _ in range(WORLD)]
+    workers = [Worker(tensors=[(t.ctypes.data, t.shape, [s // 2 for s in t.strides]) for t in kv[r]], kind="cpu",
+                      num_blocks=n, block_size=bs, dtype_bytes=2, rank=r, num_workers=WORLD,
+                      side_channel={"transport": "inproc"}) for r in range(WORLD)]
+    leader = Leader(block_size=bs, num_workers=WORLD, side_channel={"transport": "inproc"})
+    try:
+        leader.wait_ready(timeout_s=TIMEOUT)
+        calls: list[str] = []
+        real_call = _native.call
+
+        def counting(name, *args):
+            calls.append(name)
+            return real_call(name, *args)
+
+        monkeypatch.setattr(_native, "call", counting)
+        tokens = list(range(100, 100 + 4 * bs))
+        plan = leader.step([["a", tokens, [0, 1, 2, 3], 0, len(tokens), None, 0, False]])
+        assert calls == ["kvbm_leader_step"]
+        monkeypatch.setattr(_native, "call", real_call)
+        for w in workers:  # the ranks run step "a"; the background operation follows its saves
+            w.bind(plan)
+            w.start_load()
+            w.wait_for_save()
+        deadline = time.monotonic() + TIMEOUT
+        while leader.info()["side_channel"]["committed"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        info = leader.info()
+        assert info["side_channel"]["committed"] == 1 and info["disk_blocks_used"] == 4, info
+    finally:
+        leader.close()
+        for w in workers:
+            w.close()

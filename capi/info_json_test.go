@@ -252,7 +252,7 @@ func pythonClasses(t *testing.T, files ...string) map[string]*pyClass {
 // TestInfoJSONMatchesPython checks every info/stats answer against the
 // Python declaration that reads it.
 func TestInfoJSONMatchesPython(t *testing.T) {
-	classes := pythonClasses(t, "../python/kvbm/_core.py", "../python/kvbm/_wire.py")
+	classes := pythonClasses(t, "../python/kvbm/_core.py")
 	for _, tc := range []struct {
 		class string
 		value any
@@ -260,10 +260,8 @@ func TestInfoJSONMatchesPython(t *testing.T) {
 		{"LeaderInfo", leaderInfo{}},
 		{"WorkerInfo", workerInfo{}},
 		{"ConsolidatorStats", consolidatorStats{}},
-		{"WireLeaderInfo", wireLeaderInfo{}},
-		{"WireWorkerInfo", wireWorkerInfo{}},
-		{"Handshake", wireHandshake{}},
-		{"LeaderMetadata", wireLeaderMetadata{}},
+		{"LeaderSideChannelInfo", leaderSideChannelInfo{}},
+		{"WorkerSideChannelInfo", workerSideChannelInfo{}},
 	} {
 		t.Run(tc.class, func(t *testing.T) {
 			require.NotEmpty(t, allFields(classes, tc.class), "python/kvbm declares %s with fields", tc.class)

@@ -49,8 +49,11 @@ int kvbm_router_hashes(uint32_t *tokens, int64_t n, int64_t block_size, char *lo
  * returns how many it converted. Called only through ctypes with the GIL held. */
 int64_t kvbm_tokens_from_pylist(const void *list, int64_t n, const void *int_type, int32_t layout, uint32_t *out);
 
-/* leader (the engine's scheduler process) */
+/* leader (the engine's scheduler process). With tensor-parallel ranks in other processes the options carry a
+ * "side_channel" object: kvbm_leader_new binds it and kvbm_leader_wait_ready (in slices of timeout_ms) completes
+ * the handshake and creates the leader, which then drives its background operations over it. */
 int kvbm_leader_new(char *opts_json, uint64_t *out, char **err);
+int kvbm_leader_wait_ready(uint64_t hd, int64_t timeout_ms, int32_t *out_ready, char **err);
 void kvbm_leader_free(uint64_t hd);
 int kvbm_leader_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
 int kvbm_leader_match(uint64_t hd, char *req_id, uint32_t *tokens, int64_t n, uint64_t salt, int64_t num_computed,
@@ -60,16 +63,13 @@ int kvbm_leader_update_after_alloc(uint64_t hd, char *req_id, int64_t *block_ids
 int kvbm_leader_step(uint64_t hd, void *in, int64_t in_len, uint8_t **out, int64_t *out_len, char **err);
 int kvbm_leader_request_finished(uint64_t hd, char *req_id, int32_t *out_pending, char **err);
 int kvbm_leader_reset(uint64_t hd, char **err);
-int kvbm_leader_plan_background(uint64_t hd, uint8_t **out, int64_t *out_len, uint64_t *out_ticket, char **err);
-int kvbm_leader_commit_background(uint64_t hd, uint64_t ticket, int32_t ok, char **err);
-int kvbm_leader_set_degraded(uint64_t hd, int64_t *ranks, int64_t n, char **err);
 /* persistent disk tier: register what every rank recovered (msgpack array of kvbm_worker_recovered results) */
 int kvbm_leader_restore_disk(uint64_t hd, void *buf, int64_t n, int64_t *out_registered, char **err);
 /* G4 (object storage, docs/g4.md): rank 0's block fingerprint (32 hex digits); a worker's msgpack report */
 int kvbm_leader_set_g4_fingerprint(uint64_t hd, char *fingerprint_hex, char **err);
 int kvbm_leader_g4_report(uint64_t hd, void *buf, int64_t n, char **err);
 
-/* worker (one per tensor-parallel rank) */
+/* worker (one per tensor-parallel rank; its options' "side_channel" connects it to the leader's) */
 int kvbm_worker_new(char *opts_json, uint64_t *out, char **err);
 void kvbm_worker_free(uint64_t hd);
 int kvbm_worker_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
@@ -81,17 +81,6 @@ int kvbm_worker_finished(uint64_t hd, uint8_t **out, int64_t *out_len, char **er
 int kvbm_worker_set_cuda_stream(uint64_t hd, uint64_t stream, char **err); /* CUDA build only */
 int kvbm_worker_recovered(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* persistent disk tier index */
 int kvbm_worker_g4_report(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* G4: stored hashes, counters */
-
-/* leader/worker side channel (tensor parallelism across processes) */
-int kvbm_wire_leader_new(char *opts_json, uint64_t *out, char **err);
-int kvbm_wire_leader_handshake(uint64_t hd, int64_t timeout_ms, uint8_t **out, int64_t *out_len, char **err);
-int kvbm_wire_leader_broadcast(uint64_t hd, void *buf, int64_t n, int64_t timeout_ms, char **err);
-int kvbm_wire_leader_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
-void kvbm_wire_leader_free(uint64_t hd);
-int kvbm_wire_worker_connect(uint64_t worker_hd, char *opts_json, uint64_t *out, char **err);
-int kvbm_wire_worker_wait_ready(uint64_t hd, int64_t timeout_ms, uint8_t **out, int64_t *out_len, char **err);
-int kvbm_wire_worker_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
-void kvbm_wire_worker_free(uint64_t hd);
 
 /* KV event consolidator */
 int kvbm_consolidator_new(char *opts_json, uint64_t *out, char **err);

@@ -10,6 +10,8 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -21,6 +23,7 @@ import (
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
+	"github.com/kvbm/kvbm/goext/wire"
 )
 
 // leaderOptions is the JSON the Python adapter passes to kvbm_leader_new.
@@ -29,9 +32,15 @@ type leaderOptions struct {
 	BytesPerBlock int64  `json:"bytes_per_block"`
 	NumWorkers    int    `json:"num_workers"`
 	WorkerID      uint64 `json:"worker_id"`
-	// Background: G2→G3 moves go out through kvbm_leader_plan_background
-	// (over the side channel) instead of the step plans (TP > 1).
+	// Background: G2→G3 moves leave the step plans; they are registered
+	// only once every rank ran them (implied by SideChannel).
 	Background bool `json:"background"`
+	// SideChannel, when set, binds the leader⇄worker side channel for
+	// NumWorkers ranks (TP > 1): kvbm_leader_wait_ready then runs the
+	// handshake and creates the leader with the sizes every rank reported
+	// (BytesPerBlock is taken from it), and the leader runs its background
+	// operations over it.
+	SideChannel *leaderSideChannelOptions `json:"side_channel,omitempty"`
 	// Consolidator, when set, starts the KV event consolidator and feeds it
 	// the leader's G2/G3 events.
 	Consolidator *consolidatorOptions `json:"consolidator,omitempty"`
@@ -46,10 +55,22 @@ type leaderOptions struct {
 }
 
 type leaderHandle struct {
+	// l is set once, by kvbm_leader_new or (with a side channel) the
+	// kvbm_leader_wait_ready that completed the handshake, before ready.
 	l       *leader.Leader
+	ready   atomic.Bool
 	m       *metrics.Metrics
 	metrics *metrics.Server
 	once    sync.Once
+
+	// With a side channel: the channel, the options the leader is created
+	// with once the handshake completed, and its outcome. startMu orders
+	// that creation with close.
+	co      *wire.Coordinator
+	opts    leaderOptions
+	hs      wire.Handshake
+	startMu sync.Mutex
+	closed  bool
 
 	consolidator *consolidator.Consolidator // nil unless started with the leader
 	g4Close      func()                     // releases the G4 store; nil without one
@@ -63,19 +84,39 @@ type leaderHandle struct {
 
 func (h *leaderHandle) close() {
 	h.once.Do(func() {
-		if h.metrics != nil {
-			_ = h.metrics.Close()
+		h.startMu.Lock()
+		h.closed = true
+		l := h.l
+		h.startMu.Unlock()
+		// The leader first: its background loop cancels the operation in
+		// flight (committed failed) and stops using the side channel.
+		if l != nil {
+			l.Close()
 		}
-		if h.consolidator != nil {
-			_ = h.consolidator.Close()
+		if h.co != nil {
+			_ = h.co.Close()
 		}
-		h.g4mu.Lock()
-		if h.g4Close != nil {
-			h.g4Close()
-			h.g4Close = nil
-		}
-		h.g4mu.Unlock()
+		h.release()
 	})
+}
+
+// release stops what start started around the leader (metrics endpoint,
+// consolidator, G4 store); each only once.
+func (h *leaderHandle) release() {
+	if h.metrics != nil {
+		_ = h.metrics.Close()
+		h.metrics = nil
+	}
+	if h.consolidator != nil {
+		_ = h.consolidator.Close()
+		h.consolidator = nil
+	}
+	h.g4mu.Lock()
+	if h.g4Close != nil {
+		h.g4Close()
+		h.g4Close = nil
+	}
+	h.g4mu.Unlock()
 }
 
 //export kvbm_leader_new
@@ -98,35 +139,63 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	log := kvbmLogger()
 	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })
 
-	h := &leaderHandle{m: metrics.New(), cfg: cfg, bytesPerBlock: o.BytesPerBlock, workerID: o.WorkerID}
+	h := &leaderHandle{m: metrics.New(), cfg: cfg, opts: o}
+	if o.SideChannel != nil {
+		// The leader's sizes come from the handshake, which may wait for a
+		// long time (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS): only bind
+		// here, so that a taken port fails at once, and let the caller wait
+		// in kvbm_leader_wait_ready, in slices it can interrupt.
+		co, err := listenSideChannel(o.SideChannel, cfg, max(o.NumWorkers, 1))
+		if err != nil {
+			return finish(err, errOut)
+		}
+		h.co = co
+		*out = newHandle(h)
+		return statusOK
+	}
+	if err := h.start(o, cfg, nil); err != nil {
+		return finish(err, errOut)
+	}
+	*out = newHandle(h)
+	return statusOK
+}
+
+// start creates the leader (and what it feeds: consolidator, G4, metrics
+// endpoint); bc is its side channel, nil without one. On error everything
+// started is released.
+func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broadcaster) error {
+	log := kvbmLogger()
+	h.bytesPerBlock, h.workerID = o.BytesPerBlock, o.WorkerID
 	var sink events.Sink = events.NopSink{}
 	if o.Consolidator != nil {
 		c, err := startConsolidator(o.Consolidator, cfg, h.m, log)
 		if err != nil {
-			return finish(err, errOut)
+			return err
 		}
 		h.consolidator, sink = c, c
 	}
 	g4opts, err := leaderG4(&o, cfg, h, log)
 	if err != nil {
-		h.close()
-		return finish(err, errOut)
+		h.release()
+		return err
 	}
 	l, err := leader.New(leader.Options{
-		G4:            g4opts,
-		Config:        cfg,
-		BlockSize:     o.BlockSize,
-		BytesPerBlock: o.BytesPerBlock,
-		NumWorkers:    max(o.NumWorkers, 1),
-		Sink:          sink,
-		Metrics:       h.m,
-		Logger:        log,
-		WorkerID:      o.WorkerID,
-		Background:    o.Background,
+		G4:               g4opts,
+		Config:           cfg,
+		BlockSize:        o.BlockSize,
+		BytesPerBlock:    o.BytesPerBlock,
+		NumWorkers:       max(o.NumWorkers, 1),
+		Sink:             sink,
+		Metrics:          h.m,
+		Logger:           log,
+		WorkerID:         o.WorkerID,
+		Background:       o.Background,
+		SideChannel:      bc,
+		BroadcastTimeout: sideChannelTimeout(o.SideChannel),
 	})
 	if err != nil {
-		h.close()
-		return finish(withCode(statusConfig, err), errOut)
+		h.release()
+		return withCode(statusConfig, err)
 	}
 	h.l = l
 	if g4opts != nil {
@@ -146,7 +215,69 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 			log.Info("kvbm metrics endpoint", "url", "http://"+srv.Addr+"/metrics")
 		}
 	}
-	*out = newHandle(h)
+	h.ready.Store(true)
+	return nil
+}
+
+func sideChannelTimeout(o *leaderSideChannelOptions) time.Duration {
+	if o == nil {
+		return 0
+	}
+	return ms(o.BroadcastTimeoutMs)
+}
+
+// kvbm_leader_wait_ready completes the start of a leader created with a
+// side channel: it waits until every rank reported and allocated, then
+// creates the leader with the sizes they reported. *outReady is 1 once the
+// leader is ready (at once for a leader without a side channel, and on every
+// later call), 0 when timeoutMs > 0 ended the wait first: call again to
+// resume, so a caller can wait in short slices and stay interruptible.
+// DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS bounds the handshake from the
+// first call (then KVBM_ERR_IO naming the ranks that never answered); ranks
+// that disagree or failed to allocate are KVBM_ERR_CONFIG. Every other leader
+// call answers KVBM_ERR_STATE until the leader is ready.
+//
+//export kvbm_leader_wait_ready
+func kvbm_leader_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, outReady *C.int32_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	if err := checkOut("kvbm_leader_wait_ready", ptr(outReady)); err != nil {
+		return finish(err, errOut)
+	}
+	*outReady = 0
+	h, err := live[*leaderHandle](hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if h.ready.Load() {
+		*outReady = 1
+		return statusOK
+	}
+	if h.co == nil { // a leader without a side channel is ready from kvbm_leader_new on
+		return finish(errorf(statusState, "kvbm_leader_wait_ready: leader not ready and no side channel"), errOut)
+	}
+	ctx, cancel := timeoutCtx(timeoutMs)
+	defer cancel()
+	hs, err := h.co.Handshake(ctx)
+	if errors.Is(err, wire.ErrHandshakePending) {
+		return statusOK // not yet: call again
+	}
+	if err != nil {
+		return finish(withCode(handshakeCode(err), err), errOut)
+	}
+	h.startMu.Lock()
+	defer h.startMu.Unlock()
+	switch {
+	case h.closed:
+		return finish(errorf(statusState, "kvbm_leader_wait_ready: leader freed"), errOut)
+	case h.l == nil:
+		o := h.opts
+		o.BytesPerBlock, o.NumWorkers = hs.BytesPerBlock, hs.NumWorkers
+		h.hs = hs
+		if err := h.start(o, h.cfg, h.co); err != nil {
+			return finish(err, errOut)
+		}
+	}
+	*outReady = 1
 	return statusOK
 }
 
@@ -183,6 +314,7 @@ type leaderInfo struct {
 	MetricsAddr        *string                 `json:"metrics_addr,omitempty"` // when the metrics endpoint runs
 	Consolidator       *leaderConsolidatorInfo `json:"consolidator,omitempty"` // when the leader runs one
 	G4                 *leaderG4Info           `json:"g4,omitempty"`           // with the object-storage tier
+	SideChannel        *leaderSideChannelInfo  `json:"side_channel,omitempty"` // with tensor-parallel ranks in other processes
 }
 
 // leaderConsolidatorInfo is leaderInfo's "consolidator" (Python: LeaderConsolidatorInfo).
@@ -246,6 +378,9 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 		addr := h.metrics.Addr
 		info.MetricsAddr = &addr
 	}
+	if h.co != nil {
+		info.SideChannel = sideChannelInfo(h.co, h.hs, h.l)
+	}
 	if h.consolidator != nil {
 		st := h.consolidator.Stats()
 		info.Consolidator = &leaderConsolidatorInfo{
@@ -259,10 +394,17 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
-// leaderOf resolves a live leader handle (kvbm_leader_free deletes the
-// handle, so a freed leader is an unknown handle).
+// leaderOf resolves a live, ready leader handle (kvbm_leader_free deletes
+// the handle, so a freed leader is an unknown handle).
 func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	return live[*leaderHandle](hd)
+	h, err := live[*leaderHandle](hd)
+	if err != nil {
+		return nil, err
+	}
+	if !h.ready.Load() {
+		return nil, errorf(statusState, "leader not ready: the side-channel handshake has not completed (kvbm_leader_wait_ready)")
+	}
+	return h, nil
 }
 
 //export kvbm_leader_match
@@ -446,73 +588,5 @@ func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 		return finish(err, errOut)
 	}
 	h.l.ResetCache()
-	return statusOK
-}
-
-// kvbm_leader_plan_background returns the next background operation (an
-// encoded plan.Step of G2→G3 moves for every rank) and its ticket; an empty
-// buffer and ticket 0 when there is nothing to do. Every ticket must be
-// closed with kvbm_leader_commit_background.
-//
-//export kvbm_leader_plan_background
-func kvbm_leader_plan_background(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, outTicket *C.uint64_t, errOut **C.char) (rc C.int) {
-	defer guard(&rc, errOut)
-	if err := checkOut("kvbm_leader_plan_background", ptr(out), ptr(outLen), ptr(outTicket)); err != nil {
-		return finish(err, errOut)
-	}
-	*outTicket = 0
-	h, err := leaderOf(hd)
-	if err != nil {
-		return finish(err, errOut)
-	}
-	b, ticket, err := h.l.PlanBackground()
-	if err != nil {
-		return finish(err, errOut)
-	}
-	cBuffer(b, out, outLen)
-	*outTicket = C.uint64_t(ticket)
-	return statusOK
-}
-
-// kvbm_leader_commit_background closes a ticket: ok != 0 when every rank
-// executed the operation (its G3 blocks are registered), else its blocks are
-// freed. An unknown ticket is KVBM_ERR_INVALID.
-//
-//export kvbm_leader_commit_background
-func kvbm_leader_commit_background(hd C.uint64_t, ticket C.uint64_t, ok C.int32_t, errOut **C.char) (rc C.int) {
-	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
-	if err != nil {
-		return finish(err, errOut)
-	}
-	if err := h.l.CommitBackground(uint64(ticket), ok != 0); err != nil {
-		return finish(withCode(statusInvalid, err), errOut)
-	}
-	return statusOK
-}
-
-// maxRanks bounds a rank list passed through the ABI.
-const maxRanks = 1 << 16
-
-// kvbm_leader_set_degraded tells the leader which tensor-parallel ranks died:
-// it stops matching, saving and moving (the engine keeps serving).
-//
-//export kvbm_leader_set_degraded
-func kvbm_leader_set_degraded(hd C.uint64_t, ranks *C.int64_t, n C.int64_t, errOut **C.char) (rc C.int) {
-	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
-	if err != nil {
-		return finish(err, errOut)
-	}
-	// Ranks are tensor-parallel ranks: a list longer than any world size is
-	// a caller's mistake, and n must describe the array actually passed.
-	if n < 0 || n > maxRanks || (n > 0 && ranks == nil) {
-		return finish(errorf(statusInvalid, "kvbm_leader_set_degraded: invalid rank array (n=%d)", int64(n)), errOut)
-	}
-	rs := make([]int, 0, int(n))
-	for _, r := range int64View(ranks, n) {
-		rs = append(rs, int(r))
-	}
-	h.l.SetDegraded(rs)
 	return statusOK
 }

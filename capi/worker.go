@@ -16,6 +16,7 @@ import (
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
+	"github.com/kvbm/kvbm/goext/wire"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
@@ -39,6 +40,11 @@ type workerOptions struct {
 	Env map[string]string `json:"env"`
 	// WorkerID is the engine instance's id ({worker_id} in DYN_KVBM_OBJECT_BUCKET).
 	WorkerID uint64 `json:"worker_id"`
+	// SideChannel, when set, connects this rank to the leader's side
+	// channel (TP > 1, the leader in another process): kvbm_worker_new
+	// returns at once, the handshake completes when the leader runs it, and
+	// the leader's background operations run on this worker.
+	SideChannel *workerSideChannelOptions `json:"side_channel,omitempty"`
 }
 
 type tensorOption struct {
@@ -56,6 +62,7 @@ type workerHandle struct {
 	g4Close func()          // releases the G4 store; nil without one
 	g4      *object.Store
 	w       *worker.Worker
+	member  *wire.Member // the side channel; nil without one
 	m       *metrics.Metrics
 	layout  *layout.Engine
 	info    workerInfo // kvbm_worker_info's answer but for DiskDegraded
@@ -165,6 +172,12 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		Fingerprint: fp.Sum().String(), DiskPersistent: w.DiskPersistent(),
 		DiskRecoveredBlocks: len(w.Recovered().Blocks),
 	}}
+	if o.SideChannel != nil {
+		if h.member, err = connectSideChannel(o.SideChannel, cfg, h, o.Rank, nw); err != nil {
+			h.free()
+			return finish(err, errOut)
+		}
+	}
 	*out = newHandle(h)
 	return statusOK
 }
@@ -185,12 +198,21 @@ func kvbm_worker_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
 	if h, err := handle[*workerHandle](hd); err == nil && h.w != nil {
-		_ = h.w.Close()
-		h.w = nil
-		if h.g4Close != nil {
-			h.g4Close()
-		}
+		h.free()
 		deleteHandle(hd)
+	}
+}
+
+// free closes the side channel first (an operation waiting for its engine
+// step returns, and no new one arrives), then the worker.
+func (h *workerHandle) free() {
+	if h.member != nil {
+		_ = h.member.Close()
+	}
+	_ = h.w.Close()
+	h.w = nil
+	if h.g4Close != nil {
+		h.g4Close()
 	}
 }
 
@@ -209,6 +231,8 @@ type workerInfo struct {
 	DiskPersistent      bool   `json:"disk_persistent"`
 	DiskRecoveredBlocks int    `json:"disk_recovered_blocks"`
 	G4                  bool   `json:"g4"`
+	// SideChannel: with one (workerOptions.SideChannel).
+	SideChannel *workerSideChannelInfo `json:"side_channel,omitempty"`
 }
 
 //export kvbm_worker_info
@@ -223,6 +247,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	}
 	info := h.info
 	info.DiskDegraded = h.w.DiskDegraded()
+	if h.member != nil {
+		info.SideChannel = memberInfo(h.member)
+	}
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)
 	return statusOK

@@ -29,12 +29,12 @@ buf_out = lambda: (byref(POINTER(c_uint8)()), byref(c_int64()))
 HUGE = 1 << 62  # a garbage length: a Go slice this long panics, a smaller one reads past the array
 
 
-def make_worker():
+def make_worker(**kw):
     import numpy as np
     from kvbm._core import Worker
     cache = np.zeros((2, 8, 4, 2, 8), dtype=np.uint16)
     w = Worker(tensors=[(cache.ctypes.data, list(cache.shape), [s // 2 for s in cache.strides])],
-               kind="flash_attn", num_blocks=8, block_size=4, dtype_bytes=2)
+               kind="flash_attn", num_blocks=8, block_size=4, dtype_bytes=2, **kw)
     w._keep = cache
     return w
 """
@@ -81,16 +81,13 @@ CASES = {
         expect_error("kvbm_leader_new", b"{}", None, match="null output pointer")
         expect_error("kvbm_worker_new", b"{}", None, match="null output pointer")
         expect_error("kvbm_consolidator_new", b"{}", None, match="null output pointer")
-        import kvbm._wire  # declares the side channel's exports
-        expect_error("kvbm_wire_leader_new", b"{}", None, match="null output pointer")
         leader = Leader(block_size=4, bytes_per_block=64)
         expect_error("kvbm_leader_info", leader._h, None, byref(c_int64()), match="null output pointer")
         expect_error("kvbm_leader_info", leader._h, byref(POINTER(c_uint8)()), None, match="null output pointer")
-        expect_error("kvbm_leader_plan_background", leader._h, *buf_out(), None, match="null output pointer")
+        expect_error("kvbm_leader_wait_ready", leader._h, 1, None, match="null output pointer")
         w = make_worker()
         expect_error("kvbm_worker_info", w._h, None, None, match="null output pointer")
         expect_error("kvbm_worker_finished", w._h, None, byref(c_int64()), match="null output pointer")
-        expect_error("kvbm_wire_worker_connect", w._h, b"{}", None, match="null output pointer")
     """,
     "leader match: bad tokens, request id, outputs": """
         from ctypes import c_int32
@@ -133,18 +130,27 @@ CASES = {
         for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
             expect_error("kvbm_worker_bind", w._h, b, n, match="invalid plan buffer")
     """,
-    "side-channel broadcast: bad operation buffer and info outputs": """
-        from kvbm._wire import WireLeader
-        wl = WireLeader(num_workers=1, transport="inproc")
-        for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
-            expect_error("kvbm_wire_leader_broadcast", wl._h, b, n, 1000, match="invalid operation buffer")
-        expect_error("kvbm_wire_leader_info", wl._h, None, None, match="null output pointer")
-        expect_error("kvbm_wire_leader_handshake", wl._h, 1, None, None, match="null output pointer")
-    """,
-    "degraded ranks: NULL array of 2^62": """
-        leader = Leader(block_size=4, bytes_per_block=64)
-        expect_error("kvbm_leader_set_degraded", leader._h, None, 1 << 62, match="invalid rank array")
-        expect_error("kvbm_leader_set_degraded", leader._h, None, -1, match="invalid rank array")
+    "side channel: a leader not ready refuses calls; bad transport": """
+        from ctypes import c_int32
+        leader = Leader(block_size=4, side_channel={"transport": "inproc"})
+        ready = c_int32(7)
+        _native.call("kvbm_leader_wait_ready", leader._h, 1, byref(ready))
+        assert ready.value == 0  # no worker: still waiting
+        expect_error("kvbm_leader_info", leader._h, *buf_out(), match="not ready")
+        expect_error("kvbm_leader_step", leader._h, b"x", 1, *buf_out(), match="not ready")
+        expect_error("kvbm_leader_wait_ready", leader._h, 1, None, match="null output pointer")
+        leader.close()
+        try:
+            Leader(block_size=4, side_channel={"transport": "carrier-pigeon"})
+            raise AssertionError("bad transport accepted")
+        except kvbm.KvbmError as e:
+            assert "carrier-pigeon" in str(e), e
+        try:
+            make_worker(side_channel={"transport": "carrier-pigeon"})
+            raise AssertionError("bad transport accepted")
+        except kvbm.KvbmError as e:
+            assert "carrier-pigeon" in str(e), e
+        assert Leader(block_size=4, bytes_per_block=64).match("r", list(range(16)), 0, 0) == (0, False)  # still serving
     """,
 }
 

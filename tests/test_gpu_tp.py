@@ -70,7 +70,6 @@ def _worker_main(rank: int, kind: str, env: dict, cmds, out):
 
     from kvbm import _plan
     from kvbm._core import Worker
-    from kvbm._wire import WireWorker
 
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
@@ -106,20 +105,20 @@ def _worker_main(rank: int, kind: str, env: dict, cmds, out):
 
     tensors = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     worker = Worker(tensors=tensors, kind=kind, num_blocks=NUM_BLOCKS, block_size=BS, dtype_bytes=2,
-                    rank=rank, num_workers=WORLD)
-    wire = WireWorker(worker, rank=rank, num_workers=WORLD, transport="tcp")
+                    rank=rank, num_workers=WORLD, side_channel={"transport": "tcp"})
     out.put(("registered", rank, dev, layers[0].device.index, worker.info()["g1"]))
 
-    saved = {}  # (tier, block) -> the bytes this rank wrote there
+    saved = {}  # (tier, block) -> the bytes this rank wrote there by a step's save
+    saved_g1 = {}  # G1 block -> its bytes when it was last saved
     pending = []  # ((tier, src), G1 dst) of loads not verified yet
     verified, mismatches = 0, []
     while True:
         cmd = cmds.get(timeout=TIMEOUT)
         if cmd[0] == "close":
             break
-        _, pickled, scheduled, moves = cmd
-        for _, g2, _, g3 in moves:  # background G2→G3 moves run since the last step
-            saved[(3, g3)] = saved.get((2, g2))
+        # expect: G1 destination -> the G1 block whose saved bytes a load into
+        # it must reproduce (G2->G3 moves run inside Go, unseen here).
+        _, pickled, scheduled, expect = cmd
         meta = pickle.loads(pickled)
         plan = _plan.decode(meta.plan)
         for copies in plan["loads"].values():
@@ -130,7 +129,7 @@ def _worker_main(rank: int, kind: str, env: dict, cmds, out):
             forward(sorted({g1 for _, g1, _, _ in plan["saves"]}))
             worker.wait_for_save()
             for _, g1, tier, dst in plan["saves"]:
-                saved[(tier, dst)] = block_bytes(g1)
+                saved[(tier, dst)] = saved_g1[g1] = block_bytes(g1)
         loaded, errors = worker.finished()
         if not loaded and pending:
             worker.wait_loads()
@@ -138,13 +137,13 @@ def _worker_main(rank: int, kind: str, env: dict, cmds, out):
             loaded, errors = loaded + more, errors + more_err
         if loaded:
             for src, dst in pending:
-                if saved.get(src) is not None and block_bytes(dst) == saved[src]:
+                want = saved_g1.get(expect[dst]) if dst in expect else saved.get(src)
+                if want is not None and block_bytes(dst) == want:
                     verified += 1
                 else:
                     mismatches.append((src, dst))
             pending = []
         out.put(("step", rank, sorted(loaded), sorted(errors), verified, mismatches))
-    wire.close()
     worker.close()
     out.put(("closed", rank))
 
@@ -153,37 +152,44 @@ def _leader_main(env: dict, to_workers, from_workers, results):
     os.environ.update(env)
     from kvbm import _plan
     from kvbm._core import Leader
-    from kvbm._wire import BackgroundPump, WireLeader
 
-    wl = None
+    leader = None
 
     def collect(kind):
-        return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT,
-                                lambda: wl.dead_ranks if wl is not None else [])
+        return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT, lambda: tp_procs.dead_ranks(leader))
+
+    def wait_info(cond):
+        """leader.info() once cond(info) holds (TIMEOUT deadline)."""
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            info = leader.info()
+            if cond(info) or time.monotonic() > deadline:
+                return info
+            time.sleep(0.02)
 
     res = {"registered": {r: m[2:] for r, m in collect("registered").items()}}
-    wl = WireLeader(num_workers=WORLD, transport="tcp", ping_interval_ms=100, suspect_after_ms=30000)
-    hs = wl.handshake(timeout_s=TIMEOUT)
-    res["handshake"] = (hs.num_workers, hs.bytes_per_block, hs.num_device_blocks, hs.num_host_blocks)
-    leader = Leader(block_size=BS, bytes_per_block=hs.bytes_per_block, num_workers=WORLD, background=True)
-    pump = BackgroundPump(wl, leader, timeout_s=TIMEOUT)
+    leader = Leader(block_size=BS, num_workers=WORLD,
+                    side_channel={"transport": "tcp", "ping_interval_ms": 100, "suspect_after_ms": 30000,
+                                  "broadcast_timeout_ms": TIMEOUT * 1000})
+    leader.wait_ready(timeout_s=TIMEOUT)
+    sc = leader.info()["side_channel"]
+    res["handshake"] = (WORLD, sc["bytes_per_block"], sc["num_device_blocks"], leader.info()["host_blocks"])
     seq = 0
-    moves_since = []
 
-    def engine_step(updates, loaded=(), scheduled=True):
-        nonlocal seq, moves_since
+    def engine_step(updates, loaded=(), scheduled=True, expect=None):
+        nonlocal seq
         seq += 1
         plan = leader.step(updates, loaded=loaded)
         pickled = pickle.dumps(ConnectorMetadata(plan=plan, seq=seq))
-        moves, moves_since = moves_since, []
         for q in to_workers:
-            q.put(("step", pickled, scheduled, moves))
+            q.put(("step", pickled, scheduled, expect or {}))
         return plan, collect("step")
 
-    def load_step(req, tokens, g1_blocks):
+    def load_step(req, tokens, g1_blocks, expect=None):
         n_ext, is_async = leader.match(req, tokens, 0, 0)
         leader.update_after_alloc(req, g1_blocks, n_ext)
-        plan, outs = engine_step([], scheduled=False)  # the request waits for its KV: no forward for it
+        # The request waits for its KV: no forward for it.
+        plan, outs = engine_step([], scheduled=False, expect=expect)
         counts = {}
         for o in outs.values():
             for rid in o[2]:
@@ -208,28 +214,24 @@ def _leader_main(env: dict, to_workers, from_workers, results):
         leader.request_finished("a")
         res["saves_a"] = len(_plan.decode(plan_a)["saves"])
 
-        # a's blocks are copied to G3 (broadcast, both ranks ack, commit).
-        # Planned right after a's step: a background operation waits on each
-        # rank for the saves of the last step planned, which a step without
-        # a forward pass (no wait_for_save) never completes.
-        bg, ticket = leader.plan_background()
-        res["bg_moves"] = len(_plan.decode(bg)["moves"])
-        wl.broadcast(bg, timeout_s=TIMEOUT)
-        leader.commit_background(ticket, True)
-        moves_since.extend(_plan.decode(bg)["moves"])
+        # a's step woke the leader's background loop: a's blocks are copied
+        # to G3 on both ranks (after a's saves) and registered once both acked.
+        info = wait_info(lambda i: i["side_channel"]["committed"] >= 1)
+        res["bg_disk_used"] = info["disk_blocks_used"]
 
         # "b" shares a's prompt: onboarded from G2 (still there) into G1 blocks 20..26.
         res["b"] = load_step("b", tokens + [1, 2, 3], list(range(20, 20 + PROMPT_BLOCKS + 1)))
 
-        # "c" fills G2 (evicting a's copies there); its own G3 moves go through the pump.
+        # "c" fills G2 (evicting a's copies there); its own G3 moves go out after its step.
         tokens_c = list(range(9000, 9000 + HOST_BLOCKS * BS))
         engine_step([["c", tokens_c, list(range(8, 8 + HOST_BLOCKS)), 0, len(tokens_c), 0, 0, False]])
         leader.request_finished("c")
-        pump.poll()
-        res["pump_done"] = pump.wait(TIMEOUT)
+        res["bg_committed"] = wait_info(lambda i: i["side_channel"]["committed"] >= 2)["side_channel"]["committed"]
 
-        # "e" shares a's prompt again: only G3 has it now; onboarded into G1 blocks 24..30.
-        res["e"] = load_step("e", tokens + [4, 5, 6], list(range(24, 24 + PROMPT_BLOCKS + 1)))
+        # "e" shares a's prompt again: only G3 has it now; onboarded into G1
+        # blocks 24..30, each holding what a's block of the same position saved.
+        res["e"] = load_step("e", tokens + [4, 5, 6], list(range(24, 24 + PROMPT_BLOCKS + 1)),
+                             expect={24 + i: i for i in range(PROMPT_BLOCKS)})
     finally:
         for q in to_workers:
             q.put(("close",))
@@ -241,10 +243,7 @@ def _leader_main(env: dict, to_workers, from_workers, results):
             except queue.Empty:
                 pass
         res["closed"] = sorted(m[1] for m in closed if m[0] == "closed")
-        # Shutdown order: nothing new, the side channel, the leader.
-        pump.stop()
-        wl.close()
-        leader.close()
+        leader.close()  # stops its background loop, then its side channel
     results.put(res)
 
 
@@ -289,7 +288,7 @@ def test_tp2_gpu_offload_onboard_per_rank(kind):
         assert b["errors"] == {0: [], 1: []} and b["mismatches"] == {0: [], 1: []}
         assert b["verified"] == {0: PROMPT_BLOCKS, 1: PROMPT_BLOCKS}, "each rank onboarded its own bytes from G2"
 
-        assert res["bg_moves"] == PROMPT_BLOCKS and res["pump_done"]
+        assert res["bg_disk_used"] == PROMPT_BLOCKS and res["bg_committed"] == 2
         e = res["e"]
         assert e["match"] == (PROMPT_BLOCKS * BS, True)
         assert (e["tiers"], e["loads"], e["finished"]) == ([3], PROMPT_BLOCKS, ["e"]), "a's G2 copies were evicted"

@@ -29,3 +29,11 @@ def collect(from_workers: Any, kind: str, world: int, timeout: float,
         assert msg[0] == kind, msg
         got[msg[1]] = msg
     return got
+
+
+def dead_ranks(leader: Any) -> list[int]:
+    """The side channel's dead ranks of a ready leader ([] before it is ready)."""
+    if leader is None:
+        return []
+    sc = leader.info().get("side_channel")
+    return list(sc["dead_ranks"]) if sc else []

@@ -9,13 +9,15 @@ import (
 )
 
 // Background operations (design §2, tensor parallelism): with
-// Options.Background, G2→G3 moves no longer ride in the engine's step plans.
-// They travel over the leader⇄worker side channel instead, and a G3 block is
-// registered (announced to the consolidator through the Sink, matchable) only
-// once every rank acknowledged writing its shard:
+// Options.SideChannel (or Options.Background), G2→G3 moves no longer ride in
+// the engine's step plans. They travel over the leader⇄worker side channel
+// instead, and a G3 block is registered (announced to the consolidator
+// through the Sink, matchable) only once every rank acknowledged writing its
+// shard. With Options.SideChannel the leader's own loop (sidechannel.go)
+// runs, after each Step:
 //
-//	step, ticket, _ := l.PlanBackground() // after Step; nil step: nothing to do
-//	err := wireLeader.Broadcast(ctx, step) // every rank runs it (worker.Run)
+//	step, ticket, _ := l.PlanBackground() // nil step: nothing to do
+//	err := sideChannel.Broadcast(ctx, step) // every rank runs it (worker.Run)
 //	l.CommitBackground(ticket, err == nil)
 //
 // While a ticket is open its G2 sources stay pinned (no save can overwrite

@@ -47,6 +47,12 @@ type env struct {
 // (0 = tier off). mod adjusts the config before New.
 func newEnv(t *testing.T, hostBlocks, diskBlocks int, mod func(*config.Config)) *env {
 	t.Helper()
+	return newEnvWith(t, hostBlocks, diskBlocks, mod, nil)
+}
+
+// newEnvWith is newEnv with opt adjusting the Options before New.
+func newEnvWith(t *testing.T, hostBlocks, diskBlocks int, mod func(*config.Config), opt func(*Options)) *env {
+	t.Helper()
 	cfg := &config.Config{
 		CPUCacheOverrideBlocks:  hostBlocks,
 		DiskCacheOverrideBlocks: diskBlocks,
@@ -57,11 +63,15 @@ func newEnv(t *testing.T, hostBlocks, diskBlocks int, mod func(*config.Config)) 
 		mod(cfg)
 	}
 	e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
-	l, err := New(Options{
+	o := Options{
 		Config: cfg, BlockSize: bs, BytesPerBlock: 1 << 20, NumWorkers: 1,
 		Sink: e.sink, Metrics: e.m, WorkerID: 7, Now: e.clock.Now,
 		Logger: slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
+	}
+	if opt != nil {
+		opt(&o)
+	}
+	l, err := New(o)
 	require.NoError(t, err)
 	e.l = l
 	return e

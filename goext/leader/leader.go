@@ -72,6 +72,13 @@ type Options struct {
 	// executed them (tensor parallelism over the side channel; see
 	// background.go). Default off: moves ride in the step plans.
 	Background bool
+	// SideChannel, when set, is the side channel to the tensor-parallel
+	// ranks: the leader runs its background operations over it in its own
+	// goroutine (sidechannel.go) and Background is implied. Close stops it.
+	SideChannel Broadcaster
+	// BroadcastTimeout bounds one background operation; 0:
+	// DefaultBroadcastTimeout.
+	BroadcastTimeout time.Duration
 	// G4 enables the object-storage tier (g4.go); nil: none. Needs G2.
 	G4 *G4Options
 }
@@ -109,6 +116,7 @@ type Leader struct {
 	gen       uint64              // bumped by ResetCache
 	degraded  bool
 	deadRanks []int
+	sc        *sideChannel // background loop; nil without Options.SideChannel
 
 	g4 *g4State // nil: no G4 tier (g4.go)
 
@@ -160,7 +168,7 @@ func New(opts Options) (*Leader, error) {
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),
 		drops:     make(map[tierBlock]struct{}),
-		bgMode:    opts.Background,
+		bgMode:    opts.Background || opts.SideChannel != nil,
 		bgOps:     make(map[uint64]*bgOp),
 		bgHashes:  make(map[uint64]struct{}),
 		hits:      newHitWindow(cfg.CacheStatsMaxRequests),
@@ -208,7 +216,10 @@ func New(opts Options) (*Leader, error) {
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
 		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),
 		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio, "background_moves", l.bgMode,
-		"g4", l.g4 != nil)
+		"g4", l.g4 != nil, "side_channel", opts.SideChannel != nil)
+	if opts.SideChannel != nil {
+		l.startSideChannel(opts.SideChannel, opts.BroadcastTimeout)
+	}
 	return l, nil
 }
 

@@ -61,6 +61,7 @@ type RequestUpdate struct {
 //
 // Cost is O(blocks that changed) plus the queued moves; nothing walks a pool.
 func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
+	defer l.wakeSideChannel() // background loop: new saves may be ready to move
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.seq++

@@ -27,7 +27,7 @@ func attackerPush(t *testing.T, ep Endpoint) zmq4.Socket {
 // every one; the real workers complete the handshake and nobody is dead.
 func TestForgedWorkerMessagesAreDropped(t *testing.T) {
 	c := newCluster(t, TransportTCP, 2)
-	l := c.listen(t, func(o *LeaderOptions) { o.PingInterval = 50 * time.Millisecond })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.PingInterval = 50 * time.Millisecond })
 	push := attackerPush(t, l.Endpoint())
 	wrong := newSealer("not the engine's secret", labelToLeader, labelToWorkers)
 	md := marshal(WorkerMetadata{Rank: 1, WorldSize: 2, NumDeviceBlocks: 1, BytesPerBlock: 1, Pid: 1, Instance: 99})

@@ -9,6 +9,18 @@
 // ranks, TensorRT-LLM broadcasts it). This channel carries what the engine
 // does not: start-up, background operations and liveness.
 //
+// # Ends and owners
+//
+// Coordinator is the scheduler side's end (Listen, Handshake, Broadcast,
+// DeadRanks, SuspectRanks); Member is one rank's end (Connect). Neither is
+// driven from outside Go: the leader (goext/leader) takes a Coordinator as
+// its leader.Broadcaster and runs its background operations over it in its
+// own goroutine, and a worker's Member executes operations straight into
+// worker.Run (RunOn; ExpectSizes checks the leader's tier sizes against the
+// rank's own). The C ABI only converts: the "side_channel" object of the
+// kvbm_leader_new / kvbm_worker_new options creates them, and
+// kvbm_leader_wait_ready runs the handshake in slices.
+//
 // # Sockets
 //
 // The leader binds, workers connect, as in the reference:
@@ -31,8 +43,8 @@
 //
 // # Frames
 //
-// Leader → workers, multipart: [id u64 big-endian, function, payload?].
-// Worker → leader, multipart:  [id u64 big-endian, function, rank u32 big-endian, payload?].
+// Coordinator → workers, multipart: [id u64 big-endian, function, payload?].
+// Member → leader, multipart:  [id u64 big-endian, function, rank u32 big-endian, payload?].
 // Ids are the leader's counter, starting at 1; a worker's unsolicited first
 // message uses id 0.
 //
@@ -89,10 +101,10 @@
 // loop, so a long transfer does not look like silence.
 //
 // A worker notices its leader going away (the shutdown message from Close,
-// or a lost connection whose port no longer accepts): Worker.Done is closed
-// and Worker.Err says why. A lost connection to a leader that still listens
+// or a lost connection whose port no longer accepts): Member.Done is closed
+// and Member.Err says why. A lost connection to a leader that still listens
 // (its PUB dropped a subscriber that stalled past the write timeout, a
-// network fault), or a leader silent for WorkerOptions.LeaderSilence (3 s by
+// network fault), or a leader silent for MemberOptions.LeaderSilence (3 s by
 // default, several pings), makes the worker redial its subscription: zmq4's
 // SUB does not redial on its own. The leader re-admits the rank on its next
 // answer.

@@ -1,6 +1,6 @@
 package wire
 
-// Leader and worker PROCESSES on localhost moving real bytes: the test
+// Coordinator and worker PROCESSES on localhost moving real bytes: the test
 // binary re-executes itself as a worker (TestMain, KVBM_WIRE_TEST_ROLE).
 // Each worker owns a G1 (mmap'd memory in a real engine layout) filled with
 // rank-specific random bytes and a worker.Worker with its own G2; the leader
@@ -127,7 +127,7 @@ func workerMain() int {
 		return buf
 	}
 	dieOn := envInt(envDieOn)
-	wc, err := Connect(WorkerOptions{
+	wc, err := Connect(MemberOptions{
 		Rank: rank, WorldSize: world, NumDeviceBlocks: procBlocks, BytesPerBlock: bpb,
 		Endpoint:  Endpoint{Host: "127.0.0.1", PubPort: envInt(envPub), AckPort: envInt(envAck)},
 		Transport: TransportTCP, RetryInterval: 20 * time.Millisecond, Logger: log,
@@ -202,7 +202,7 @@ func workerMain() int {
 // bindMain is a second engine's leader on ports that may be taken; it prints
 // Listen's error.
 func bindMain() int {
-	l, err := Listen(LeaderOptions{NumWorkers: 2, Transport: TransportTCP, Size: fixedSize,
+	l, err := Listen(CoordinatorOptions{NumWorkers: 2, Transport: TransportTCP, Size: fixedSize,
 		Endpoint: Endpoint{Host: "127.0.0.1", PubPort: envInt(envPub), AckPort: envInt(envAck)}})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "LISTEN ERROR:", err)
@@ -292,9 +292,9 @@ func procConfig() *config.Config {
 	return &config.Config{CPUCacheOverrideBlocks: 24, CacheStatsMaxRequests: 1000, CacheStatsLogInterval: time.Hour}
 }
 
-func procLeader(t *testing.T, n int, ep Endpoint, mod func(*LeaderOptions)) (*Leader, *syncBuf) {
+func procLeader(t *testing.T, n int, ep Endpoint, mod func(*CoordinatorOptions)) (*Coordinator, *syncBuf) {
 	logs := &syncBuf{}
-	opts := LeaderOptions{NumWorkers: n, Endpoint: ep, Transport: TransportTCP, Size: ConfigSize(procConfig()),
+	opts := CoordinatorOptions{NumWorkers: n, Endpoint: ep, Transport: TransportTCP, Size: ConfigSize(procConfig()),
 		// A generous SuspectAfter: these machines run other packages' tests
 		// at the same time; only the SIGSTOP test wants a short one.
 		InitTimeout: 30 * time.Second, PingInterval: 200 * time.Millisecond, SuspectAfter: 30 * time.Second,
@@ -328,7 +328,7 @@ const flowBlocks = 6
 // in G1 blocks 0..5 (saved to G2), then request "b" with the same prefix
 // matches them and loads them into G1 blocks 20..25. Each rank checks its
 // shard; the broadcast only succeeds if every rank found its bytes exact.
-func offloadThenOnboard(t *testing.T, l *Leader, hs Handshake) (*leader.Leader, [][]byte) {
+func offloadThenOnboard(t *testing.T, l *Coordinator, hs Handshake) (*leader.Leader, [][]byte) {
 	ld, err := leader.New(leader.Options{Config: procConfig(), BlockSize: procBS, BytesPerBlock: hs.BytesPerBlock,
 		NumWorkers: hs.NumWorkers, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
@@ -433,7 +433,7 @@ func TestProcessesLateAnyOrder(t *testing.T) {
 // silent: the liveness timeout is far longer than the test), the broadcast
 // fails naming rank 1, later broadcasts fail at once; nothing hangs.
 func TestProcessKilledMidTransfer(t *testing.T) {
-	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) {
+	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *CoordinatorOptions) {
 		o.PingInterval = 100 * time.Millisecond
 	})
 	p := newProcs(t, 2, layout.FlashAttn, l.Endpoint().PubPort, l.Endpoint().AckPort)
@@ -474,7 +474,7 @@ func TestProcessKilledMidTransfer(t *testing.T) {
 // short, so only what holds on a slow machine is asserted: broadcasts are
 // retried while any rank is suspected.
 func TestProcessStoppedThenResumed(t *testing.T) {
-	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) {
+	l, logs := procLeader(t, 2, Endpoint{Host: "127.0.0.1"}, func(o *CoordinatorOptions) {
 		o.PingInterval = 100 * time.Millisecond
 		o.SuspectAfter = time.Second
 	})
@@ -522,7 +522,7 @@ func TestProcessStoppedThenResumed(t *testing.T) {
 
 // TestProcessesHandshakeTimeout: rank 1 of 3 never starts; the error names it.
 func TestProcessesHandshakeTimeout(t *testing.T) {
-	l, _ := procLeader(t, 3, Endpoint{Host: "127.0.0.1"}, func(o *LeaderOptions) { o.InitTimeout = 2 * time.Second })
+	l, _ := procLeader(t, 3, Endpoint{Host: "127.0.0.1"}, func(o *CoordinatorOptions) { o.InitTimeout = 2 * time.Second })
 	p := newProcs(t, 3, layout.FlashAttn, l.Endpoint().PubPort, l.Endpoint().AckPort)
 	p.start(0)
 	p.start(2)

@@ -128,13 +128,13 @@ func TestWorkerRedialsASubscriptionTheLeaderDropped(t *testing.T) {
 
 func testRedial(t *testing.T, fail func(*cutProxy), logLine string) {
 	c := newCluster(t, TransportTCP, 1)
-	l := c.listen(t, func(o *LeaderOptions) {
+	l := c.listen(t, func(o *CoordinatorOptions) {
 		o.PingInterval = 50 * time.Millisecond
 		o.SuspectAfter = 2 * time.Second
 	})
 	proxy := newCutProxy(t, net.JoinHostPort("127.0.0.1", strconv.Itoa(l.Endpoint().PubPort)))
 	c.ep = Endpoint{Host: "127.0.0.1", PubPort: proxy.port(), AckPort: l.Endpoint().AckPort}
-	w := c.connect(t, 0, func(o *WorkerOptions) { o.LeaderSilence = 500 * time.Millisecond })
+	w := c.connect(t, 0, func(o *MemberOptions) { o.LeaderSilence = 500 * time.Millisecond })
 	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, l.Broadcast(ctxTimeout(t, 5*time.Second), []byte("before")))

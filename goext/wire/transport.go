@@ -71,7 +71,7 @@ func (t Transport) resolve(workers int) Transport {
 }
 
 // Endpoint is where the leader binds (DYN_KVBM_LEADER_ZMQ_HOST, _PUB_PORT,
-// _ACK_PORT). Port 0 binds an ephemeral port (tests); Leader.Endpoint reports
+// _ACK_PORT). Port 0 binds an ephemeral port (tests); Coordinator.Endpoint reports
 // the ports actually bound.
 type Endpoint struct {
 	Host    string

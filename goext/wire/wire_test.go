@@ -17,7 +17,7 @@ import (
 
 // fakeRank is a goroutine worker recording what it was asked to do.
 type fakeRank struct {
-	w *Worker
+	w *Member
 
 	mu       sync.Mutex
 	alloc    []LeaderMetadata
@@ -61,9 +61,9 @@ func newCluster(t *testing.T, tr Transport, n int) *cluster {
 	return c
 }
 
-func (c *cluster) connect(t *testing.T, rank int, mod func(*WorkerOptions)) *Worker {
+func (c *cluster) connect(t *testing.T, rank int, mod func(*MemberOptions)) *Member {
 	f := c.ranks[rank]
-	opts := WorkerOptions{
+	opts := MemberOptions{
 		Rank: rank, WorldSize: len(c.ranks), NumDeviceBlocks: 64, BytesPerBlock: 4096,
 		Endpoint: c.ep, Transport: c.tr, RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs),
 		Secret: c.secret,
@@ -101,8 +101,8 @@ func (c *cluster) connect(t *testing.T, rank int, mod func(*WorkerOptions)) *Wor
 	return w
 }
 
-func (c *cluster) listen(t *testing.T, mod func(*LeaderOptions)) *Leader {
-	opts := LeaderOptions{
+func (c *cluster) listen(t *testing.T, mod func(*CoordinatorOptions)) *Coordinator {
+	opts := CoordinatorOptions{
 		NumWorkers: len(c.ranks), Endpoint: c.ep, Transport: c.tr, InitTimeout: 10 * time.Second,
 		Size: fixedSize, PingInterval: 100 * time.Millisecond, SuspectAfter: 10 * time.Second,
 		RetryInterval: 20 * time.Millisecond, Logger: testLogger(c.logs), Secret: c.secret,
@@ -185,7 +185,7 @@ func TestHandshakeTimeoutNamesMissingRanks(t *testing.T) {
 	c := newCluster(t, TransportTCP, 4)
 	c.connect(t, 0, nil)
 	c.connect(t, 2, nil)
-	l := c.listen(t, func(o *LeaderOptions) { o.InitTimeout = 700 * time.Millisecond })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.InitTimeout = 700 * time.Millisecond })
 	_, err := l.Handshake(context.Background())
 	require.ErrorIs(t, err, ErrHandshakeTimeout)
 	require.ErrorContains(t, err, "rank(s) [1 3] of 4 never answered")
@@ -197,10 +197,10 @@ func TestHandshakeTimeoutNamesAllocatingRank(t *testing.T) {
 	release := make(chan struct{})
 	defer close(release)
 	c.connect(t, 0, nil)
-	c.connect(t, 1, func(o *WorkerOptions) {
+	c.connect(t, 1, func(o *MemberOptions) {
 		o.Allocate = func(LeaderMetadata) error { <-release; return nil }
 	})
-	l := c.listen(t, func(o *LeaderOptions) { o.InitTimeout = 500 * time.Millisecond })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.InitTimeout = 500 * time.Millisecond })
 	_, err := l.Handshake(context.Background())
 	require.ErrorIs(t, err, ErrHandshakeTimeout)
 	require.ErrorContains(t, err, "rank(s) [1] were still allocating")
@@ -210,36 +210,36 @@ func TestHandshakeTimeoutNamesAllocatingRank(t *testing.T) {
 func TestHandshakeRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		mod  func(rank int, o *WorkerOptions)
+		mod  func(rank int, o *MemberOptions)
 		want string
 	}{
-		{"bytes_per_block differ", func(r int, o *WorkerOptions) {
+		{"bytes_per_block differ", func(r int, o *MemberOptions) {
 			if r == 1 {
 				o.BytesPerBlock = 2048
 			}
 		}, "rank 1 reports bytes_per_block 2048, rank 0 reports 4096"},
-		{"device blocks differ", func(r int, o *WorkerOptions) {
+		{"device blocks differ", func(r int, o *MemberOptions) {
 			if r == 1 {
 				o.NumDeviceBlocks = 63
 			}
 		}, "rank 1 reports num_device_blocks 63, rank 0 reports 64"},
-		{"world size differs", func(r int, o *WorkerOptions) { o.WorldSize = 3 }, "rank 0 was started with world size 3, the leader expects 2"},
-		{"allocation fails", func(r int, o *WorkerOptions) {
+		{"world size differs", func(r int, o *MemberOptions) { o.WorldSize = 3 }, "rank 0 was started with world size 3, the leader expects 2"},
+		{"allocation fails", func(r int, o *MemberOptions) {
 			if r == 1 {
 				o.Allocate = func(LeaderMetadata) error { return errors.New("mmap: cannot allocate memory") }
 			}
 		}, "worker allocation failed: rank 1: kvbm worker rank 1: allocating 10 host and 20 disk blocks: mmap: cannot allocate memory"},
-		{"rank outside the world", func(r int, o *WorkerOptions) {
+		{"rank outside the world", func(r int, o *MemberOptions) {
 			if r == 1 {
 				o.Rank, o.WorldSize = 2, 3
 			}
 		}, "a worker reported rank 2, but the leader expects 2 workers"},
-		{"two processes claim a rank", func(r int, o *WorkerOptions) { o.Rank = 0 }, "rank 0 is reported by two worker processes"},
+		{"two processes claim a rank", func(r int, o *MemberOptions) { o.Rank = 0 }, "rank 0 is reported by two worker processes"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCluster(t, TransportTCP, 2)
 			for r := range 2 {
-				c.connect(t, r, func(o *WorkerOptions) { tc.mod(r, o) })
+				c.connect(t, r, func(o *MemberOptions) { tc.mod(r, o) })
 			}
 			l := c.listen(t, nil)
 			_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
@@ -252,7 +252,7 @@ func TestHandshakeRejects(t *testing.T) {
 func TestHandshakeNoTier(t *testing.T) {
 	c := newCluster(t, TransportInProc, 1)
 	c.connect(t, 0, nil)
-	l := c.listen(t, func(o *LeaderOptions) { o.Size = ConfigSize(&config.Config{}) })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.Size = ConfigSize(&config.Config{}) })
 	_, err := l.Handshake(ctxTimeout(t, 5*time.Second))
 	require.ErrorIs(t, err, config.ErrNoTier)
 }
@@ -276,7 +276,7 @@ func TestSilentRankMidOperation(t *testing.T) {
 	for r := range 3 {
 		c.connect(t, r, nil)
 	}
-	l := c.listen(t, func(o *LeaderOptions) {
+	l := c.listen(t, func(o *CoordinatorOptions) {
 		o.PingInterval = 50 * time.Millisecond
 		o.SuspectAfter = 400 * time.Millisecond
 	})
@@ -354,14 +354,14 @@ func TestPortInUse(t *testing.T) {
 		{"ack", Endpoint{Host: "127.0.0.1", PubPort: free, AckPort: port}, config.EnvLeaderZMQAckPort},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Listen(LeaderOptions{NumWorkers: 2, Endpoint: tc.ep, Transport: TransportTCP, Size: fixedSize})
+			_, err := Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: tc.ep, Transport: TransportTCP, Size: fixedSize})
 			require.ErrorIs(t, err, ErrPortInUse)
 			require.ErrorContains(t, err, fmt.Sprintf("%s=%d", tc.envVar, port))
 			require.ErrorContains(t, err, "second engine on this host")
 		})
 	}
 	// The failed attempt must not keep the free port.
-	l, err := Listen(LeaderOptions{NumWorkers: 2, Endpoint: Endpoint{Host: "127.0.0.1", PubPort: free}, Transport: TransportTCP, Size: fixedSize})
+	l, err := Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: Endpoint{Host: "127.0.0.1", PubPort: free}, Transport: TransportTCP, Size: fixedSize})
 	require.NoError(t, err)
 	require.NoError(t, l.Close())
 }
@@ -371,28 +371,28 @@ func TestPortInUse(t *testing.T) {
 func TestTwoEnginesDefaultPorts(t *testing.T) {
 	p := freePorts(t, 2)
 	ep := Endpoint{Host: "127.0.0.1", PubPort: p[0], AckPort: p[1]}
-	first, err := Listen(LeaderOptions{NumWorkers: 2, Endpoint: ep, Transport: TransportTCP, Size: fixedSize})
+	first, err := Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: ep, Transport: TransportTCP, Size: fixedSize})
 	require.NoError(t, err)
 	defer first.Close()
-	_, err = Listen(LeaderOptions{NumWorkers: 2, Endpoint: ep, Transport: TransportTCP, Size: fixedSize})
+	_, err = Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: ep, Transport: TransportTCP, Size: fixedSize})
 	require.ErrorIs(t, err, ErrPortInUse)
 	require.ErrorContains(t, err, config.EnvLeaderZMQPubPort)
 
 	// In-process: the same endpoint held twice in one process.
 	iep := Endpoint{Host: t.Name(), PubPort: 56001, AckPort: 56002}
-	a, err := Listen(LeaderOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
+	a, err := Listen(CoordinatorOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
 	require.NoError(t, err)
 	require.Equal(t, TransportInProc, a.Transport())
-	_, err = Listen(LeaderOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
+	_, err = Listen(CoordinatorOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
 	require.ErrorIs(t, err, ErrPortInUse)
 	require.NoError(t, a.Close())
-	b, err := Listen(LeaderOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
+	b, err := Listen(CoordinatorOptions{NumWorkers: 1, Endpoint: iep, Size: fixedSize})
 	require.NoError(t, err, "a closed in-process leader frees its endpoint")
 	require.NoError(t, b.Close())
 }
 
 func TestSamePorts(t *testing.T) {
-	_, err := Listen(LeaderOptions{NumWorkers: 2, Endpoint: Endpoint{PubPort: 5000, AckPort: 5000}, Transport: TransportTCP, Size: fixedSize})
+	_, err := Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: Endpoint{PubPort: 5000, AckPort: 5000}, Transport: TransportTCP, Size: fixedSize})
 	require.ErrorContains(t, err, "must differ")
 }
 
@@ -430,13 +430,13 @@ func TestParseTransport(t *testing.T) {
 }
 
 func TestConnectValidates(t *testing.T) {
-	ok := WorkerOptions{Rank: 0, WorldSize: 1, BytesPerBlock: 1, Allocate: func(LeaderMetadata) error { return nil }, Execute: func(context.Context, []byte) error { return nil }}
-	for name, mod := range map[string]func(*WorkerOptions){
-		"rank too big":  func(o *WorkerOptions) { o.Rank = 1 },
-		"no world":      func(o *WorkerOptions) { o.WorldSize = 0 },
-		"no bpb":        func(o *WorkerOptions) { o.BytesPerBlock = 0 },
-		"no callbacks":  func(o *WorkerOptions) { o.Execute = nil },
-		"negative rank": func(o *WorkerOptions) { o.Rank = -1 },
+	ok := MemberOptions{Rank: 0, WorldSize: 1, BytesPerBlock: 1, Allocate: func(LeaderMetadata) error { return nil }, Execute: func(context.Context, []byte) error { return nil }}
+	for name, mod := range map[string]func(*MemberOptions){
+		"rank too big":  func(o *MemberOptions) { o.Rank = 1 },
+		"no world":      func(o *MemberOptions) { o.WorldSize = 0 },
+		"no bpb":        func(o *MemberOptions) { o.BytesPerBlock = 0 },
+		"no callbacks":  func(o *MemberOptions) { o.Execute = nil },
+		"negative rank": func(o *MemberOptions) { o.Rank = -1 },
 	} {
 		o := ok
 		mod(&o)
@@ -452,7 +452,7 @@ func TestWorkerCloseSaysGoodbye(t *testing.T) {
 	for r := range 2 {
 		c.connect(t, r, nil)
 	}
-	l := c.listen(t, func(o *LeaderOptions) { o.PingInterval = 50 * time.Millisecond })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.PingInterval = 50 * time.Millisecond })
 	_, err := l.Handshake(ctxTimeout(t, 10*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, c.ranks[1].w.Close())
@@ -467,7 +467,7 @@ func TestWorkerCloseSaysGoodbye(t *testing.T) {
 // handshake, which InitTimeout bounds from the first call.
 func TestHandshakeInSlices(t *testing.T) {
 	c := newCluster(t, TransportTCP, 1)
-	l := c.listen(t, func(o *LeaderOptions) { o.InitTimeout = time.Minute })
+	l := c.listen(t, func(o *CoordinatorOptions) { o.InitTimeout = time.Minute })
 	_, err := l.Handshake(ctxTimeout(t, 100*time.Millisecond))
 	require.ErrorIs(t, err, ErrHandshakePending)
 	require.NotErrorIs(t, err, ErrHandshakeTimeout)
@@ -484,7 +484,7 @@ func TestWorkerCloseCancelsExecute(t *testing.T) {
 	c := newCluster(t, TransportInProc, 1)
 	entered := make(chan struct{})
 	returned := make(chan error, 1)
-	w := c.connect(t, 0, func(o *WorkerOptions) {
+	w := c.connect(t, 0, func(o *MemberOptions) {
 		o.Execute = func(ctx context.Context, step []byte) error {
 			close(entered)
 			<-ctx.Done() // an operation waiting for an engine step that never comes

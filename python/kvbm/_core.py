@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64
 from typing import TYPE_CHECKING, TypedDict
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 import msgpack
 
 from kvbm import _native
+from kvbm._errors import KvbmIOError
 
 if TYPE_CHECKING:
     from ctypes import Array
@@ -86,18 +88,65 @@ class LeaderG4Info(TypedDict):
     breakers_open: int
 
 
+class LeaderSideChannelOptions(TypedDict, total=False):
+    """``Leader(side_channel=)``: the leader⇄worker side channel for
+    tensor-parallel ranks in other processes (capi/sidechannel.go)."""
+
+    transport: str  # "auto" (in-process for one worker), "tcp" or "inproc"
+    ping_interval_ms: int  # 0: 500 ms
+    suspect_after_ms: int  # 0: DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS
+    secret: str  # the engine instance's id; DYN_KVBM_LEADER_WORKER_SECRET wins
+    broadcast_timeout_ms: int  # one background operation; 0: 60 s
+
+
+class WorkerSideChannelOptions(TypedDict, total=False):
+    """``Worker(side_channel=)``: connect this rank to the leader's side channel."""
+
+    transport: str
+    secret: str
+
+
+class LeaderSideChannelInfo(TypedDict):
+    """``LeaderInfo["side_channel"]``: the channel's state and the leader's
+    background operations over it."""
+
+    transport: str  # "tcp" or "inproc"
+    pub_port: int
+    ack_port: int
+    healthy: bool
+    dead_ranks: list[int]  # processes gone, for good
+    suspect_ranks: list[int]  # silent; re-admitted when they answer again
+    forged_messages: int  # messages rejected: wrong secret or forged
+    num_device_blocks: int  # as every rank reported in the handshake
+    bytes_per_block: int  # one rank's share of a block
+    committed: int  # background operations every rank acked (their disk blocks registered)
+    failed: int  # background operations failed (blocks freed, moves retried)
+    last_error: str  # "" if none
+
+
 class LeaderInfo(_LeaderInfoRequired, total=False):
     """:meth:`Leader.info`: tier sizes and use, hit rates, degraded state;
     ``metrics_addr`` when the metrics endpoint runs, ``consolidator`` when the
-    leader runs one, ``g4`` with the object-storage tier."""
+    leader runs one, ``g4`` with the object-storage tier, ``side_channel``
+    with one."""
 
     metrics_addr: str
     consolidator: LeaderConsolidatorInfo
     g4: LeaderG4Info
+    side_channel: LeaderSideChannelInfo
 
 
-class WorkerInfo(TypedDict):
-    """:meth:`Worker.info`: the rank's layout and tier sizes."""
+class WorkerSideChannelInfo(TypedDict):
+    """``WorkerInfo["side_channel"]``: this rank's end of the side channel."""
+
+    ready: bool  # the leader's handshake completed for this rank
+    stopped: bool
+    error: str  # "" while healthy
+    forged_messages: int
+    reconnects: int  # subscriptions redialed after the leader's PUB dropped or went silent
+
+
+class _WorkerInfoRequired(TypedDict):
 
     disk_degraded: bool
     g1: str  # "host", or the device copier (e.g. "cuda:0 staged")
@@ -111,6 +160,12 @@ class WorkerInfo(TypedDict):
     disk_persistent: bool  # DYN_KVBM_DISK_PERSIST in effect (docs/persistent-g3.md)
     disk_recovered_blocks: int
     g4: bool  # DYN_KVBM_OBJECT_ENABLED: this rank uploads to / downloads from G4
+
+
+class WorkerInfo(_WorkerInfoRequired, total=False):
+    """:meth:`Worker.info`: the rank's layout and tier sizes; ``side_channel`` with one."""
+
+    side_channel: WorkerSideChannelInfo
 
 
 class ConsolidatorStats(TypedDict):
@@ -145,9 +200,7 @@ _native.register_signatures(
         "kvbm_leader_step": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_leader_request_finished": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int32), _ERR]),
         "kvbm_leader_reset": (ctypes.c_int, [c_uint64, _ERR]),
-        "kvbm_leader_plan_background": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _P(c_uint64), _ERR]),
-        "kvbm_leader_commit_background": (ctypes.c_int, [c_uint64, c_uint64, c_int32, _ERR]),
-        "kvbm_leader_set_degraded": (ctypes.c_int, [c_uint64, _P(c_int64), c_int64, _ERR]),
+        "kvbm_leader_wait_ready": (ctypes.c_int, [c_uint64, c_int64, _P(c_int32), _ERR]),
         "kvbm_leader_set_g4_fingerprint": (ctypes.c_int, [c_uint64, c_char_p, _ERR]),
         "kvbm_leader_g4_report": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
         "kvbm_worker_g4_report": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
@@ -181,14 +234,31 @@ def _int64_array(values: Sequence[int]) -> tuple[Array[c_int64], int]:
     return (c_int64 * max(n, 1))(*values), n
 
 
+# kvbm_leader_wait_ready's slice: Python runs signal handlers (Ctrl-C) only
+# between native calls, so a long handshake is waited for in slices.
+_WAIT_SLICE_S = 1.0
+
+
 class Leader(_native.Handle):
-    """The logical block manager of one engine instance (scheduler process)."""
+    """The logical block manager of one engine instance (scheduler process).
+
+    With ``side_channel`` (tensor-parallel ranks in other processes) the
+    constructor binds the side channel (a taken port raises
+    :class:`kvbm.KvbmIOError` naming ``DYN_KVBM_LEADER_ZMQ_PUB_PORT`` /
+    ``_ACK_PORT``) and :meth:`wait_ready` completes the handshake: every rank
+    reports its shard geometry, the leader sizes G2/G3 from it
+    (``bytes_per_block`` is the ranks'), every rank allocates. Until then the
+    other methods raise :class:`kvbm.KvbmStateError`. The leader then sends its
+    background operations (G2->G3 moves) to every rank itself, after each
+    :meth:`step`; a disk block becomes matchable once every rank wrote its
+    shard, and dead ranks put it in degraded mode (``info()["degraded"]``).
+    """
 
     _free = "kvbm_leader_free"
 
-    def __init__(self, *, block_size: int, bytes_per_block: int, num_workers: int = 1, worker_id: int = 0,
+    def __init__(self, *, block_size: int, bytes_per_block: int = 0, num_workers: int = 1, worker_id: int = 0,
                  consolidator: ConsolidatorOptions | None = None, background: bool = False,
-                 g4_async: bool = False) -> None:
+                 g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None) -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts: dict[str, object] = {
@@ -198,8 +268,10 @@ class Leader(_native.Handle):
             "worker_id": int(worker_id),
         }
         if background:
-            # G2->G3 moves leave the step plans: plan_background/commit_background.
+            # G2->G3 moves leave the step plans (implied by side_channel).
             opts["background"] = True
+        if side_channel is not None:
+            opts["side_channel"] = dict(side_channel)
         if consolidator:
             opts["consolidator"] = consolidator
         if g4_async:
@@ -210,6 +282,27 @@ class Leader(_native.Handle):
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
         self.block_size = int(block_size)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until the side-channel handshake completed and the leader
+        is created (releases the GIL; returns at once without a side channel).
+
+        Bounded by ``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS`` (the error
+        names the ranks that never answered) and ``timeout_s`` (KvbmIOError;
+        call again to keep waiting)."""
+        # Waits in slices of at most a second, so Ctrl-C (or any signal
+        # handler) interrupts it within a second.
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        ready = c_int32()
+        while True:
+            left = _WAIT_SLICE_S if end is None else min(_WAIT_SLICE_S, end - time.monotonic())
+            _native.call("kvbm_leader_wait_ready", self._h, max(1, int(max(left, 0.001) * 1000)), byref(ready))
+            if ready.value:
+                return
+            if end is not None and time.monotonic() >= end:
+                raise KvbmIOError(
+                    f"kvbm leader: leader/worker handshake not complete within timeout_s={timeout_s}; it goes "
+                    f"on until DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS (call wait_ready() again to keep waiting)")
 
     def info(self) -> LeaderInfo:
         info: LeaderInfo = json.loads(_buffer_call("kvbm_leader_info", self._h))
@@ -284,20 +377,6 @@ class Leader(_native.Handle):
         self._token_cache.clear()
         super().close()
 
-    def plan_background(self) -> tuple[bytes, int]:
-        """(plan, ticket) of the next background operation (G2->G3 moves for
-        every rank); (b"", 0) when there is nothing to do. Every ticket must be
-        closed with :meth:`commit_background`."""
-        buf = _P(c_uint8)()
-        n = c_int64()
-        ticket = c_uint64()
-        _native.call("kvbm_leader_plan_background", self._h, byref(buf), byref(n), byref(ticket))
-        return _native.take_buffer(buf, n), ticket.value
-
-    def commit_background(self, ticket: int, ok: bool) -> None:
-        """ok: every rank executed it (its G3 blocks become matchable); else they are freed."""
-        _native.call("kvbm_leader_commit_background", self._h, int(ticket), 1 if ok else 0)
-
     def restore_disk(self, recovered: Iterable[bytes]) -> int:
         """Register the disk tier blocks the workers' persistent tiers
         recovered: ``recovered`` is every rank's :meth:`Worker.recovered`,
@@ -306,11 +385,6 @@ class Leader(_native.Handle):
         got = c_int64()
         _native.call("kvbm_leader_restore_disk", self._h, payload, len(payload), byref(got))
         return got.value
-
-    def set_degraded(self, dead_ranks: Iterable[int]) -> None:
-        """Ranks died: stop matching, saving and moving; the engine keeps serving."""
-        arr, n = _int64_array([int(r) for r in dead_ranks])
-        _native.call("kvbm_leader_set_degraded", self._h, arr, n)
 
 
 class Worker(_native.Handle):
@@ -324,7 +398,7 @@ class Worker(_native.Handle):
 
     def __init__(self, *, tensors: Iterable[tuple[int, Sequence[int], Sequence[int]]], kind: str, num_blocks: int,
                  block_size: int, dtype_bytes: int, rank: int = 0, num_workers: int = 1, model: str = "",
-                 dtype: str = "") -> None:
+                 dtype: str = "", side_channel: WorkerSideChannelOptions | None = None) -> None:
         opts = {
             "model": str(model),
             "dtype": str(dtype),
@@ -340,6 +414,11 @@ class Worker(_native.Handle):
             ],
             "env": _native.env_snapshot(),
         }
+        if side_channel is not None:
+            # Returns at once; the handshake completes when the leader runs it
+            # (info()["side_channel"]["ready"]), and the leader's background
+            # operations then run on this worker.
+            opts["side_channel"] = dict(side_channel)
         h = c_uint64()
         _native.call("kvbm_worker_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value

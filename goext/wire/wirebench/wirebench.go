@@ -67,7 +67,7 @@ func Wire(workers int, payload []byte, iters int, tr wire.Transport) (Result, er
 	if tr == wire.TransportInProc {
 		ep = wire.Endpoint{Host: fmt.Sprintf("wirebench-%d-%d", workers, time.Now().UnixNano())}
 	}
-	l, err := wire.Listen(wire.LeaderOptions{NumWorkers: workers, Endpoint: ep, Transport: tr, Logger: quiet,
+	l, err := wire.Listen(wire.CoordinatorOptions{NumWorkers: workers, Endpoint: ep, Transport: tr, Logger: quiet,
 		Size: func(int64, int) (int, int, error) { return 1, 0, nil }, InitTimeout: 30 * time.Second,
 		RetryInterval: 10 * time.Millisecond, PingInterval: time.Second, SuspectAfter: time.Minute})
 	if err != nil {
@@ -75,14 +75,14 @@ func Wire(workers int, payload []byte, iters int, tr wire.Transport) (Result, er
 	}
 	defer l.Close()
 	ep = l.Endpoint()
-	var ws []*wire.Worker
+	var ws []*wire.Member
 	defer func() {
 		for _, w := range ws {
 			_ = w.Close()
 		}
 	}()
 	for r := range workers {
-		w, err := wire.Connect(wire.WorkerOptions{Rank: r, WorldSize: workers, NumDeviceBlocks: 1, BytesPerBlock: 1,
+		w, err := wire.Connect(wire.MemberOptions{Rank: r, WorldSize: workers, NumDeviceBlocks: 1, BytesPerBlock: 1,
 			Endpoint: ep, Transport: tr, Logger: quiet, RetryInterval: 10 * time.Millisecond,
 			Allocate: func(wire.LeaderMetadata) error { return nil },
 			Execute:  func(context.Context, []byte) error { return nil }})

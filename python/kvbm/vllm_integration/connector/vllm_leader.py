@@ -1,7 +1,7 @@
 """The scheduler side of :class:`~kvbm.vllm_integration.connector.DynamoConnector`
 (role SCHEDULER, in vLLM's EngineCore process): it owns a
-:class:`kvbm._core.Leader` and, with tensor parallelism, the side channel to
-the workers.
+:class:`kvbm._core.Leader`; with tensor parallelism that leader also owns the
+side channel to the workers and sends its background operations over it.
 
 Each step ``build_connector_meta`` sends what was scheduled to the leader and
 ships the returned plan (bytes) in :class:`DynamoConnectorMetadata`. A load
@@ -31,7 +31,6 @@ from kvbm.vllm_integration.connector._common import (
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions, Leader
-    from kvbm._wire import BackgroundPump, WireLeader
 
 
 class VllmConnectorLeader(VllmSide):
@@ -40,9 +39,6 @@ class VllmConnectorLeader(VllmSide):
     def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, kv_cache_config)
         self._leader: Leader | None = None
-        # Tensor parallel > 1 only: the leader⇄worker side channel.
-        self._wire: WireLeader | None = None
-        self._pump: BackgroundPump | None = None
         # Rank 0's G4 block fingerprint, as the workers reported it.
         self._g4_fingerprint = ""
         # Requests answered with an asynchronous load (request id →
@@ -62,16 +58,8 @@ class VllmConnectorLeader(VllmSide):
         self._init_scheduler()
 
     def shutdown(self) -> None:
-        if self._pump is not None:
-            self._pump.stop()  # TP > 1: nothing new goes out; the wire's close fails what is in flight
-        if self._wire is not None:
-            try:
-                self._wire.close()
-            except Exception:  # pragma: no cover
-                log.exception("kvbm: error while closing the side channel")
-        if self._pump is not None:
-            self._pump.wait(5)
-        self._wire = self._pump = None
+        # One handle: closing it stops the leader's background loop (the
+        # operation in flight is cancelled and failed), then its side channel.
         if self._leader is not None:
             try:
                 self._leader.close()
@@ -113,21 +101,18 @@ class VllmConnectorLeader(VllmSide):
         if should_enable_consolidator(self._vllm_config):
             engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
             consolidator = {"engine": "vllm", "engine_endpoint": engine_ep, "zmq_bind": out_bind}
-        if tp_size > 1:
-            bytes_per_block = self._start_wire(tp_size)
-        self._leader = Leader(
+        leader = Leader(
             block_size=self._block_size,
             bytes_per_block=bytes_per_block,
             num_workers=tp_size,
             consolidator=consolidator,
-            background=tp_size > 1,
             g4_async=True,  # vLLM asks again when told "not ready yet" (None)
+            side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
         )
-        if self._wire is not None:
-            from kvbm._wire import BackgroundPump
-
-            self._pump = BackgroundPump(self._wire, self._leader)
-        info = self._leader.info()
+        if tp_size > 1:
+            bytes_per_block = self._wait_side_channel(leader)
+        self._leader = leader
+        info = leader.info()
         log.info(
             "kvbm leader ready (pid %d): block_size=%d layers=%d bytes_per_block=%d tp=%d host_blocks=%d "
             "disk_blocks=%d consolidator=%s metrics=%s",
@@ -135,29 +120,25 @@ class VllmConnectorLeader(VllmSide):
             info["disk_blocks"], bool(consolidator), info.get("metrics_addr", "off"),
         )
 
-    def _start_wire(self, tp_size: int) -> int:
-        """TP > 1: bind the side channel and wait until every rank's worker
-        reported and allocated (vLLM registers the workers' KV caches before
-        it creates the scheduler). Returns one rank's bytes per block.
+    @staticmethod
+    def _wait_side_channel(leader: Leader) -> int:
+        """TP > 1: wait until every rank's worker reported and allocated
+        (vLLM registers the workers' KV caches before it creates the
+        scheduler). Returns one rank's bytes per block.
 
-        Errors propagate: a taken port or a rank that never answers is a
-        configuration error, and the message names the variable to change
-        (DYN_KVBM_LEADER_ZMQ_PUB_PORT / _ACK_PORT,
+        Errors propagate: a taken port (raised by Leader itself) or a rank
+        that never answers is a configuration error, and the message names
+        the variable to change (DYN_KVBM_LEADER_ZMQ_PUB_PORT / _ACK_PORT,
         DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)."""
-        from kvbm._wire import WireLeader
-
-        self._wire = WireLeader(num_workers=tp_size, secret=_side_channel_secret(self._vllm_config))
         try:
-            hs = self._wire.handshake()
+            leader.wait_ready()
         except BaseException:
-            self._wire.close()
-            self._wire = None
+            leader.close()
             raise
-        info = self._wire.info()
-        log.info("kvbm side channel ready: %d ranks, transport %s, pub port %s, ack port %s, "
-                 "bytes_per_block=%d per rank", hs.num_workers, info["transport"], info["pub_port"],
-                 info["ack_port"], hs.bytes_per_block)
-        return int(hs.bytes_per_block)
+        sc = leader.info()["side_channel"]
+        log.info("kvbm side channel ready: transport %s, pub port %s, ack port %s, bytes_per_block=%d per rank",
+                 sc["transport"], sc["pub_port"], sc["ack_port"], sc["bytes_per_block"])
+        return int(sc["bytes_per_block"])
 
     def _salt(self, request: Any) -> int:
         rid = request.request_id
@@ -265,14 +246,9 @@ class VllmConnectorLeader(VllmSide):
             ))
         loaded, self._loaded = self._loaded, []
         invalid, self._invalid_blocks = self._invalid_blocks, []
+        # TP > 1: step also wakes the leader's background loop, which sends
+        # G2→G3 moves to every rank over the side channel (off this thread).
         plan = self._leader.step(updates, loaded, invalid)
-        if self._pump is not None:
-            # TP > 1: G2→G3 moves go to every rank over the side channel, off
-            # this thread; dead ranks put the leader in degraded mode.
-            try:
-                self._pump.poll()
-            except Exception as e:  # noqa: BLE001 - only disk offload is lost
-                log.warning("kvbm: background operation not started: %s", e)
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1

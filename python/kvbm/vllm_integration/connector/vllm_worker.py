@@ -1,8 +1,8 @@
 """The worker side of :class:`~kvbm.vllm_integration.connector.DynamoConnector`
 (role WORKER, one per tensor-parallel rank): it owns a
 :class:`kvbm._core.Worker`, created in ``register_kv_caches`` once the KV
-cache tensors exist, and, with tensor parallelism, the side channel's end
-that executes the leader's background operations.
+cache tensors exist; with tensor parallelism that worker also holds the side
+channel's end, which runs the leader's background operations in Go.
 
 Each step ``bind_connector_metadata`` hands the plan to the worker,
 ``start_load_kv`` starts its loads (G2/G3 → G1, asynchronous),
@@ -35,7 +35,6 @@ from kvbm.vllm_integration.connector._common import (
 if TYPE_CHECKING:
     from kvbm._core import Worker
     from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
-    from kvbm._wire import WireWorker
 
 
 class VllmConnectorWorker(VllmSide):
@@ -44,7 +43,6 @@ class VllmConnectorWorker(VllmSide):
     def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, kv_cache_config)
         self._worker: Worker | None = None
-        self._wire_worker: WireWorker | None = None  # tensor parallel > 1 only
         self._kv_caches: dict[str, Any] = {}
         self._on_device = False
         # G4: whether this worker has the tier, and rank 0's block fingerprint
@@ -70,12 +68,8 @@ class VllmConnectorWorker(VllmSide):
         return self._give_up_loads(loads)
 
     def shutdown(self) -> None:
-        if self._wire_worker is not None:
-            try:
-                self._wire_worker.close()
-            except Exception:  # pragma: no cover
-                log.exception("kvbm: error while closing the side channel")
-        self._wire_worker = None
+        # One handle: closing it closes the side channel first (an operation
+        # waiting for its engine step returns), then the worker.
         if self._worker is not None:
             try:
                 self._worker.close()
@@ -107,14 +101,10 @@ class VllmConnectorWorker(VllmSide):
             tensors=tensors, kind=kind, num_blocks=int(num_blocks), block_size=self._block_size,
             dtype_bytes=dtype_bytes, rank=rank, num_workers=tp_size,
             model=_model_identity(self._vllm_config), dtype=str(next(iter(kv_caches.values())).dtype),
+            # TP > 1: the scheduler's leader handshakes with every rank over the
+            # side channel; Worker returns at once (the scheduler does not exist yet).
+            side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
         )
-        if tp_size > 1:
-            # The scheduler's leader handshakes with every rank over the side
-            # channel; this returns at once (the scheduler does not exist yet).
-            from kvbm._wire import WireWorker
-
-            self._wire_worker = WireWorker(self._worker, rank=rank, num_workers=tp_size,
-                                           secret=_side_channel_secret(self._vllm_config))
         info = self._worker.info()
         self._g4 = bool(info.get("g4"))
         if self._g4 and rank == 0:

@@ -14,7 +14,7 @@ import (
 	"github.com/kvbm/kvbm/goext/config"
 )
 
-// Defaults of LeaderOptions.
+// Defaults of CoordinatorOptions.
 const (
 	DefaultPingInterval  = 500 * time.Millisecond
 	DefaultRetryInterval = 100 * time.Millisecond
@@ -101,8 +101,8 @@ func ConfigSize(c *config.Config) SizeFunc {
 	}
 }
 
-// LeaderOptions configure the leader's end.
-type LeaderOptions struct {
+// CoordinatorOptions configure the leader's end.
+type CoordinatorOptions struct {
 	// NumWorkers is the tensor-parallel size: ranks 0..NumWorkers-1 must answer.
 	NumWorkers int
 	Endpoint   Endpoint
@@ -126,9 +126,9 @@ type LeaderOptions struct {
 	Logger *slog.Logger
 }
 
-// LeaderOptionsFrom fills endpoint, timeout and sizing from kvbm's configuration.
-func LeaderOptionsFrom(c *config.Config, numWorkers int) LeaderOptions {
-	return LeaderOptions{
+// CoordinatorOptionsFrom fills endpoint, timeout and sizing from kvbm's configuration.
+func CoordinatorOptionsFrom(c *config.Config, numWorkers int) CoordinatorOptions {
+	return CoordinatorOptions{
 		NumWorkers:   numWorkers,
 		Endpoint:     EndpointFrom(c),
 		InitTimeout:  c.LeaderWorkerInitTimeout,
@@ -179,13 +179,13 @@ func (o *op) settle(rank int, err error) {
 	}
 }
 
-// Leader is the leader's end of the side channel. Create it with Listen,
+// Coordinator is the leader's end of the side channel. Create it with Listen,
 // run Handshake once, then Broadcast operations. Safe for concurrent use.
 //
 // Goroutines: a receive loop (from Listen) and, after the handshake, a
 // heartbeat loop; Close stops both and waits for them.
-type Leader struct {
-	opts      LeaderOptions
+type Coordinator struct {
+	opts      CoordinatorOptions
 	transport Transport
 	log       *slog.Logger
 	t         leaderTransport
@@ -212,12 +212,12 @@ type Leader struct {
 
 // Listen binds the leader's sockets (or the in-process channel) and starts
 // receiving. A taken port fails here, naming the variable to change.
-func Listen(opts LeaderOptions) (*Leader, error) {
+func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 	if opts.NumWorkers < 1 {
 		return nil, fmt.Errorf("kvbm leader side channel: %d workers: need at least one", opts.NumWorkers)
 	}
 	if opts.Size == nil {
-		return nil, errors.New("kvbm leader side channel: LeaderOptions.Size is nil")
+		return nil, errors.New("kvbm leader side channel: CoordinatorOptions.Size is nil")
 	}
 	if opts.InitTimeout <= 0 {
 		opts.InitTimeout = config.DefaultLeaderWorkerInitTimeout
@@ -231,7 +231,7 @@ func Listen(opts LeaderOptions) (*Leader, error) {
 	if opts.RetryInterval <= 0 {
 		opts.RetryInterval = DefaultRetryInterval
 	}
-	l := &Leader{
+	l := &Coordinator{
 		opts:      opts,
 		transport: opts.Transport.resolve(opts.NumWorkers),
 		log:       opts.Logger,
@@ -271,19 +271,19 @@ func Listen(opts LeaderOptions) (*Leader, error) {
 }
 
 // Endpoint is where the leader listens, with the ports actually bound.
-func (l *Leader) Endpoint() Endpoint { return l.ep }
+func (l *Coordinator) Endpoint() Endpoint { return l.ep }
 
 // Transport is the transport in use (Auto resolved).
-func (l *Leader) Transport() Transport { return l.transport }
+func (l *Coordinator) Transport() Transport { return l.transport }
 
-func (l *Leader) signal() {
+func (l *Coordinator) signal() {
 	select {
 	case l.changed <- struct{}{}:
 	default:
 	}
 }
 
-func (l *Leader) recvLoop() {
+func (l *Coordinator) recvLoop() {
 	defer l.wg.Done()
 	for {
 		frames, err := l.t.recv()
@@ -308,7 +308,7 @@ func (l *Leader) recvLoop() {
 	}
 }
 
-func (l *Leader) handle(m workerMsg) {
+func (l *Coordinator) handle(m workerMsg) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if m.rank < 0 || m.rank >= len(l.ranks) {
@@ -392,7 +392,7 @@ func (l *Leader) handle(m workerMsg) {
 // Handshake runs the start-up protocol (package comment) and returns the
 // sizes once every rank allocated. It is bounded by InitTimeout and ctx.
 // Calling it again returns the same result (or the same failure).
-func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
+func (l *Coordinator) Handshake(ctx context.Context) (Handshake, error) {
 	l.mu.Lock()
 	closed := l.closedErr != nil
 	l.mu.Unlock()
@@ -447,7 +447,7 @@ func (l *Leader) Handshake(ctx context.Context) (Handshake, error) {
 
 // handshakeStep advances the handshake: the message to (re)send, or the
 // result once every rank is ready, or a fatal error.
-func (l *Leader) handshakeStep() ([][]byte, *Handshake, error) {
+func (l *Coordinator) handshakeStep() ([][]byte, *Handshake, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.hs != nil {
@@ -503,7 +503,7 @@ func (l *Leader) handshakeStep() ([][]byte, *Handshake, error) {
 }
 
 // checkAgreement: every rank must describe the same shard geometry.
-func (l *Leader) checkAgreement() error {
+func (l *Coordinator) checkAgreement() error {
 	first := l.ranks[0].md
 	var errs []string
 	for r, rs := range l.ranks {
@@ -528,7 +528,7 @@ func (l *Leader) checkAgreement() error {
 	return nil
 }
 
-func (l *Leader) timeoutError(ctx context.Context, waited time.Duration) error {
+func (l *Coordinator) timeoutError(ctx context.Context, waited time.Duration) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var silent, allocating, notAcked []int
@@ -566,7 +566,7 @@ func (l *Leader) timeoutError(ctx context.Context, waited time.Duration) error {
 // every rank is dead. Pings keep going to suspected ranks: a stopped
 // process finds them queued when it resumes and its answer re-admits it
 // (a handful of small messages per second fills no socket buffer).
-func (l *Leader) heartbeat() {
+func (l *Coordinator) heartbeat() {
 	defer l.wg.Done()
 	tick := time.NewTicker(l.opts.PingInterval)
 	defer tick.Stop()
@@ -604,7 +604,7 @@ func (l *Leader) heartbeat() {
 
 // suspectLocked stops planning for a silent rank; operations waiting on it
 // fail with a *SuspectRanksError.
-func (l *Leader) suspectLocked(rank int, silent time.Duration) {
+func (l *Coordinator) suspectLocked(rank int, silent time.Duration) {
 	rs := &l.ranks[rank]
 	rs.suspect = true
 	l.log.Warn("kvbm worker rank not answering; suspected: no transfers are planned for it until it answers again "+
@@ -625,17 +625,17 @@ func (rs *rankState) pid() int {
 	return rs.md.Pid
 }
 
-func (l *Leader) markDeadLocked(rank int, why string) {
+func (l *Coordinator) markDeadLocked(rank int, why string) {
 	l.markRankLocked(rank, why, false)
 }
 
 // markGoneLocked is markDeadLocked for a worker that said goodbye: the same
 // consequences, logged as a departure rather than a failure.
-func (l *Leader) markGoneLocked(rank int, why string) {
+func (l *Coordinator) markGoneLocked(rank int, why string) {
 	l.markRankLocked(rank, why, true)
 }
 
-func (l *Leader) markRankLocked(rank int, why string, left bool) {
+func (l *Coordinator) markRankLocked(rank int, why string, left bool) {
 	rs := &l.ranks[rank]
 	if rs.dead {
 		return
@@ -656,13 +656,13 @@ func (l *Leader) markRankLocked(rank int, why string, left bool) {
 }
 
 // SuspectRanks lists the ranks suspected (silent, not known dead), in order.
-func (l *Leader) SuspectRanks() []int {
+func (l *Coordinator) SuspectRanks() []int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.suspectedLocked()
 }
 
-func (l *Leader) suspectedLocked() []int {
+func (l *Coordinator) suspectedLocked() []int {
 	var d []int
 	for r, rs := range l.ranks {
 		if rs.suspect && !rs.dead {
@@ -673,16 +673,16 @@ func (l *Leader) suspectedLocked() []int {
 }
 
 // Forged is the number of unauthenticated messages dropped.
-func (l *Leader) Forged() uint64 { return l.forged.count() }
+func (l *Coordinator) Forged() uint64 { return l.forged.count() }
 
 // DeadRanks lists the ranks marked dead, in order.
-func (l *Leader) DeadRanks() []int {
+func (l *Coordinator) DeadRanks() []int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.deadLocked()
 }
 
-func (l *Leader) deadLocked() []int {
+func (l *Coordinator) deadLocked() []int {
 	var d []int
 	for r, rs := range l.ranks {
 		if rs.dead {
@@ -694,7 +694,7 @@ func (l *Leader) deadLocked() []int {
 
 // Healthy reports whether the handshake completed and every rank is
 // answering: whether operations can be planned now.
-func (l *Leader) Healthy() bool {
+func (l *Coordinator) Healthy() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.hs != nil && l.closedErr == nil && len(l.deadLocked()) == 0 && len(l.suspectedLocked()) == 0
@@ -706,7 +706,7 @@ func (l *Leader) Healthy() bool {
 // flight). With a dead rank it returns a *DeadRanksError at once, sending
 // nothing. ctx bounds the wait; on expiry the error names the ranks that had
 // not answered.
-func (l *Leader) Broadcast(ctx context.Context, step []byte) error {
+func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
 	l.mu.Lock()
 	switch {
 	case l.closedErr != nil:
@@ -783,7 +783,7 @@ func (l *Leader) Broadcast(ctx context.Context, step []byte) error {
 
 // Close tells the workers (best effort), stops the goroutines and releases
 // the ports. Waiting Broadcasts return ErrClosed.
-func (l *Leader) Close() error {
+func (l *Coordinator) Close() error {
 	var err error
 	l.once.Do(func() {
 		l.mu.Lock()

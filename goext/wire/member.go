@@ -13,8 +13,8 @@ import (
 	"time"
 )
 
-// WorkerOptions configure one rank's end of the side channel.
-type WorkerOptions struct {
+// MemberOptions configure one rank's end of the side channel.
+type MemberOptions struct {
 	Rank      int
 	WorldSize int
 	// What this rank reports in the handshake: its G1 block count and its
@@ -47,7 +47,7 @@ type WorkerOptions struct {
 	Logger        *slog.Logger
 }
 
-// DefaultLeaderSilence is WorkerOptions.LeaderSilence's default: several
+// DefaultLeaderSilence is MemberOptions.LeaderSilence's default: several
 // leader pings (DefaultPingInterval), well below the leader's suspicion
 // timeout (DefaultSuspectAfter).
 const DefaultLeaderSilence = 3 * time.Second
@@ -57,14 +57,14 @@ type subRedialer interface {
 	redialSub() error
 }
 
-// Worker is one rank's end of the side channel. Connect starts it in the
+// Member is one rank's end of the side channel. Connect starts it in the
 // background: it returns at once (vLLM registers the KV caches on every
 // worker before the scheduler, and so the leader, exists).
 //
 // Goroutines: a run loop (connect, receive, answer) and an executor that
 // runs operations in order; Close stops both and waits for them.
-type Worker struct {
-	opts     WorkerOptions
+type Member struct {
+	opts     MemberOptions
 	log      *slog.Logger
 	instance uint64
 	forged   forgeries // unauthenticated messages dropped
@@ -93,7 +93,7 @@ type Worker struct {
 }
 
 // Connect validates opts and starts connecting in the background.
-func Connect(opts WorkerOptions) (*Worker, error) {
+func Connect(opts MemberOptions) (*Member, error) {
 	if opts.WorldSize < 1 || opts.Rank < 0 || opts.Rank >= opts.WorldSize {
 		return nil, fmt.Errorf("kvbm worker side channel: rank %d of world size %d: want 0 ≤ rank < world size", opts.Rank, opts.WorldSize)
 	}
@@ -109,7 +109,7 @@ func Connect(opts WorkerOptions) (*Worker, error) {
 	if opts.LeaderSilence <= 0 {
 		opts.LeaderSilence = DefaultLeaderSilence
 	}
-	w := &Worker{
+	w := &Member{
 		opts:     opts,
 		log:      opts.Logger,
 		instance: rand.Uint64() | 1,
@@ -130,14 +130,14 @@ func Connect(opts WorkerOptions) (*Worker, error) {
 }
 
 // Ready is closed once this rank allocated its tiers for the leader.
-func (w *Worker) Ready() <-chan struct{} { return w.ready }
+func (w *Member) Ready() <-chan struct{} { return w.ready }
 
 // Done is closed when the worker stopped: Close, or the leader went away
 // (Err says which).
-func (w *Worker) Done() <-chan struct{} { return w.done }
+func (w *Member) Done() <-chan struct{} { return w.done }
 
 // Err is why the worker stopped (nil while running).
-func (w *Worker) Err() error {
+func (w *Member) Err() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.err
@@ -145,7 +145,7 @@ func (w *Worker) Err() error {
 
 // WaitReady blocks until the handshake allocated this rank's tiers and
 // returns the leader's sizes, or the allocation error, or ctx's.
-func (w *Worker) WaitReady(ctx context.Context) (LeaderMetadata, error) {
+func (w *Member) WaitReady(ctx context.Context) (LeaderMetadata, error) {
 	select {
 	case <-w.ready:
 		w.mu.Lock()
@@ -169,14 +169,14 @@ func (w *Worker) WaitReady(ctx context.Context) (LeaderMetadata, error) {
 	}
 }
 
-func (w *Worker) metadata() []byte {
+func (w *Member) metadata() []byte {
 	return marshal(WorkerMetadata{
 		Rank: w.opts.Rank, WorldSize: w.opts.WorldSize, NumDeviceBlocks: w.opts.NumDeviceBlocks,
 		BytesPerBlock: w.opts.BytesPerBlock, Pid: os.Getpid(), Instance: w.instance, PidNS: ownPidNS,
 	})
 }
 
-func (w *Worker) send(id uint64, fn string, payload []byte) {
+func (w *Member) send(id uint64, fn string, payload []byte) {
 	w.mu.Lock()
 	t := w.t
 	w.mu.Unlock()
@@ -188,7 +188,7 @@ func (w *Worker) send(id uint64, fn string, payload []byte) {
 	}
 }
 
-func (w *Worker) finish(err error) {
+func (w *Member) finish(err error) {
 	w.mu.Lock()
 	if w.err == nil {
 		w.err = err
@@ -196,7 +196,7 @@ func (w *Worker) finish(err error) {
 	w.mu.Unlock()
 }
 
-func (w *Worker) run() {
+func (w *Member) run() {
 	defer w.wg.Done()
 	defer close(w.done)
 	var t workerTransport
@@ -308,7 +308,7 @@ func (w *Worker) run() {
 // watchLeader redials the subscription when the leader has been silent for
 // LeaderSilence, then again every LeaderSilence while it stays silent (the
 // leader may be down or restarting). It ends with the run loop.
-func (w *Worker) watchLeader(r subRedialer, ended <-chan struct{}) {
+func (w *Member) watchLeader(r subRedialer, ended <-chan struct{}) {
 	defer w.wg.Done()
 	silence := w.opts.LeaderSilence
 	period := silence / 4
@@ -351,7 +351,7 @@ func (w *Worker) watchLeader(r subRedialer, ended <-chan struct{}) {
 // (nil), the worker closes (errTransportClosed) or nothing listens on the
 // leader's port any more: the leader closed (its goodbye may be lost with
 // the connection) or exited.
-func (w *Worker) redial(r subRedialer) error {
+func (w *Member) redial(r subRedialer) error {
 	for {
 		err := r.redialSub()
 		if err == nil {
@@ -374,9 +374,9 @@ func (w *Worker) redial(r subRedialer) error {
 
 // Reconnects is the number of times the subscription was redialed after the
 // leader went silent.
-func (w *Worker) Reconnects() uint64 { return w.reconnects.Load() }
+func (w *Member) Reconnects() uint64 { return w.reconnects.Load() }
 
-func (w *Worker) onLeaderMetadata(m leaderMsg) {
+func (w *Member) onLeaderMetadata(m leaderMsg) {
 	var md LeaderMetadata
 	if err := unmarshal(m.payload, &md); err != nil {
 		w.send(m.id, fnAck, []byte(err.Error()))
@@ -425,7 +425,7 @@ func (w *Worker) onLeaderMetadata(m leaderMsg) {
 }
 
 // executor runs operations one at a time, in order.
-func (w *Worker) executor() {
+func (w *Member) executor() {
 	defer w.wg.Done()
 	for {
 		select {
@@ -451,7 +451,7 @@ func (w *Worker) executor() {
 
 // execute runs Execute, turning a panic into an error: a bug in one
 // operation must not take down the engine's worker process.
-func (w *Worker) execute(step []byte) (err error) {
+func (w *Member) execute(step []byte) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("internal error executing an operation: %v", r)
@@ -463,7 +463,7 @@ func (w *Worker) execute(step []byte) (err error) {
 
 // Close stops the worker's goroutines (an allocation in progress finishes
 // first) and closes its connection.
-func (w *Worker) Close() error {
+func (w *Member) Close() error {
 	w.once.Do(func() {
 		w.send(0, fnBye, nil) // best effort: the leader logs a departure, not a failure
 		close(w.stop)
@@ -481,4 +481,4 @@ func (w *Worker) Close() error {
 }
 
 // Forged is the number of unauthenticated messages dropped.
-func (w *Worker) Forged() uint64 { return w.forged.count() }
+func (w *Member) Forged() uint64 { return w.forged.count() }

@@ -1,0 +1,167 @@
+package main
+
+/*
+#include "kvbm.h"
+*/
+import "C"
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/leader"
+	"github.com/kvbm/kvbm/goext/wire"
+)
+
+// The leader⇄worker side channel (goext/wire) for engines with several
+// tensor-parallel ranks, converted from the "side_channel" object of the
+// kvbm_leader_new and kvbm_worker_new options. The leader drives it itself
+// (goext/leader sidechannel.go); a worker's side channel runs operations
+// straight into its worker.Run (wire.RunOn).
+
+// leaderSideChannelOptions is kvbm_leader_new's "side_channel" (Python:
+// LeaderSideChannelOptions in python/kvbm/_core.py).
+type leaderSideChannelOptions struct {
+	// Transport: "auto" (in-process for one worker), "tcp" or "inproc".
+	Transport string `json:"transport"`
+	// Heartbeat tuning; 0: defaults (500 ms pings; suspected after
+	// DYN_KVBM_LEADER_WORKER_LIVENESS_TIMEOUT_SECS of silence).
+	PingIntervalMs int64 `json:"ping_interval_ms"`
+	SuspectAfterMs int64 `json:"suspect_after_ms"`
+	// Secret authenticates the side channel (the engine instance's id);
+	// DYN_KVBM_LEADER_WORKER_SECRET, when set, is used instead.
+	Secret string `json:"secret"`
+	// BroadcastTimeoutMs bounds one background operation; 0: 60 s.
+	BroadcastTimeoutMs int64 `json:"broadcast_timeout_ms"`
+}
+
+// workerSideChannelOptions is kvbm_worker_new's "side_channel" (Python:
+// WorkerSideChannelOptions).
+type workerSideChannelOptions struct {
+	Transport string `json:"transport"`
+	Secret    string `json:"secret"` // as in leaderSideChannelOptions
+}
+
+func ms(v int64) time.Duration { return time.Duration(v) * time.Millisecond }
+
+// timeoutCtx is ctx bounded by timeoutMs (≤ 0: no bound beyond the callee's own).
+func timeoutCtx(timeoutMs C.int64_t) (context.Context, context.CancelFunc) {
+	if timeoutMs <= 0 {
+		return context.WithCancel(context.Background())
+	}
+	return context.WithTimeout(context.Background(), ms(int64(timeoutMs)))
+}
+
+// listenSideChannel binds the leader's end for numWorkers ranks.
+func listenSideChannel(o *leaderSideChannelOptions, cfg *config.Config, numWorkers int) (*wire.Coordinator, error) {
+	tr, err := wire.ParseTransport(o.Transport)
+	if err != nil {
+		return nil, errorf(statusInvalid, "kvbm_leader_new: side_channel: %v", err)
+	}
+	opts := wire.CoordinatorOptionsFrom(cfg, numWorkers)
+	opts.Transport = tr
+	opts.PingInterval = ms(o.PingIntervalMs)
+	opts.Secret = cmp.Or(opts.Secret, o.Secret) // DYN_KVBM_LEADER_WORKER_SECRET wins
+	if o.SuspectAfterMs > 0 {
+		opts.SuspectAfter = ms(o.SuspectAfterMs)
+	}
+	opts.Logger = kvbmLogger()
+	co, err := wire.Listen(opts)
+	if err != nil {
+		return nil, withCode(statusIO, err)
+	}
+	return co, nil
+}
+
+// handshakeCode is the status of a failed handshake.
+func handshakeCode(err error) int {
+	if errors.Is(err, wire.ErrHandshakeTimeout) || errors.Is(err, wire.ErrClosed) {
+		return statusIO
+	}
+	return statusConfig // workers disagree, allocation failed, no tier
+}
+
+// connectSideChannel attaches the worker's side channel: the handshake
+// completes in the background when the leader runs it, checking that the
+// leader's tier sizes equal this rank's own; operations run on w through
+// worker.Run, outside the engine's bound step and serialised with its
+// bind/start_load/wait_for_save.
+func connectSideChannel(o *workerSideChannelOptions, cfg *config.Config, h *workerHandle, rank, numWorkers int) (*wire.Member, error) {
+	tr, err := wire.ParseTransport(o.Transport)
+	if err != nil {
+		return nil, errorf(statusInvalid, "kvbm_worker_new: side_channel: %v", err)
+	}
+	return wire.Connect(wire.MemberOptions{
+		Rank: rank, WorldSize: numWorkers, NumDeviceBlocks: h.layout.NumBlocks,
+		BytesPerBlock: h.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
+		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: kvbmLogger(),
+		Allocate: wire.ExpectSizes(h.info.HostBlocks, h.info.DiskBlocks),
+		Execute:  wire.RunOn(h.w),
+	})
+}
+
+// leaderSideChannelInfo is leaderInfo's "side_channel" (Python:
+// LeaderSideChannelInfo): the channel's state and the background loop's counters.
+type leaderSideChannelInfo struct {
+	Transport       string `json:"transport"`
+	PubPort         int    `json:"pub_port"`
+	AckPort         int    `json:"ack_port"`
+	Healthy         bool   `json:"healthy"`
+	DeadRanks       []int  `json:"dead_ranks"`    // processes gone, for good
+	SuspectRanks    []int  `json:"suspect_ranks"` // silent; re-admitted when they answer again
+	ForgedMessages  uint64 `json:"forged_messages"`
+	NumDeviceBlocks int    `json:"num_device_blocks"` // as every rank reported in the handshake
+	BytesPerBlock   int64  `json:"bytes_per_block"`   // one rank's share of a block
+	Committed       uint64 `json:"committed"`
+	Failed          uint64 `json:"failed"`
+	LastError       string `json:"last_error"`
+}
+
+func sideChannelInfo(co *wire.Coordinator, hs wire.Handshake, l *leader.Leader) *leaderSideChannelInfo {
+	ep := co.Endpoint()
+	st, _ := l.SideChannelStats()
+	return &leaderSideChannelInfo{
+		Transport: co.Transport().String(), PubPort: ep.PubPort, AckPort: ep.AckPort,
+		Healthy: co.Healthy(), DeadRanks: nonNil(co.DeadRanks()), SuspectRanks: nonNil(co.SuspectRanks()),
+		ForgedMessages: co.Forged(), NumDeviceBlocks: hs.NumDeviceBlocks, BytesPerBlock: hs.BytesPerBlock,
+		Committed: st.Committed, Failed: st.Failed, LastError: st.LastError,
+	}
+}
+
+// workerSideChannelInfo is workerInfo's "side_channel" (Python: WorkerSideChannelInfo).
+type workerSideChannelInfo struct {
+	Ready          bool   `json:"ready"` // the leader's handshake completed for this rank
+	Stopped        bool   `json:"stopped"`
+	Error          string `json:"error"` // "" while healthy
+	ForgedMessages uint64 `json:"forged_messages"`
+	Reconnects     uint64 `json:"reconnects"` // subscriptions redialed after the leader's side channel dropped or went silent
+}
+
+func memberInfo(m *wire.Member) *workerSideChannelInfo {
+	info := &workerSideChannelInfo{Ready: isClosed(m.Ready()), Stopped: isClosed(m.Done()),
+		ForgedMessages: m.Forged(), Reconnects: m.Reconnects()}
+	if e := m.Err(); e != nil {
+		info.Error = e.Error()
+	}
+	return info
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// nonNil makes an empty list encode as [] rather than null.
+func nonNil(r []int) []int {
+	if r == nil {
+		return []int{}
+	}
+	return r
+}

@@ -130,7 +130,7 @@ func (l *Leader) sideChannelLoop(ctx context.Context) {
 			if f != nil {
 				f.cancel()
 				err := <-f.result
-				l.finishFlight(f, fmt.Errorf("leader closed: %w", err))
+				l.finishFlight(f, fmt.Errorf("leader: closed: %w", err))
 			}
 			return
 		case err := <-result:
@@ -164,7 +164,7 @@ func (l *Leader) checkDeadRanks(f *flight) bool {
 		return false
 	}
 	f.cancel() // its result is dropped (f.result is buffered); Close still joins it
-	l.finishFlight(f, fmt.Errorf("tensor-parallel rank(s) %v died", dead))
+	l.finishFlight(f, fmt.Errorf("leader: tensor-parallel rank(s) %v died", dead))
 	return true
 }
 

@@ -275,7 +275,7 @@ func TestSideChannelCloseWhileInFlight(t *testing.T) {
 	require.ErrorIs(t, c.ctx.Err(), context.Canceled)
 	require.Zero(t, s.l.BackgroundInFlight())
 	require.Equal(t, uint64(1), s.stats().Failed)
-	require.Contains(t, s.stats().LastError, "leader closed")
+	require.Contains(t, s.stats().LastError, "leader: closed")
 	require.Zero(t, diskUsed(s.l))
 	s.l.Close() // idempotent
 	s.step(t)   // the leader still plans; nothing wakes a closed loop

@@ -28,7 +28,7 @@ import (
 const macSize = sha256.Size
 
 // errForged: a message whose authentication frame is missing or wrong.
-var errForged = errors.New("unauthenticated side-channel message")
+var errForged = errors.New("wire: unauthenticated side-channel message")
 
 // Direction labels: a leader message cannot be replayed as a worker's.
 const (

@@ -27,23 +27,23 @@ var (
 	// ErrRankDead: a rank's process is gone (it said goodbye, exited, or was
 	// replaced); the operation did not complete on it, and no later operation
 	// is sent.
-	ErrRankDead = errors.New("worker rank dead")
+	ErrRankDead = errors.New("wire: worker rank dead")
 	// ErrRankSuspect: a rank stopped answering for longer than SuspectAfter;
 	// nothing is sent until it answers again.
-	ErrRankSuspect = errors.New("worker rank not answering")
+	ErrRankSuspect = errors.New("wire: worker rank not answering")
 	// ErrNotReady: Broadcast before the handshake completed.
-	ErrNotReady = errors.New("side channel handshake not complete")
+	ErrNotReady = errors.New("wire: side channel handshake not complete")
 	// ErrClosed: the leader or worker end was closed.
-	ErrClosed = errors.New("side channel closed")
+	ErrClosed = errors.New("wire: side channel closed")
 	// ErrHandshakeTimeout is wrapped by the handshake's timeout error.
-	ErrHandshakeTimeout = errors.New("leader/worker handshake timed out")
+	ErrHandshakeTimeout = errors.New("wire: leader/worker handshake timed out")
 	// ErrHandshakePending: the caller's context ended before the handshake
 	// completed and before its InitTimeout; calling Handshake again resumes
 	// it (callers wait in slices to stay interruptible).
-	ErrHandshakePending = errors.New("leader/worker handshake still in progress")
+	ErrHandshakePending = errors.New("wire: leader/worker handshake still in progress")
 	// errLeaderGone: the worker lost the leader (connection closed, or it
 	// said shutdown).
-	errLeaderGone = errors.New("leader went away")
+	errLeaderGone = errors.New("wire: leader went away")
 )
 
 // DeadRanksError is returned by Broadcast when ranks are dead (it wraps
@@ -56,10 +56,10 @@ type DeadRanksError struct {
 
 func (e *DeadRanksError) Error() string {
 	if e.During {
-		return fmt.Sprintf("kvbm: worker rank(s) %v stopped answering during the operation; it did not complete on them "+
+		return fmt.Sprintf("wire: worker rank(s) %v stopped answering during the operation; it did not complete on them "+
 			"and no further transfers are planned for them", e.Ranks)
 	}
-	return fmt.Sprintf("kvbm: worker rank(s) %v dead (stopped answering heartbeats); not sending operations that need them", e.Ranks)
+	return fmt.Sprintf("wire: worker rank(s) %v dead (stopped answering heartbeats); not sending operations that need them", e.Ranks)
 }
 
 func (e *DeadRanksError) Unwrap() error { return ErrRankDead }
@@ -77,10 +77,10 @@ type SuspectRanksError struct {
 
 func (e *SuspectRanksError) Error() string {
 	if e.During {
-		return fmt.Sprintf("kvbm: worker rank(s) %v stopped answering during the operation; it is failed "+
+		return fmt.Sprintf("wire: worker rank(s) %v stopped answering during the operation; it is failed "+
 			"(it may still run there later, harmlessly)", e.Ranks)
 	}
-	return fmt.Sprintf("kvbm: worker rank(s) %v not answering heartbeats; nothing is sent until they answer again", e.Ranks)
+	return fmt.Sprintf("wire: worker rank(s) %v not answering heartbeats; nothing is sent until they answer again", e.Ranks)
 }
 
 func (e *SuspectRanksError) Unwrap() error { return ErrRankSuspect }
@@ -95,7 +95,7 @@ func ConfigSize(c *config.Config) SizeFunc {
 	return func(bpb int64, n int) (int, int, error) {
 		host, disk, err := c.TierBlocks(bpb, n)
 		if err != nil {
-			return 0, 0, fmt.Errorf("sizing for %d workers × %d bytes per block: %w", n, bpb, err)
+			return 0, 0, fmt.Errorf("sizing for %d workers × %d bytes per block: %w", n, bpb, err) // errprefix: wrapped by the handshake's "wire: tier sizing" error
 		}
 		return host, disk, nil
 	}
@@ -214,10 +214,10 @@ type Coordinator struct {
 // receiving. A taken port fails here, naming the variable to change.
 func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 	if opts.NumWorkers < 1 {
-		return nil, fmt.Errorf("kvbm leader side channel: %d workers: need at least one", opts.NumWorkers)
+		return nil, fmt.Errorf("wire: %d workers: need at least one", opts.NumWorkers)
 	}
 	if opts.Size == nil {
-		return nil, errors.New("kvbm leader side channel: CoordinatorOptions.Size is nil")
+		return nil, errors.New("wire: CoordinatorOptions.Size is nil")
 	}
 	if opts.InitTimeout <= 0 {
 		opts.InitTimeout = config.DefaultLeaderWorkerInitTimeout
@@ -313,7 +313,7 @@ func (l *Coordinator) handle(m workerMsg) {
 	defer l.mu.Unlock()
 	if m.rank < 0 || m.rank >= len(l.ranks) {
 		if l.hs == nil && l.conflict == nil {
-			l.conflict = fmt.Errorf("kvbm leader: a worker reported rank %d, but the leader expects %d workers (ranks 0..%d); "+
+			l.conflict = fmt.Errorf("wire: a worker reported rank %d, but the leader expects %d workers (ranks 0..%d); "+
 				"is the engine's tensor-parallel size the same on both sides?", m.rank, len(l.ranks), len(l.ranks)-1)
 			l.signal()
 		} else {
@@ -340,7 +340,7 @@ func (l *Coordinator) handle(m workerMsg) {
 		}
 		md.Rank = m.rank
 		if rs.md != nil && rs.md.Instance != md.Instance {
-			err := fmt.Errorf("kvbm leader: rank %d is reported by two worker processes (pid %d and pid %d); "+
+			err := fmt.Errorf("wire: rank %d is reported by two worker processes (pid %d and pid %d); "+
 				"two engines on this host sharing %s/%s, or a worker restarted",
 				m.rank, rs.md.Pid, md.Pid, config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort)
 			if l.hs == nil {
@@ -381,7 +381,7 @@ func (l *Coordinator) handle(m workerMsg) {
 		if o := l.ops[m.id]; o != nil {
 			var err error
 			if len(m.payload) > 0 {
-				err = fmt.Errorf("rank %d: %s", m.rank, m.payload)
+				err = fmt.Errorf("rank %d: %s", m.rank, m.payload) // errprefix: joined into Broadcast's "wire: broadcast" error
 			}
 			o.settle(m.rank, err)
 		}
@@ -433,7 +433,7 @@ func (l *Coordinator) Handshake(ctx context.Context) (Handshake, error) {
 		select {
 		case <-ctx.Done():
 			if caller.Err() != nil && time.Now().Before(deadline) {
-				return Handshake{}, fmt.Errorf("kvbm leader: %w (%s so far)", ErrHandshakePending,
+				return Handshake{}, fmt.Errorf("%w (%s so far)", ErrHandshakePending,
 					time.Since(start).Round(time.Millisecond))
 			}
 			return Handshake{}, l.timeoutError(ctx, time.Since(start))
@@ -469,7 +469,7 @@ func (l *Coordinator) handshakeStep() ([][]byte, *Handshake, error) {
 		md := l.ranks[0].md
 		host, disk, err := l.opts.Size(md.BytesPerBlock, len(l.ranks))
 		if err != nil {
-			l.conflict = fmt.Errorf("kvbm leader: %w", err)
+			l.conflict = fmt.Errorf("wire: tier sizing: %w", err)
 			return nil, nil, l.conflict
 		}
 		l.meta = &LeaderMetadata{NumHostBlocks: host, NumDiskBlocks: disk, WorldSize: len(l.ranks)}
@@ -481,12 +481,13 @@ func (l *Coordinator) handshakeStep() ([][]byte, *Handshake, error) {
 	all := true
 	for r, rs := range l.ranks {
 		if rs.allocErr != "" {
-			failed = append(failed, fmt.Sprintf("rank %d: %s", r, rs.allocErr))
+			// The rank's own error starts with this package's prefix too.
+			failed = append(failed, fmt.Sprintf("rank %d: %s", r, strings.TrimPrefix(rs.allocErr, "wire: ")))
 		}
 		all = all && rs.ready
 	}
 	if len(failed) > 0 {
-		l.conflict = fmt.Errorf("kvbm leader: worker allocation failed: %s", strings.Join(failed, "; "))
+		l.conflict = fmt.Errorf("wire: worker allocation failed: %s", strings.Join(failed, "; "))
 		return nil, nil, l.conflict
 	}
 	if all {
@@ -522,7 +523,7 @@ func (l *Coordinator) checkAgreement() error {
 		}
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("kvbm leader: workers disagree (every tensor-parallel rank must hold an equal shard of the same KV cache): %s",
+		return fmt.Errorf("wire: workers disagree (every tensor-parallel rank must hold an equal shard of the same KV cache): %s",
 			strings.Join(errs, "; "))
 	}
 	return nil
@@ -556,7 +557,7 @@ func (l *Coordinator) timeoutError(ctx context.Context, waited time.Duration) er
 	if ctx.Err() == context.Canceled {
 		why = "cancelled"
 	}
-	return fmt.Errorf("kvbm leader: %w (%s after %s; %s=%s): %s (transport %s, %s / %s)",
+	return fmt.Errorf("%w (%s after %s; %s=%s): %s (transport %s, %s / %s)",
 		ErrHandshakeTimeout, why, waited.Round(time.Millisecond), config.EnvLeaderWorkerInitTimeoutSecs,
 		l.opts.InitTimeout, strings.Join(parts, "; "), l.transport, l.ep.PubURL(), l.ep.AckURL())
 }
@@ -714,7 +715,7 @@ func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
 		return ErrClosed
 	case l.hs == nil:
 		l.mu.Unlock()
-		return fmt.Errorf("kvbm leader broadcast: %w", ErrNotReady)
+		return fmt.Errorf("%w: cannot broadcast", ErrNotReady)
 	}
 	if dead := l.deadLocked(); len(dead) > 0 {
 		l.mu.Unlock()
@@ -742,7 +743,7 @@ func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
 		if errors.Is(err, errTransportClosed) {
 			return ErrClosed
 		}
-		return fmt.Errorf("kvbm leader broadcast %d: send: %w", id, err)
+		return fmt.Errorf("wire: broadcast %d: send: %w", id, err)
 	}
 	select {
 	case <-o.done:
@@ -757,7 +758,7 @@ func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
 			}
 		}
 		l.mu.Unlock()
-		return fmt.Errorf("kvbm leader broadcast %d: rank(s) %v did not answer: %w", id, pending, ctx.Err())
+		return fmt.Errorf("wire: broadcast %d: rank(s) %v did not answer: %w", id, pending, ctx.Err())
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -776,7 +777,7 @@ func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
 		}
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("kvbm leader broadcast %d: %w", id, errors.Join(errs...))
+		return fmt.Errorf("wire: broadcast %d: %w", id, errors.Join(errs...))
 	}
 	return nil
 }

@@ -62,7 +62,7 @@ func listenInProc(ep Endpoint) (*inprocLeader, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.bound {
-		return nil, fmt.Errorf("kvbm leader: the in-process side channel for %s:%d/%d is already held by another leader in this process: %w; "+
+		return nil, fmt.Errorf("wire: the in-process side channel for %s:%d/%d is already held by another leader in this process: %w; "+
 			"give each engine its own %s and %s", ep.host(), ep.PubPort, ep.AckPort, ErrPortInUse,
 			config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort)
 	}

@@ -95,13 +95,13 @@ type Member struct {
 // Connect validates opts and starts connecting in the background.
 func Connect(opts MemberOptions) (*Member, error) {
 	if opts.WorldSize < 1 || opts.Rank < 0 || opts.Rank >= opts.WorldSize {
-		return nil, fmt.Errorf("kvbm worker side channel: rank %d of world size %d: want 0 ≤ rank < world size", opts.Rank, opts.WorldSize)
+		return nil, fmt.Errorf("wire: rank %d of world size %d: want 0 ≤ rank < world size", opts.Rank, opts.WorldSize)
 	}
 	if opts.BytesPerBlock <= 0 {
-		return nil, fmt.Errorf("kvbm worker side channel rank %d: bytes_per_block %d: must be positive", opts.Rank, opts.BytesPerBlock)
+		return nil, fmt.Errorf("wire: rank %d: bytes_per_block %d: must be positive", opts.Rank, opts.BytesPerBlock)
 	}
 	if opts.Allocate == nil || opts.Execute == nil {
-		return nil, fmt.Errorf("kvbm worker side channel rank %d: Allocate and Execute are required", opts.Rank)
+		return nil, fmt.Errorf("wire: rank %d: Allocate and Execute are required", opts.Rank)
 	}
 	if opts.RetryInterval <= 0 {
 		opts.RetryInterval = DefaultRetryInterval
@@ -157,14 +157,14 @@ func (w *Member) WaitReady(ctx context.Context) (LeaderMetadata, error) {
 		if w.allocErr != nil {
 			return LeaderMetadata{}, w.allocErr
 		}
-		return LeaderMetadata{}, fmt.Errorf("kvbm worker rank %d: side channel stopped before the handshake: %w", w.opts.Rank, w.err)
+		return LeaderMetadata{}, fmt.Errorf("wire: rank %d: side channel stopped before the handshake: %w", w.opts.Rank, w.err)
 	case <-ctx.Done():
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.allocErr != nil {
 			return LeaderMetadata{}, w.allocErr
 		}
-		return LeaderMetadata{}, fmt.Errorf("kvbm worker rank %d: waiting for the leader's handshake (%s): %w",
+		return LeaderMetadata{}, fmt.Errorf("wire: rank %d: waiting for the leader's handshake (%s): %w",
 			w.opts.Rank, w.opts.Endpoint.PubURL(), ctx.Err())
 	}
 }
@@ -395,7 +395,7 @@ func (w *Member) onLeaderMetadata(m leaderMsg) {
 			defer w.wg.Done()
 			err := w.opts.Allocate(md)
 			if err != nil {
-				err = fmt.Errorf("kvbm worker rank %d: allocating %d host and %d disk blocks: %w", w.opts.Rank, md.NumHostBlocks, md.NumDiskBlocks, err)
+				err = fmt.Errorf("wire: rank %d: allocating %d host and %d disk blocks: %w", w.opts.Rank, md.NumHostBlocks, md.NumDiskBlocks, err)
 				w.log.Error("kvbm worker: allocation failed", "err", err)
 			}
 			w.mu.Lock()
@@ -454,7 +454,7 @@ func (w *Member) executor() {
 func (w *Member) execute(step []byte) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("internal error executing an operation: %v", r)
+			err = fmt.Errorf("wire: internal error executing an operation: %v", r)
 			w.log.Error("kvbm worker: recovered from a panic in Execute", "err", err)
 		}
 	}()

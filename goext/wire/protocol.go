@@ -62,7 +62,7 @@ type workerMsg struct {
 	payload []byte
 }
 
-var errFrame = errors.New("malformed side-channel message")
+var errFrame = errors.New("wire: malformed side-channel message")
 
 func idFrame(id uint64) []byte {
 	b := make([]byte, 8)

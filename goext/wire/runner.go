@@ -29,7 +29,7 @@ func RunOn(r Runner) func(ctx context.Context, step []byte) error {
 			return err
 		}
 		if len(failed) > 0 {
-			return fmt.Errorf("loads into G1 blocks %v failed", failed)
+			return fmt.Errorf("wire: loads into G1 blocks %v failed", failed)
 		}
 		return nil
 	}
@@ -42,7 +42,7 @@ func RunOn(r Runner) func(ctx context.Context, step []byte) error {
 func ExpectSizes(hostBlocks, diskBlocks int) func(LeaderMetadata) error {
 	return func(md LeaderMetadata) error {
 		if md.NumHostBlocks != hostBlocks || md.NumDiskBlocks != diskBlocks {
-			return fmt.Errorf("this rank sized %d host and %d disk blocks from its own environment, the leader sized %d and %d: "+
+			return fmt.Errorf("wire: this rank sized %d host and %d disk blocks from its own environment, the leader sized %d and %d: "+
 				"DYN_KVBM_CPU_CACHE_* / DYN_KVBM_DISK_CACHE_* differ between the scheduler and worker processes",
 				hostBlocks, diskBlocks, md.NumHostBlocks, md.NumDiskBlocks)
 		}

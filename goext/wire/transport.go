@@ -57,7 +57,7 @@ func ParseTransport(s string) (Transport, error) {
 	case "inproc", "in-process", "local":
 		return TransportInProc, nil
 	}
-	return 0, fmt.Errorf("side-channel transport %q: want auto, tcp or inproc", s)
+	return 0, fmt.Errorf("wire: side-channel transport %q: want auto, tcp or inproc", s)
 }
 
 func (t Transport) resolve(workers int) Transport {
@@ -106,10 +106,10 @@ func (e Endpoint) inprocKey() string {
 
 // ErrPortInUse is wrapped by Listen when a port is taken (another engine on
 // this host, or a leftover process).
-var ErrPortInUse = errors.New("side-channel port already in use")
+var ErrPortInUse = errors.New("side-channel port already in use") // errprefix: only wrapped, by the bind errors
 
 // errTransportClosed is returned by recv after close.
-var errTransportClosed = errors.New("side channel closed")
+var errTransportClosed = errors.New("wire: side channel closed")
 
 // leaderTransport is the leader's end: broadcast to every worker, receive
 // from any.
@@ -152,18 +152,18 @@ type tcpLeader struct {
 // bindError explains a failed bind in terms of the variable to change.
 func bindError(sock, envVar string, ep Endpoint, url string, port int, err error) error {
 	if errors.Is(err, syscall.EADDRINUSE) {
-		return fmt.Errorf("kvbm leader: cannot bind the side-channel %s socket on %s: %w: %w (%s=%d). "+
+		return fmt.Errorf("wire: cannot bind the side-channel %s socket on %s: %w: %w (%s=%d). "+
 			"Another process holds it, typically a second engine on this host using the default ports: "+
 			"give each engine its own %s and %s",
 			sock, url, ErrPortInUse, syscall.EADDRINUSE, envVar, port, config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort)
 	}
-	return fmt.Errorf("kvbm leader: cannot bind the side-channel %s socket on %s (%s=%q, %s=%d): %w",
+	return fmt.Errorf("wire: cannot bind the side-channel %s socket on %s (%s=%q, %s=%d): %w",
 		sock, url, config.EnvLeaderZMQHost, ep.host(), envVar, port, err)
 }
 
 func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
 	if ep.PubPort != 0 && ep.PubPort == ep.AckPort {
-		return nil, fmt.Errorf("kvbm leader: %s and %s are both %d; they must differ (both sockets bind on the leader)",
+		return nil, fmt.Errorf("wire: %s and %s are both %d; they must differ (both sockets bind on the leader)",
 			config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort, ep.PubPort)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -242,7 +242,7 @@ func newSub(ctx context.Context, log *slog.Logger) (zmq4.Socket, error) {
 	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		_ = sub.Close()
-		return nil, fmt.Errorf("subscribe: %w", err)
+		return nil, fmt.Errorf("wire: subscribe: %w", err)
 	}
 	return sub, nil
 }

@@ -228,7 +228,7 @@ func TestHandshakeRejects(t *testing.T) {
 			if r == 1 {
 				o.Allocate = func(LeaderMetadata) error { return errors.New("mmap: cannot allocate memory") }
 			}
-		}, "worker allocation failed: rank 1: kvbm worker rank 1: allocating 10 host and 20 disk blocks: mmap: cannot allocate memory"},
+		}, "wire: worker allocation failed: rank 1: rank 1: allocating 10 host and 20 disk blocks: mmap: cannot allocate memory"},
 		{"rank outside the world", func(r int, o *MemberOptions) {
 			if r == 1 {
 				o.Rank, o.WorldSize = 2, 3

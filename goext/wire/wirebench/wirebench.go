@@ -216,7 +216,7 @@ func ZMQEcho(workers int, payload []byte, iters int) (Result, error) {
 		t0 := time.Now()
 		ok, err := roundTrip(time.Minute)
 		if err != nil || !ok {
-			return Result{}, fmt.Errorf("echo round trip %d: ok=%v err=%v", i, ok, err)
+			return Result{}, fmt.Errorf("wirebench: echo round trip %d: ok=%v err=%v", i, ok, err)
 		}
 		lat[i] = time.Since(t0)
 	}

@@ -85,6 +85,9 @@ type Options struct {
 
 // Leader is one engine instance's block manager. See the package comment.
 type Leader struct {
+	// mu guards every field below: each exported method holds it for its
+	// whole call (the engine calls the leader from one scheduler thread; the
+	// side-channel loop and G4 lookups are the other callers).
 	mu sync.Mutex
 
 	bs       int

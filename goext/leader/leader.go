@@ -85,11 +85,9 @@ type Options struct {
 
 // Leader is one engine instance's block manager. See the package comment.
 type Leader struct {
-	// mu guards every field below: each exported method holds it for its
-	// whole call (the engine calls the leader from one scheduler thread; the
-	// side-channel loop and G4 lookups are the other callers).
-	mu sync.Mutex
-
+	// Set by New and never reassigned; read without mu. The pools, the
+	// filter, the hit window and the G4 state they point to are guarded by
+	// mu; the side-channel loop (sc) has its own lock.
 	bs       int
 	host     *pool.Pool // G2; nil when not configured
 	disk     *pool.Pool // G3; nil when not configured
@@ -97,7 +95,19 @@ type Leader struct {
 	minPrio  int        // DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY; 0 = off
 	filter   *freqFilter
 	maxMoves int
-	persist  bool // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
+	persist  bool         // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
+	g4       *g4State     // nil: no G4 tier (g4.go)
+	sc       *sideChannel // background loop; nil without Options.SideChannel
+	hits     *hitWindow
+	workerID uint64
+	m        *metrics.Metrics
+	log      *slog.Logger
+	now      func() time.Time
+
+	// mu guards everything below; every method that touches it holds mu
+	// for its whole call.
+	mu sync.Mutex
+
 	restored bool // RestoreDisk ran
 
 	slots     map[string]*slot
@@ -119,16 +129,8 @@ type Leader struct {
 	gen       uint64              // bumped by ResetCache
 	degraded  bool
 	deadRanks []int
-	sc        *sideChannel // background loop; nil without Options.SideChannel
 
-	g4 *g4State // nil: no G4 tier (g4.go)
-
-	hits     *hitWindow
 	statsLog statsLogger
-	workerID uint64
-	m        *metrics.Metrics
-	log      *slog.Logger
-	now      func() time.Time
 
 	// Per-step scratch, reused to keep Step allocation-light.
 	written []tierBlock // blocks written by this step's Moves/Saves (pinned until emitted)

@@ -82,14 +82,20 @@ def parse_mode(spec):
     return name, env
 
 
+PACKED = False  # --packed-layers: every layer's tensor a view into one allocation
+
+
 def make_cache(kind, nblocks):
     def t(shape):
         return torch.empty(shape, dtype=torch.bfloat16, device="cuda")
 
-    if kind == "flash_attn":
-        return [t((2, nblocks, BS, HEADS, DIM)) for _ in range(LAYERS)]
-    if kind == "flashinfer":
-        return [t((nblocks, 2, BS, HEADS, DIM)) for _ in range(LAYERS)]
+    if kind in ("flash_attn", "flashinfer"):
+        shape = (2, nblocks, BS, HEADS, DIM) if kind == "flash_attn" else (nblocks, 2, BS, HEADS, DIM)
+        if PACKED:
+            # Layers back to back, equally spaced: the copier can move a block
+            # with one pitched copy (goext/cuda pitchOf).
+            return list(t((LAYERS, *shape)).unbind(0))
+        return [t(shape) for _ in range(LAYERS)]
     return [t((nblocks, LAYERS, 2, HEADS * BS * DIM))]
 
 
@@ -371,9 +377,14 @@ def main():
     ap.add_argument("--ranks", type=int, default=1,
                     help="tensor-parallel ranks, one process each on cuda:rank (all on cuda:0 with one GPU), "
                          "moving at the same time; per-rank GB/s against that rank's torch pinned copy, no matmul")
+    ap.add_argument("--packed-layers", action="store_true",
+                    help="allocate the per-layer tensors as views into one allocation (equally spaced), "
+                         "instead of one allocation per layer as vLLM does")
     ap.add_argument("--staged-variants", default="",
                     help="extra staged runs on the first layout, MiB:slots:grid each, e.g. 64:4:16,128:2:132")
     args = ap.parse_args()
+    global PACKED
+    PACKED = args.packed_layers
 
     path, variant = _native.library_path()
     if variant != "cuda":

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -79,6 +80,13 @@ type gpuCache struct {
 }
 
 func newCache(t *testing.T, kind layout.Kind, tensors int, shape []int64, numBlocks, blockSize, dtype int) *gpuCache {
+	return newCacheIn(t, kind, tensors, shape, numBlocks, blockSize, dtype, nil)
+}
+
+// newCacheIn is newCache with every tensor carved out of one allocation,
+// gaps[i] bytes before tensor i, when gaps is not nil (nil: one allocation
+// per tensor).
+func newCacheIn(t *testing.T, kind layout.Kind, tensors int, shape []int64, numBlocks, blockSize, dtype int, gaps []int64) *gpuCache {
 	n := int64(dtype)
 	for _, d := range shape {
 		n *= d
@@ -87,10 +95,31 @@ func newCache(t *testing.T, kind layout.Kind, tensors int, shape []int64, numBlo
 	spec := layout.Spec{Kind: kind, NumBlocks: numBlocks, BlockSize: blockSize, DtypeBytes: dtype}
 	rng := rand.New(rand.NewPCG(uint64(n), uint64(tensors)))
 	onCtx(t, func() error {
-		for i := 0; i < tensors; i++ {
-			p, err := cu.MemAlloc(n)
-			if err != nil {
+		var arena cu.DevicePtr
+		var off int64
+		if gaps != nil {
+			total := int64(tensors) * n
+			for _, gap := range gaps {
+				total += gap
+			}
+			var err error
+			if arena, err = cu.MemAlloc(total); err != nil {
 				return err
+			}
+			g.ptrs = append(g.ptrs, arena) // freed once, in Cleanup
+		}
+		for i := 0; i < tensors; i++ {
+			var p cu.DevicePtr
+			if gaps != nil {
+				off += gaps[i]
+				p = arena + cu.DevicePtr(off)
+				off += n
+			} else {
+				var err error
+				if p, err = cu.MemAlloc(n); err != nil {
+					return err
+				}
+				g.ptrs = append(g.ptrs, p)
 			}
 			buf := make([]byte, n)
 			for j := range buf {
@@ -99,7 +128,6 @@ func newCache(t *testing.T, kind layout.Kind, tensors int, shape []int64, numBlo
 			if err := cu.MemcpyHtoD(p, unsafe.Pointer(&buf[0]), n); err != nil {
 				return err
 			}
-			g.ptrs = append(g.ptrs, p)
 			spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(p), Shape: shape})
 		}
 		return nil
@@ -205,19 +233,32 @@ func TestAutoMode(t *testing.T) {
 	}
 	require.Equal(t, want, c.Mode(), c.String())
 	require.Len(t, c.lanes[1].dma, streams)
-	// FlashAttention, K and V of a layer apart: 32 KiB pieces.
-	g = newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2)
+	// FlashAttention, K and V of a layer apart: 32 KiB pieces, and the
+	// layers not whole K/V planes apart (4 KiB more), so no pitched copy.
+	g = newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2, []int64{0, 4096})
 	c2, err := New(g.eng, Options{})
 	require.NoError(t, err)
 	defer c2.Close()
 	require.Equal(t, Staged, c2.Mode(), c2.String())
 	require.Len(t, c2.lanes[0].dma, DefaultDMAStreams)
+	// The same layout with its layers back to back: one pitched copy a block.
+	g = newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2, []int64{0, 0})
+	c3, err := New(g.eng, Options{})
+	require.NoError(t, err)
+	defer c3.Close()
+	if batchInit() == nil && batch3DInit() == nil {
+		require.Equal(t, Batch, c3.Mode(), c3.String())
+		require.NotNil(t, c3.pitched, c3.String())
+	} else {
+		require.Equal(t, Staged, c3.Mode(), c3.String())
+	}
 	require.Contains(t, c2.String(), fmt.Sprintf("×%d,", DefaultStagedThreads))
 }
 
 func TestDirectNeedsContiguousBlocks(t *testing.T) {
 	needGPU(t)
-	g := newCache(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2)
+	// Layers 4 KiB more than whole K/V planes apart: Auto cannot batch them.
+	g := newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2, []int64{0, 4096})
 	_, err := New(g.eng, Options{Mode: Direct})
 	require.ErrorContains(t, err, "contiguous")
 	c, err := New(g.eng, Options{})
@@ -358,6 +399,45 @@ func TestRoundTrip(t *testing.T) {
 						})
 					}
 				}
+			}
+		}
+	}
+}
+
+// TestPitched: with the layers' tensors equally spaced (carved out of one
+// allocation, as they usually are), Batch and Split move a whole block with
+// one pitched copy, byte-exact through G2 and G3, for FlashAttention's K/V
+// planes and FlashInfer's adjacent K/V; with one layer out of step the
+// copier keeps one copy per piece.
+func TestPitched(t *testing.T) {
+	needGPU(t)
+	if batch3DInit() != nil {
+		t.Skip("driver has no cuMemcpy3DBatchAsync")
+	}
+	cases := []struct {
+		name  string
+		kind  layout.Kind
+		shape []int64
+		gaps  []int64
+		want  bool
+	}{
+		{"flash_attn", layout.FlashAttn, []int64{2, 96, 16, 2, 64}, []int64{0, 0, 0, 0}, true},
+		{"flash_attn_spaced", layout.FlashAttn, []int64{2, 96, 16, 2, 64}, []int64{4096, 96 * 4096, 96 * 4096, 96 * 4096}, true},
+		{"flashinfer", layout.FlashInfer, []int64{96, 2, 16, 2, 64}, []int64{0, 8192, 8192, 8192}, true},
+		{"flash_attn_uneven", layout.FlashAttn, []int64{2, 96, 16, 2, 64}, []int64{0, 0, 4096, 0}, false},
+		{"flashinfer_uneven", layout.FlashInfer, []int64{96, 2, 16, 2, 64}, []int64{0, 0, 0, 256}, false},
+	}
+	for _, tc := range cases {
+		for _, m := range []Mode{Batch, Split} {
+			for _, viaDisk := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/%s/disk=%v", tc.name, m, viaDisk), func(t *testing.T) {
+					g := newCacheIn(t, tc.kind, 4, tc.shape, 96, 16, 2, tc.gaps)
+					c, err := New(g.eng, Options{Mode: m, StagingBytes: 3 * g.eng.BytesPerBlock(), MaxBatch: 16})
+					require.NoError(t, err)
+					require.Equal(t, tc.want, c.pitched != nil, c.String())
+					require.Equal(t, tc.want, strings.Contains(c.String(), "one pitched copy per block"), c.String())
+					roundTrip(t, g, c, viaDisk)
+				})
 			}
 		}
 	}

@@ -104,6 +104,81 @@ static int kvbm_memcpy_batch(uint64_t* dsts, uint64_t* srcs, uint64_t* sizes, si
 	return r;
 }
 
+// The driver's batched 3D copy (CUDA >= 12.8, 12.8 ABI with failIdx), for
+// one pitched copy per block: rows of a block's pieces across layers (and
+// K/V) on the G1 side, contiguous on the host side. Types as in CUDA 12.8's
+// cuda.h (CUDA_MEMCPY3D_BATCH_OP: 112 bytes; checked below).
+typedef struct {
+	int type;          // CUmemcpy3DOperandType: 1 = pointer
+	int pad_;
+	uint64_t ptr;      // CUdeviceptr
+	size_t rowLength;  // bytes between rows
+	size_t layerHeight; // rows between layers
+	kvbm_memloc locHint;
+} kvbm_operand;
+typedef struct {
+	kvbm_operand src, dst;
+	size_t width, height, depth; // CUextent3D: bytes, rows, layers
+	int srcAccessOrder;
+	unsigned int flags;
+} kvbm_batch3d_op;
+typedef char kvbm_batch3d_op_size_check[sizeof(kvbm_batch3d_op) == 112 ? 1 : -1];
+typedef char kvbm_operand_size_check[sizeof(kvbm_operand) == 40 ? 1 : -1];
+typedef CUresult (*kvbm_batch3d_fn)(size_t, kvbm_batch3d_op*, size_t*, unsigned long long, CUstream);
+static kvbm_batch3d_fn kvbm_batch3d = 0;
+
+static int kvbm_batch3d_init(void) {
+	if (kvbm_batch3d) return CUDA_SUCCESS;
+	int v = 0;
+	CUresult r = cuDriverGetVersion(&v);
+	if (r != CUDA_SUCCESS) return r;
+	if (v < 12080) return CUDA_ERROR_NOT_SUPPORTED;
+	void* p = 0;
+	r = cuGetProcAddress("cuMemcpy3DBatchAsync", &p, 12080, 0);
+	if (r != CUDA_SUCCESS) return r;
+	if (!p) return CUDA_ERROR_NOT_FOUND;
+	kvbm_batch3d = (kvbm_batch3d_fn)p;
+	return CUDA_SUCCESS;
+}
+
+// kvbm_memcpy_batch3d: n pitched copies in stream order, copy i between
+// g1[i] (rows g1_row apart, g1_layer rows a layer) and host[i] (rows of
+// width bytes back to back), width × height × depth; to_dev: host → G1.
+static int kvbm_memcpy_batch3d(uint64_t* g1, uint64_t* host, size_t n, int to_dev, int ordinal,
+		size_t width, size_t height, size_t depth, size_t g1_row, size_t g1_layer, uintptr_t stream) {
+	kvbm_operand dev, hst;
+	memset(&dev, 0, sizeof dev);
+	memset(&hst, 0, sizeof hst);
+	dev.type = hst.type = 1; // CU_MEMCPY_OPERAND_TYPE_POINTER
+	dev.rowLength = g1_row;
+	dev.layerHeight = g1_layer;
+	dev.locHint.type = 1; // CU_MEM_LOCATION_TYPE_DEVICE
+	dev.locHint.id = ordinal;
+	hst.rowLength = width;
+	hst.layerHeight = height;
+	hst.locHint.type = 2; // CU_MEM_LOCATION_TYPE_HOST
+	// The driver reads the descriptors during the call only.
+	kvbm_batch3d_op* ops = (kvbm_batch3d_op*)malloc(n * sizeof *ops);
+	if (!ops) return CUDA_ERROR_OUT_OF_MEMORY;
+	for (size_t i = 0; i < n; i++) {
+		kvbm_batch3d_op* o = &ops[i];
+		memset(o, 0, sizeof *o);
+		dev.ptr = g1[i];
+		hst.ptr = host[i];
+		o->src = to_dev ? hst : dev;
+		o->dst = to_dev ? dev : hst;
+		o->width = width;
+		o->height = height;
+		o->depth = depth;
+		o->srcAccessOrder = 1; // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+		o->flags = 1;          // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+	}
+	size_t fail = 0;
+	CUresult r = kvbm_batch3d(n, ops, &fail, 0, (CUstream)stream);
+	free(ops);
+	return r;
+}
+
 static const char* kvbm_cu_error(int r) {
 	const char* s = 0;
 	if (cuGetErrorString((CUresult)r, &s) != CUDA_SUCCESS || s == 0) return "unknown CUDA error";
@@ -187,6 +262,28 @@ func fence(ev, engine uintptr, streams ...uintptr) error {
 // batchInit looks up cuMemcpyBatchAsync; an error means the driver has none.
 func batchInit() error {
 	return cuErr("cuMemcpyBatchAsync (CUDA >= 12.8 driver)", C.kvbm_batch_init())
+}
+
+// batch3DInit looks up cuMemcpy3DBatchAsync; an error means the driver has none.
+func batch3DInit() error {
+	return cuErr("cuMemcpy3DBatchAsync (CUDA >= 12.8 driver)", C.kvbm_batch3d_init())
+}
+
+// pitch describes one pitched copy per block (see Copier.pitched): width
+// bytes per row, height rows per layer (g1Row bytes apart in G1), depth
+// layers (g1Layer rows apart in G1); the host side is contiguous.
+type pitch struct {
+	width, height, depth, g1Row, g1Layer uint64
+}
+
+// memcpyBatch3D enqueues one pitched copy per entry on stream s.
+func memcpyBatch3D(g1, host []uint64, p pitch, toDev bool, ordinal int, s uintptr) error {
+	td := C.int(0)
+	if toDev {
+		td = 1
+	}
+	return cuErr("cuMemcpy3DBatchAsync", C.kvbm_memcpy_batch3d((*C.uint64_t)(unsafe.Pointer(&g1[0])), (*C.uint64_t)(unsafe.Pointer(&host[0])), C.size_t(len(g1)), td, C.int(ordinal),
+		C.size_t(p.width), C.size_t(p.height), C.size_t(p.depth), C.size_t(p.g1Row), C.size_t(p.g1Layer), C.uintptr_t(s)))
 }
 
 // memcpyBatch enqueues len(sizes) copies on stream s (host addresses are

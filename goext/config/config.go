@@ -30,6 +30,7 @@ const (
 	EnvDiskCacheOverrideBlocks      = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+	EnvDiskZerofillFallback         = "DYN_KVBM_DISK_ZEROFILL_FALLBACK"
 	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
@@ -105,6 +106,9 @@ type Config struct {
 	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
 	DiskCacheDir            string  // directory of the disk tier file
 	DiskDisableODirect      bool    // open the disk tier file without O_DIRECT
+	// DiskZerofillFallback: where fallocate is unsupported, reserve the
+	// tier's space by writing zeros instead of leaving a sparse file.
+	DiskZerofillFallback bool
 	// DiskPersist keeps the disk tier file across restarts (docs/persistent-g3.md).
 	DiskPersist bool
 
@@ -165,6 +169,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
+		DiskZerofillFallback:    p.present(EnvDiskZerofillFallback),
 		DiskPersist:             p.boolean(EnvDiskPersist, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
@@ -321,8 +326,9 @@ func (c *Config) Summary() string {
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
-		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s)\n",
-			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist))
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s, zero-fill fallback %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist),
+			onOff(c.DiskZerofillFallback))
 	}
 	b.WriteString(c.Object.summary())
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)

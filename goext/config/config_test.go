@@ -166,6 +166,12 @@ func TestVariables(t *testing.T) {
 			add(env, tc{name: "bad " + v, value: v, reason: "not a boolean"})
 		}
 	}
+	// Presence, any value, as Dynamo reads it.
+	zf := func(c *Config) any { return c.DiskZerofillFallback }
+	for _, v := range []string{"1", "0", "false", "anything"} {
+		add(EnvDiskZerofillFallback, tc{name: "set " + v, value: v, check: num(zf, true)})
+	}
+	add(EnvDiskZerofillFallback, tc{name: "blank", value: " ", check: num(zf, false)})
 	add(EnvDiskCacheDir, tc{name: "valid", value: "/x-10.0.0.2", check: num(func(c *Config) any { return c.DiskCacheDir }, "/x-10.0.0.2")})
 	host := func(c *Config) any { return c.LeaderZMQHost }
 	add(EnvLeaderZMQHost,

@@ -83,6 +83,13 @@ func (p *parser) path(name, def string) string {
 	return v
 }
 
+// present reports whether name is set, whatever its value: Dynamo reads
+// some switches by presence alone, so "0" turns them on too.
+func (p *parser) present(name string) bool {
+	_, set := p.get(name)
+	return set
+}
+
 // boolean accepts 1/true/on/yes and 0/false/off/no, case-insensitively.
 func (p *parser) boolean(name string, def bool) bool {
 	raw, set := p.get(name)

@@ -27,6 +27,10 @@ type DiskOptions struct {
 	BlockBytes int64 // payload per block; the file stride is this rounded up to Alignment
 	// DisableODirect forces buffered I/O (DYN_KVBM_DISK_DISABLE_O_DIRECT).
 	DisableODirect bool
+	// ZeroFill reserves the file's space by writing zeros where fallocate
+	// is unsupported (DYN_KVBM_DISK_ZEROFILL_FALLBACK); otherwise the file
+	// is left sparse there.
+	ZeroFill bool
 	// Persist keeps the file across restarts under a name derived from
 	// Fingerprint and Rank, with a header per block (persist.go).
 	Persist     bool
@@ -104,7 +108,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
 		return nil, err
 	}
-	if err := d.preallocate(size, log); err != nil {
+	if err := d.preallocate(size, o.ZeroFill, log); err != nil {
 		_ = d.Close()
 		return nil, fmt.Errorf("disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
@@ -124,20 +128,121 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	return d, nil
 }
 
-func (d *DiskRegion) preallocate(size int64, log *slog.Logger) error {
-	err := unix.Fallocate(d.fd, 0, 0, size)
+// fallocate is unix.Fallocate; a variable so tests can make the filesystem
+// refuse it.
+var fallocate = unix.Fallocate
+
+// preallocate reserves size bytes for the file. Where the filesystem has no
+// fallocate (EOPNOTSUPP: Lustre, some network filesystems), zeroFill writes
+// zeros instead; otherwise the file is only extended, sparse.
+func (d *DiskRegion) preallocate(size int64, zeroFill bool, log *slog.Logger) error {
+	err := fallocate(d.fd, 0, 0, size)
 	if err == nil {
 		return nil
 	}
 	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
 		return fmt.Errorf("fallocate: %w", err)
 	}
+	if zeroFill {
+		log.Warn("kvbm disk tier: fallocate not supported, reserving the space by writing zeros "+
+			"(DYN_KVBM_DISK_ZEROFILL_FALLBACK)", "path", d.path, "bytes", size, "err", err)
+		if err := d.zeroFill(size); err != nil {
+			return fmt.Errorf("zero-fill (DYN_KVBM_DISK_ZEROFILL_FALLBACK): %w", err)
+		}
+		return nil
+	}
 	// The filesystem cannot reserve space up front; a sparse file still
 	// works, and a full disk then shows up as a write error at runtime,
 	// which the worker turns into a degraded (G2-only) tier.
-	log.Warn("kvbm disk tier: fallocate not supported, using a sparse file (space is not reserved)", "path", d.path, "err", err)
+	log.Warn("kvbm disk tier: fallocate not supported, using a sparse file (space is not reserved; "+
+		"set DYN_KVBM_DISK_ZEROFILL_FALLBACK to write zeros instead)", "path", d.path, "err", err)
 	if err := unix.Ftruncate(d.fd, size); err != nil {
 		return fmt.Errorf("ftruncate: %w", err)
+	}
+	return nil
+}
+
+// zeroFillChunk is the largest zero-fill write (Dynamo's, 16 MiB).
+const zeroFillChunk = 16 << 20
+
+// zeroFill extends the file to size by writing zeros from its current end,
+// so that every byte is allocated (a write to a full disk fails here, at
+// start-up, rather than at the first offload). The buffer is page-aligned
+// and every write starts and ends on an Alignment boundary, as O_DIRECT
+// requires: the last one is rounded up to a page and the file is then cut
+// back to size. Bytes already in the file are kept (a persistent tier may
+// hold blocks): an unaligned end is first read back into the buffer.
+func (d *DiskRegion) zeroFill(size int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil {
+		return fmt.Errorf("fstat: %w", err)
+	}
+	if st.Size >= size {
+		return nil
+	}
+	off := st.Size - st.Size%Alignment
+	buf, err := mapAnon(min(zeroFillChunk, layout.AlignUp(size-off, Alignment)), false)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = unix.Munmap(buf) }()
+	if keep := int(st.Size - off); keep > 0 {
+		if err := preadFull(d.fd, buf[:Alignment], off); err != nil {
+			return fmt.Errorf("read the last page back: %w", err)
+		}
+		clear(buf[keep:Alignment])
+	}
+	for first := true; off < size; first = false {
+		n := min(int64(len(buf)), layout.AlignUp(size-off, Alignment))
+		if err := pwriteFull(d.fd, buf[:n], off); err != nil {
+			return fmt.Errorf("write zeros at %d: %w", off, err)
+		}
+		if first {
+			clear(buf[:Alignment]) // it held the kept bytes
+		}
+		off += n
+	}
+	if off > size {
+		if err := unix.Ftruncate(d.fd, size); err != nil {
+			return fmt.Errorf("ftruncate to %d: %w", size, err)
+		}
+	}
+	return nil
+}
+
+// pwriteFull writes all of buf at off.
+func pwriteFull(fd int, buf []byte, off int64) error {
+	for len(buf) > 0 {
+		n, err := unix.Pwrite(fd, buf, off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return io.ErrShortWrite
+		}
+		buf, off = buf[n:], off+int64(n)
+	}
+	return nil
+}
+
+// preadFull reads up to len(buf) bytes at off; past the end of the file the
+// rest of buf is left as it was.
+func preadFull(fd int, buf []byte, off int64) error {
+	for len(buf) > 0 {
+		n, err := unix.Pread(fd, buf, off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return nil
+		}
+		buf, off = buf[n:], off+int64(n)
 	}
 	return nil
 }

@@ -186,7 +186,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 			return fail(fmt.Errorf("disk tier file %s: shrink to %d bytes: %w", path, size, err))
 		}
 	}
-	if err := d.preallocate(size, log); err != nil {
+	if err := d.preallocate(size, o.ZeroFill, log); err != nil {
 		return fail(fmt.Errorf("disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
 			size, o.NumBlocks, slot, dir, err))

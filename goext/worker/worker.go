@@ -88,6 +88,9 @@ type Options struct {
 	DiskPersist bool
 	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
 	DisableODirect bool
+	// DiskZeroFill is DYN_KVBM_DISK_ZEROFILL_FALLBACK: where fallocate is
+	// unsupported, write zeros to reserve the disk tier's space.
+	DiskZeroFill bool
 	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight
 	// across loads and saves; ≤ 0: DefaultMaxConcurrent.
 	MaxConcurrent int
@@ -257,7 +260,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 	if w.opts.DiskBlocks > 0 {
 		w.diskFile, err = storage.NewDiskRegion(storage.DiskOptions{
 			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
-			DisableODirect: w.opts.DisableODirect, Logger: w.log,
+			DisableODirect: w.opts.DisableODirect, ZeroFill: w.opts.DiskZeroFill, Logger: w.log,
 			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(),
 		})
 		if err != nil {

@@ -1,0 +1,93 @@
+package storage
+
+import (
+	"bytes"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// noFallocate makes fallocate unsupported, as on Lustre or some network
+// filesystems, for the rest of the test.
+func noFallocate(t *testing.T) {
+	t.Helper()
+	old := fallocate
+	fallocate = func(int, uint32, int64, int64) error { return unix.EOPNOTSUPP }
+	t.Cleanup(func() { fallocate = old })
+}
+
+// allocated is the bytes the filesystem has allocated to path.
+func allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(path, &st))
+	return st.Blocks * 512
+}
+
+// TestZeroFillFallback: without fallocate, DYN_KVBM_DISK_ZEROFILL_FALLBACK
+// allocates every byte of the tier (more than one 16 MiB chunk here) and the
+// tier then works, with O_DIRECT where the filesystem takes it and with
+// buffered I/O; without it the file is sparse.
+func TestZeroFillFallback(t *testing.T) {
+	const blocks, blockBytes = 1500, 10000 // stride 12288: 18 MB, two chunks
+	const size = blocks * 12288
+	for _, tc := range []struct {
+		name             string
+		zeroFill, direct bool
+	}{
+		{"zero-fill, O_DIRECT", true, true},
+		{"zero-fill, buffered", true, false},
+		{"sparse, buffered", false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			noFallocate(t)
+			d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: blocks, BlockBytes: blockBytes,
+				DisableODirect: !tc.direct, ZeroFill: tc.zeroFill})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, d.Close()) }()
+			if tc.direct {
+				require.Equal(t, fsTakesODirect(t, dir), d.Direct())
+			} else {
+				require.False(t, d.Direct())
+			}
+			fi, err := os.Stat(d.Path())
+			require.NoError(t, err)
+			require.Equal(t, int64(size), fi.Size(), "the last write is rounded up to a page, then cut back")
+			if tc.zeroFill {
+				require.GreaterOrEqual(t, allocated(t, d.Path()), int64(size), "zero-fill left holes")
+			} else {
+				require.Less(t, allocated(t, d.Path()), int64(size), "the fallback without zero-fill is sparse")
+			}
+			roundTrip(t, d)
+		})
+	}
+}
+
+// TestZeroFillKeepsExistingBytes: a file that already holds data (a
+// persistent tier being grown) keeps it, including an unaligned tail that
+// shares its page with the first zeros, under O_DIRECT and buffered I/O.
+func TestZeroFillKeepsExistingBytes(t *testing.T) {
+	for _, direct := range []bool{true, false} {
+		dir := t.TempDir()
+		path := filepath.Join(dir, "tier")
+		old := bytes.Repeat([]byte{0xab}, 5000)
+		require.NoError(t, os.WriteFile(path, old, 0o600))
+		fd, odirect, err := openTierFile(path, 0, direct, slog.Default())
+		require.NoError(t, err)
+		d := &DiskRegion{fd: fd, path: path, direct: odirect}
+		const size = 3*zeroFillChunk + 3*Alignment // several chunks and a short last one
+		require.NoError(t, d.zeroFill(size))
+		require.NoError(t, unix.Close(fd))
+		got, err := os.ReadFile(path)
+		require.NoError(t, err)
+		require.Len(t, got, size)
+		require.Equal(t, old, got[:len(old)], "direct=%v: existing bytes overwritten", direct)
+		require.Zero(t, bytes.Count(got[len(old):], []byte{0xab}), "direct=%v: not zeros past the old end", direct)
+		require.GreaterOrEqual(t, allocated(t, path), int64(size))
+	}
+}

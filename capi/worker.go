@@ -120,7 +120,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		G4:          g4s,
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
-		DiskPersist:    cfg.DiskPersist, DiskZeroFill: cfg.DiskZerofillFallback,
+		DiskPersist: cfg.DiskPersist, DiskZeroFill: cfg.DiskZerofillFallback,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})

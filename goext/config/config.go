@@ -31,6 +31,7 @@ const (
 	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
 	EnvDiskZerofillFallback         = "DYN_KVBM_DISK_ZEROFILL_FALLBACK"
+	EnvDiskAllocatorType            = "DYN_KVBM_DISK_ALLOCATOR_TYPE"
 	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
@@ -56,6 +57,15 @@ const (
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
 	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
+)
+
+// DYN_KVBM_DISK_ALLOCATOR_TYPE values: how the disk tier file gets O_DIRECT.
+const (
+	// DiskAllocatorDefault opens the file, then sets O_DIRECT with fcntl.
+	DiskAllocatorDefault = "default"
+	// DiskAllocatorOpenDirect passes O_DIRECT to open itself, for
+	// filesystems that ignore it set later (IBM Storage Scale).
+	DiskAllocatorOpenDirect = "open-direct"
 )
 
 // Defaults (design §8).
@@ -109,6 +119,8 @@ type Config struct {
 	// DiskZerofillFallback: where fallocate is unsupported, reserve the
 	// tier's space by writing zeros instead of leaving a sparse file.
 	DiskZerofillFallback bool
+	// DiskAllocatorType is DiskAllocatorDefault or DiskAllocatorOpenDirect.
+	DiskAllocatorType string
 	// DiskPersist keeps the disk tier file across restarts (docs/persistent-g3.md).
 	DiskPersist bool
 
@@ -170,6 +182,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
 		DiskZerofillFallback:    p.present(EnvDiskZerofillFallback),
+		DiskAllocatorType:       p.choice(EnvDiskAllocatorType, DiskAllocatorDefault, DiskAllocatorOpenDirect),
 		DiskPersist:             p.boolean(EnvDiskPersist, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
@@ -326,9 +339,9 @@ func (c *Config) Summary() string {
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
-		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s, zero-fill fallback %s)\n",
-			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist),
-			onOff(c.DiskZerofillFallback))
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, allocator %s, offload filter %s, persistent %s, zero-fill fallback %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), c.DiskAllocatorType, onOff(!c.DisableDiskOffloadFilter),
+			onOff(c.DiskPersist), onOff(c.DiskZerofillFallback))
 	}
 	b.WriteString(c.Object.summary())
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)

@@ -29,6 +29,7 @@ func TestDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, &Config{
 		DiskCacheDir:             "/tmp/",
+		DiskAllocatorType:        "default",
 		LeaderWorkerInitTimeout:  1800 * time.Second,
 		LeaderWorkerLiveness:     10 * time.Second,
 		LeaderZMQHost:            "127.0.0.1",
@@ -172,6 +173,13 @@ func TestVariables(t *testing.T) {
 		add(EnvDiskZerofillFallback, tc{name: "set " + v, value: v, check: num(zf, true)})
 	}
 	add(EnvDiskZerofillFallback, tc{name: "blank", value: " ", check: num(zf, false)})
+	alloc := func(c *Config) any { return c.DiskAllocatorType }
+	add(EnvDiskAllocatorType,
+		tc{name: "default", value: "default", check: num(alloc, "default")},
+		tc{name: "open-direct", value: " open-direct ", check: num(alloc, "open-direct")},
+		tc{name: "unknown", value: "gds", reason: "must be one of default, open-direct"},
+		tc{name: "case", value: "Open-Direct", reason: "must be one of default, open-direct"},
+	)
 	add(EnvDiskCacheDir, tc{name: "valid", value: "/x-10.0.0.2", check: num(func(c *Config) any { return c.DiskCacheDir }, "/x-10.0.0.2")})
 	host := func(c *Config) any { return c.LeaderZMQHost }
 	add(EnvLeaderZMQHost,

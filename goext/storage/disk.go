@@ -27,6 +27,10 @@ type DiskOptions struct {
 	BlockBytes int64 // payload per block; the file stride is this rounded up to Alignment
 	// DisableODirect forces buffered I/O (DYN_KVBM_DISK_DISABLE_O_DIRECT).
 	DisableODirect bool
+	// OpenDirect passes O_DIRECT to open (DYN_KVBM_DISK_ALLOCATOR_TYPE=
+	// open-direct) rather than setting it with fcntl once the file is
+	// open, for filesystems that ignore the latter (IBM Storage Scale).
+	OpenDirect bool
 	// ZeroFill reserves the file's space by writing zeros where fallocate
 	// is unsupported (DYN_KVBM_DISK_ZEROFILL_FALLBACK); otherwise the file
 	// is left sparse there.
@@ -105,7 +109,7 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 		return nil, fmt.Errorf("disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
 	}
 	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride, slot: stride}
-	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
+	if err := d.create(dir, o.Rank, !o.DisableODirect, o.OpenDirect, log); err != nil {
 		return nil, err
 	}
 	if err := d.preallocate(size, o.ZeroFill, log); err != nil {
@@ -251,13 +255,13 @@ func preadFull(fd int, buf []byte, off int64) error {
 // cleanup in another process may lock and remove the file between our open
 // and our flock (it is not locked yet, so it looks stale); create then sees
 // the lock taken, or its path gone, and tries again under another name.
-func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger) error {
+func (d *DiskRegion) create(dir string, rank int, direct, atOpen bool, log *slog.Logger) error {
 	const attempts = 3
 	for range attempts {
 		var rnd [4]byte
 		_, _ = rand.Read(rnd[:])
 		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
-		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, log)
+		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, atOpen, log)
 		if err != nil {
 			return fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
 		}
@@ -278,24 +282,60 @@ func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger)
 // we had just created, before we could lock it.
 var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked")
 
+// openFile is unix.Open; a variable so tests can see the flags.
+var openFile = unix.Open
+
 // openTierFile opens path read-write, creating it, with the extra open
-// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one),
-// and with O_DIRECT when direct is set and the filesystem accepts it at
-// open; the result says whether it did.
-func openTierFile(path string, extra int, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
+// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one).
+// With direct, it turns O_DIRECT on: as Dynamo does, with fcntl once the
+// file is open, or with atOpen in the open call itself. A filesystem that
+// refuses O_DIRECT (EINVAL) leaves the file buffered, with a warning; the
+// result says whether O_DIRECT is on.
+func openTierFile(path string, extra int, direct, atOpen bool, log *slog.Logger) (fd int, odirect bool, err error) {
 	baseFlags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC | extra
-	if direct {
-		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
+	if direct && atOpen {
+		fd, err = openFile(path, baseFlags|unix.O_DIRECT, 0o600)
 		if err == nil {
 			return fd, true, nil
 		}
 		if !errors.Is(err, unix.EINVAL) {
 			return -1, false, err
 		}
-		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open, using buffered I/O", "path", path, "err", err)
+		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open (DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct), "+
+			"using buffered I/O", "path", path, "err", err)
+		direct = false
 	}
-	fd, err = unix.Open(path, baseFlags, 0o600)
-	return fd, false, err
+	fd, err = openFile(path, baseFlags, 0o600)
+	if err != nil {
+		return -1, false, err
+	}
+	if !direct {
+		return fd, false, nil
+	}
+	if err := setDirect(fd, true); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			log.Warn("kvbm disk tier: filesystem refuses O_DIRECT, using buffered I/O", "path", path, "err", err)
+			return fd, false, nil
+		}
+		_ = unix.Close(fd)
+		return -1, false, fmt.Errorf("set O_DIRECT: %w", err)
+	}
+	return fd, true, nil
+}
+
+// setDirect turns O_DIRECT on or off on fd's open file description.
+func setDirect(fd int, on bool) error {
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return err
+	}
+	if on {
+		flags |= unix.O_DIRECT
+	} else {
+		flags &^= unix.O_DIRECT
+	}
+	_, err = unix.FcntlInt(uintptr(fd), unix.F_SETFL, flags)
+	return err
 }
 
 // lockTierFile takes the exclusive lock that marks the file as in use for
@@ -327,11 +367,7 @@ func lockTierFile(fd int, path string) error {
 // description rather than opening the file again: the lock belongs to this
 // description, and a second one could not take it while the first holds it.
 func (d *DiskRegion) dropDirect() error {
-	flags, err := unix.FcntlInt(uintptr(d.fd), unix.F_GETFL, 0)
-	if err != nil {
-		return err
-	}
-	if _, err := unix.FcntlInt(uintptr(d.fd), unix.F_SETFL, flags&^unix.O_DIRECT); err != nil {
+	if err := setDirect(d.fd, false); err != nil {
 		return err
 	}
 	d.direct = false

@@ -145,7 +145,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	}
 	path := PersistentPath(dir, o.Fingerprint, o.Rank)
 	listForeignTiers(dir, path, log)
-	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, log)
+	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, o.OpenDirect, log)
 	if err != nil {
 		return nil, fmt.Errorf("disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
 	}

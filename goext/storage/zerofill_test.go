@@ -77,7 +77,7 @@ func TestZeroFillKeepsExistingBytes(t *testing.T) {
 		path := filepath.Join(dir, "tier")
 		old := bytes.Repeat([]byte{0xab}, 5000)
 		require.NoError(t, os.WriteFile(path, old, 0o600))
-		fd, odirect, err := openTierFile(path, 0, direct, slog.Default())
+		fd, odirect, err := openTierFile(path, 0, direct, false, slog.Default())
 		require.NoError(t, err)
 		d := &DiskRegion{fd: fd, path: path, direct: odirect}
 		const size = 3*zeroFillChunk + 3*Alignment // several chunks and a short last one
@@ -89,5 +89,45 @@ func TestZeroFillKeepsExistingBytes(t *testing.T) {
 		require.Equal(t, old, got[:len(old)], "direct=%v: existing bytes overwritten", direct)
 		require.Zero(t, bytes.Count(got[len(old):], []byte{0xab}), "direct=%v: not zeros past the old end", direct)
 		require.GreaterOrEqual(t, allocated(t, path), int64(size))
+	}
+}
+
+// TestDiskAllocatorType: DYN_KVBM_DISK_ALLOCATOR_TYPE=default opens the
+// tier file without O_DIRECT and sets it afterwards; open-direct passes it
+// to open. Either way the file ends with O_DIRECT on where the filesystem
+// takes it, and DYN_KVBM_DISK_DISABLE_O_DIRECT wins over both.
+func TestDiskAllocatorType(t *testing.T) {
+	dir := t.TempDir()
+	takes := fsTakesODirect(t, dir)
+	for _, tc := range []struct {
+		name                    string
+		openDirect, disable     bool
+		wantOpenFlag, wantFinal bool
+	}{
+		{name: "default", wantFinal: takes},
+		{name: "open-direct", openDirect: true, wantOpenFlag: true, wantFinal: takes},
+		{name: "default, O_DIRECT disabled", disable: true},
+		{name: "open-direct, O_DIRECT disabled", openDirect: true, disable: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var opened []int
+			old := openFile
+			openFile = func(path string, flags int, mode uint32) (int, error) {
+				opened = append(opened, flags)
+				return old(path, flags, mode)
+			}
+			t.Cleanup(func() { openFile = old })
+			d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: 2, BlockBytes: 4096,
+				OpenDirect: tc.openDirect, DisableODirect: tc.disable})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, d.Close()) }()
+			require.NotEmpty(t, opened)
+			require.Equal(t, tc.wantOpenFlag, opened[0]&unix.O_DIRECT != 0, "O_DIRECT in the open flags")
+			flags, err := unix.FcntlInt(uintptr(d.fd), unix.F_GETFL, 0)
+			require.NoError(t, err)
+			require.Equal(t, tc.wantFinal, flags&unix.O_DIRECT != 0, "O_DIRECT on the open file")
+			require.Equal(t, tc.wantFinal, d.Direct())
+			roundTrip(t, d)
+		})
 	}
 }

@@ -91,6 +91,9 @@ type Options struct {
 	// DiskZeroFill is DYN_KVBM_DISK_ZEROFILL_FALLBACK: where fallocate is
 	// unsupported, write zeros to reserve the disk tier's space.
 	DiskZeroFill bool
+	// DiskOpenDirect is DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct: O_DIRECT
+	// is passed to open rather than set after it.
+	DiskOpenDirect bool
 	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight
 	// across loads and saves; ≤ 0: DefaultMaxConcurrent.
 	MaxConcurrent int
@@ -260,7 +263,8 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 	if w.opts.DiskBlocks > 0 {
 		w.diskFile, err = storage.NewDiskRegion(storage.DiskOptions{
 			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
-			DisableODirect: w.opts.DisableODirect, ZeroFill: w.opts.DiskZeroFill, Logger: w.log,
+			DisableODirect: w.opts.DisableODirect, ZeroFill: w.opts.DiskZeroFill,
+			OpenDirect: w.opts.DiskOpenDirect, Logger: w.log,
 			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(),
 		})
 		if err != nil {

@@ -54,6 +54,7 @@ const (
 	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
 	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
 	EnvConsolidatorMaxBlocks        = "DYN_KVBM_KV_EVENTS_MAX_TRACKED_BLOCKS"
+	EnvConsolidatorMode             = "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE"
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
 	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
@@ -152,6 +153,8 @@ type Config struct {
 	CacheStatsLogInterval time.Duration // hit-rate log period
 
 	EnableConsolidator bool // run the KV event consolidator
+	// ConsolidatorMode is "dedup" or "passthrough" (goext/consolidator.Mode).
+	ConsolidatorMode string
 	// ConsolidatorMaxBlocks caps the blocks the consolidator tracks (0: its
 	// default); beyond it the oldest is forgotten with a REMOVE.
 	ConsolidatorMaxBlocks int
@@ -212,6 +215,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		EnableConsolidator:    p.boolean(EnvEnableConsolidator, true),
 		ConsolidatorMaxBlocks: p.count(EnvConsolidatorMaxBlocks, 0, 1),
+		ConsolidatorMode:      p.choice(EnvConsolidatorMode, "dedup", "passthrough"),
 		TrtllmZMQPort:         p.port(EnvTrtllmZMQPort, 0),
 		NatsServer:            p.natsURLs(EnvNatsServer, DefaultNatsServer),
 
@@ -359,7 +363,7 @@ func (c *Config) Summary() string {
 	}
 	fmt.Fprintf(&b, "  cache stats: window %d requests, logged every %s\n",
 		c.CacheStatsMaxRequests, c.CacheStatsLogInterval)
-	fmt.Fprintf(&b, "  consolidator: %s, nats %s", onOff(c.EnableConsolidator), c.NatsServer)
+	fmt.Fprintf(&b, "  consolidator: %s (%s), nats %s", onOff(c.EnableConsolidator), c.ConsolidatorMode, c.NatsServer)
 	if c.TrtllmZMQPort > 0 {
 		fmt.Fprintf(&b, ", trtllm zmq port %d", c.TrtllmZMQPort)
 	}

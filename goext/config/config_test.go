@@ -46,6 +46,7 @@ func TestDefaults(t *testing.T) {
 		CacheStatsMaxRequests:    1000,
 		CacheStatsLogInterval:    5 * time.Second,
 		EnableConsolidator:       true,
+		ConsolidatorMode:         "dedup",
 		NatsServer:               "nats://localhost:4222",
 		ZMQMaxMessageMB:          64,
 	}, c)
@@ -173,6 +174,12 @@ func TestVariables(t *testing.T) {
 		add(EnvDiskZerofillFallback, tc{name: "set " + v, value: v, check: num(zf, true)})
 	}
 	add(EnvDiskZerofillFallback, tc{name: "blank", value: " ", check: num(zf, false)})
+	mode := func(c *Config) any { return c.ConsolidatorMode }
+	add(EnvConsolidatorMode,
+		tc{name: "dedup", value: "dedup", check: num(mode, "dedup")},
+		tc{name: "passthrough", value: "passthrough", check: num(mode, "passthrough")},
+		tc{name: "unknown", value: "pass-through", reason: "must be one of dedup, passthrough"},
+	)
 	alloc := func(c *Config) any { return c.DiskAllocatorType }
 	add(EnvDiskAllocatorType,
 		tc{name: "default", value: "default", check: num(alloc, "default")},

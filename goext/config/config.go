@@ -17,6 +17,7 @@ package config
 import (
 	"fmt"
 	"os"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -58,6 +59,13 @@ const (
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
 	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
+
+	// Dynamo variables kvbm accepts without acting on them: each set one
+	// is a start-up warning saying what kvbm does instead (Config.Warnings).
+	EnvNcclMLAMode       = "DYN_KVBM_NCCL_MLA_MODE"
+	EnvNcclMaxCTAs       = "DYN_KVBM_NCCL_MAX_CTAS"
+	EnvTransferBatchSize = "DYN_KVBM_TRANSFER_BATCH_SIZE"
+	EnvNixlBackendPrefix = "DYN_KVBM_NIXL_BACKEND_" // + <NAME>
 )
 
 // DYN_KVBM_DISK_ALLOCATOR_TYPE values: how the disk tier file gets O_DIRECT.
@@ -164,11 +172,45 @@ type Config struct {
 	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
 
 	Object Object // G4 (object.go)
+
+	// Warnings name the Dynamo variables that are set but that kvbm does
+	// not act on, each with what kvbm does instead (logged at start-up).
+	Warnings []string
 }
 
 // Load reads the configuration from the process environment.
 func Load() (*Config, error) {
-	return FromLookup(os.LookupEnv)
+	env := map[string]string{}
+	for _, kv := range os.Environ() {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			env[k] = v
+		}
+	}
+	return FromEnv(env)
+}
+
+// FromEnv reads the configuration from env; unlike FromLookup it also sees
+// the variables named by a prefix (DYN_KVBM_NIXL_BACKEND_<NAME>).
+func FromEnv(env map[string]string) (*Config, error) {
+	c, err := FromLookup(func(k string) (string, bool) {
+		v, ok := env[k]
+		return v, ok
+	})
+	if err != nil {
+		return nil, err
+	}
+	var nixl []string
+	for k, v := range env {
+		if strings.HasPrefix(k, EnvNixlBackendPrefix) && strings.TrimSpace(v) != "" {
+			nixl = append(nixl, k)
+		}
+	}
+	sort.Strings(nixl)
+	for _, k := range nixl {
+		c.Warnings = append(c.Warnings, k+" is ignored: kvbm moves blocks without NIXL "+
+			"(memory copies, CUDA copies and file I/O on the disk tier), so it has no NIXL backend to choose")
+	}
+	return c, nil
 }
 
 // FromLookup reads the configuration through lookup (os.LookupEnv in
@@ -224,6 +266,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		Object: p.object(),
 	}
 
+	c.Warnings = p.unsupported(c)
+
 	// Cross-variable rules, only when the inputs themselves parsed (an error
 	// about a value the user already sees as invalid would be noise).
 	if p.ok(EnvLeaderZMQPubPort, EnvLeaderZMQAckPort) && c.LeaderZMQPubPort == c.LeaderZMQAckPort {
@@ -272,6 +316,25 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// unsupported reads the Dynamo variables kvbm accepts but does not act on;
+// one warning for each that is set.
+func (p *parser) unsupported(c *Config) []string {
+	var w []string
+	// Dynamo reads true/1/yes; a value that is no boolean is an error here.
+	if p.boolean(EnvNcclMLAMode, false) {
+		w = append(w, EnvNcclMLAMode+" is on but kvbm has no NCCL replicated mode: every rank keeps and "+
+			"moves its own shard of the KV blocks (sharded mode), as Dynamo does when built without its nccl feature")
+	}
+	if raw, set := p.get(EnvNcclMaxCTAs); set {
+		w = append(w, fmt.Sprintf("%s=%q is ignored: kvbm uses no NCCL", EnvNcclMaxCTAs, raw))
+	}
+	if raw, set := p.get(EnvTransferBatchSize); set {
+		w = append(w, fmt.Sprintf("%s=%q is ignored (a KVBM v2 setting): kvbm's transfer batch size is %s (%d)",
+			EnvTransferBatchSize, raw, EnvMaxTransferBatchSize, c.MaxTransferBatchSize))
+	}
+	return w
 }
 
 // HostEnabled reports whether the host (G2) tier is configured.
@@ -385,4 +448,17 @@ var logOnce sync.Once
 // process; later calls (with any Config) do nothing.
 func (c *Config) LogOnce(logf func(format string, args ...any)) {
 	logOnce.Do(func() { logf("%s", c.Summary()) })
+}
+
+// warnOnce guards WarnOnce, as logOnce does LogOnce.
+var warnOnce sync.Once
+
+// WarnOnce passes each of c.Warnings to warn the first time it is called in
+// this process (the leader and the workers all start from a Config).
+func (c *Config) WarnOnce(warn func(msg string)) {
+	warnOnce.Do(func() {
+		for _, w := range c.Warnings {
+			warn(w)
+		}
+	})
 }

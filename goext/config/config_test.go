@@ -438,3 +438,45 @@ func TestVarErrorIsErrorsAsable(t *testing.T) {
 	require.True(t, errors.As(err, &ve))
 	require.Equal(t, `invalid DYN_KVBM_METRICS_PORT="0": port out of range 1..65535`, ve.Error())
 }
+
+// TestUnsupportedVariablesWarn: Dynamo variables kvbm does not act on are
+// accepted, each with one warning naming it and saying what kvbm does.
+func TestUnsupportedVariablesWarn(t *testing.T) {
+	for _, tc := range []struct {
+		env  map[string]string
+		want []string // substrings, one warning each
+	}{
+		{env: nil},
+		{env: map[string]string{EnvNcclMLAMode: "false"}},
+		{env: map[string]string{EnvNcclMLAMode: "true"}, want: []string{EnvNcclMLAMode + " is on but kvbm has no NCCL replicated mode"}},
+		{env: map[string]string{EnvNcclMLAMode: "yes"}, want: []string{"sharded mode"}},
+		{env: map[string]string{EnvNcclMaxCTAs: "8"}, want: []string{EnvNcclMaxCTAs + `="8" is ignored: kvbm uses no NCCL`}},
+		{env: map[string]string{EnvTransferBatchSize: "32", EnvMaxTransferBatchSize: "8"},
+			want: []string{EnvTransferBatchSize + `="32" is ignored (a KVBM v2 setting): kvbm's transfer batch size is ` +
+				EnvMaxTransferBatchSize + " (8)"}},
+		{env: map[string]string{"DYN_KVBM_NIXL_BACKEND_UCX": "true", "DYN_KVBM_NIXL_BACKEND_GDS_MT": "false"},
+			want: []string{"DYN_KVBM_NIXL_BACKEND_GDS_MT is ignored: kvbm moves blocks without NIXL",
+				"DYN_KVBM_NIXL_BACKEND_UCX is ignored"}},
+	} {
+		c, err := FromEnv(tc.env)
+		require.NoError(t, err, "%v", tc.env)
+		require.Len(t, c.Warnings, len(tc.want), "%v: %q", tc.env, c.Warnings)
+		for _, w := range tc.want {
+			found := false
+			for _, got := range c.Warnings {
+				found = found || strings.Contains(got, w)
+			}
+			require.True(t, found, "%v: no warning with %q in %q", tc.env, w, c.Warnings)
+		}
+	}
+	// Not a boolean: an error naming the variable, as for every boolean.
+	_, err := FromEnv(map[string]string{EnvNcclMLAMode: "maybe"})
+	requireVarError(t, err, EnvNcclMLAMode, "not a boolean")
+
+	var logged []string
+	c, err := FromEnv(map[string]string{EnvNcclMaxCTAs: "8"})
+	require.NoError(t, err)
+	c.WarnOnce(func(m string) { logged = append(logged, m) })
+	c.WarnOnce(func(m string) { logged = append(logged, m) })
+	require.Len(t, logged, 1, "once per process")
+}

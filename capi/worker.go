@@ -122,7 +122,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
 		DiskPersist: cfg.DiskPersist, DiskZeroFill: cfg.DiskZerofillFallback,
-		DiskOpenDirect: cfg.DiskAllocatorType == config.DiskAllocatorOpenDirect,
+		DiskOpenDirect: cfg.DiskAllocatorType == config.DiskAllocatorOpenDirect, NUMA: cfg.EnableNUMA,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
 	})

@@ -33,6 +33,7 @@ const (
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
 	EnvDiskZerofillFallback         = "DYN_KVBM_DISK_ZEROFILL_FALLBACK"
 	EnvDiskAllocatorType            = "DYN_KVBM_DISK_ALLOCATOR_TYPE"
+	EnvEnableNUMA                   = "DYN_KVBM_ENABLE_NUMA"
 	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
@@ -120,6 +121,9 @@ const (
 type Config struct {
 	CPUCacheGB             float64 // G2 size, decimal GB, total across workers; 0 = unset
 	CPUCacheOverrideBlocks int     // exact G2 block count, wins over CPUCacheGB; 0 = unset
+	// EnableNUMA places each rank's G2 pages on the NUMA node of the CPU
+	// that registers its KV caches.
+	EnableNUMA bool
 
 	DiskCacheGB             float64 // G3 size, decimal GB; 0 = unset
 	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
@@ -221,6 +225,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 	c := &Config{
 		CPUCacheGB:             p.gigabytes(EnvCPUCacheGB),
 		CPUCacheOverrideBlocks: p.count(EnvCPUCacheOverrideBlocks, 0, 0),
+		EnableNUMA:             p.boolean(EnvEnableNUMA, false),
 
 		DiskCacheGB:             p.gigabytes(EnvDiskCacheGB),
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
@@ -404,6 +409,9 @@ func (c *Config) Summary() string {
 	}
 	b.WriteString("kvbm configuration:\n")
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
+	if c.HostEnabled() {
+		fmt.Fprintf(&b, "  host tier NUMA placement: %s\n", onOff(c.EnableNUMA))
+	}
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
 		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, allocator %s, offload filter %s, persistent %s, zero-fill fallback %s)\n",

@@ -157,6 +157,7 @@ func TestVariables(t *testing.T) {
 		EnvDisableDiskOffloadFilter: func(c *Config) any { return c.DisableDiskOffloadFilter },
 		EnvMetrics:                  func(c *Config) any { return c.Metrics },
 		EnvEnableConsolidator:       func(c *Config) any { return c.EnableConsolidator },
+		EnvEnableNUMA:               func(c *Config) any { return c.EnableNUMA },
 	} {
 		for _, v := range []string{"1", "true", "TRUE", "On", "yes", " yes "} {
 			add(env, tc{name: "true " + v, value: v, check: num(get, true)})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -134,5 +135,8 @@ def test_summaries_are_compact_and_json():
     assert _record.summarize(vf.Blocks([3, 4])) == {"block_ids": [[3, 4]]}
     assert _record.summarize({"r1", "r0"}) == ["r0", "r1"]
     assert _record.summarize(object()) == {"type": "object"}
+    cached = SimpleNamespace(all_token_ids={"r1": list(range(9))}, new_token_ids=[[5]], new_block_ids=[([7, 8],)])
+    assert _record.summarize(cached) == {"type": "SimpleNamespace", "all_token_ids": {"r1": {"num_tokens": 9}},
+                                         "new_token_ids": {"num_tokens": 1}, "new_block_ids": [[[7, 8]]]}
     deep = {"a": {"b": {"c": {"d": {"e": 1}}}}}
     json.dumps(_record.summarize(deep))

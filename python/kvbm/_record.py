@@ -181,6 +181,8 @@ def summarize(x: Any, depth: int = 0) -> Any:
 def _field(key: str, v: Any, depth: int) -> Any:
     """A named value: a token list is recorded as its length."""
     if _is_token_key(key):
+        if isinstance(v, dict):  # per request (vLLM's CachedRequestData.all_token_ids)
+            return {str(k): _field(key, t, depth + 1) for k, t in v.items()}
         n = _sequence_len(v)
         if n is not None:
             return {"num_tokens": n}

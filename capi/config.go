@@ -20,10 +20,7 @@ func loadConfig(env map[string]string) (cfg *config.Config, err error) {
 	if env == nil {
 		cfg, err = config.Load()
 	} else {
-		cfg, err = config.FromLookup(func(k string) (string, bool) {
-			v, ok := env[k]
-			return v, ok
-		})
+		cfg, err = config.FromEnv(env)
 	}
 	if err == nil {
 		// The ZeroMQ guard is process-wide: the last configuration loaded wins.
@@ -48,6 +45,8 @@ func configFor(env map[string]string, requireTier bool) (*config.Config, error) 
 	if err != nil {
 		return nil, withCode(statusConfig, err)
 	}
+	log := kvbmLogger()
+	cfg.WarnOnce(func(msg string) { log.Warn("kvbm: " + msg) })
 	if requireTier {
 		if err := cfg.Validate(); err != nil {
 			return nil, withCode(statusConfig, err)

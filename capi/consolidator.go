@@ -28,12 +28,19 @@ type consolidatorOptions struct {
 	LegacySubject  bool   `json:"legacy_subject"`
 	WorkerID       uint64 `json:"worker_id"`
 	BufferLimit    int    `json:"buffer_limit"`
+	// Mode is "dedup" or "passthrough"; "": DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE.
+	Mode string `json:"mode"`
 	// Env holds kvbm's variables as the caller sees them (standalone use).
 	Env map[string]string `json:"env"`
 }
 
 func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (*consolidator.Consolidator, error) {
+	mode := o.Mode
+	if mode == "" {
+		mode = cfg.ConsolidatorMode
+	}
 	cc := consolidator.Config{
+		Mode:          consolidator.Mode(mode),
 		ZMQBind:       o.ZMQBind,
 		WorkerID:      o.WorkerID,
 		BufferLimit:   o.BufferLimit,
@@ -64,9 +71,12 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 	}
 	c, err := consolidator.New(cc)
 	if err != nil {
+		if cc.Mode != consolidator.ModeDedup && cc.Mode != consolidator.ModePassthrough {
+			return nil, withCode(statusInvalid, err)
+		}
 		return nil, withCode(statusIO, err)
 	}
-	log.Info("kvbm consolidator started", "engine", cc.Engine, "input", o.EngineEndpoint,
+	log.Info("kvbm consolidator started", "engine", cc.Engine, "mode", mode, "input", o.EngineEndpoint,
 		"zmq_out", c.ZMQEndpoint(), "nats", cc.NATSURL, "nats_subject", c.NATSSubject())
 	return c, nil
 }
@@ -113,6 +123,7 @@ type consolidatorStats struct {
 	Invalid        uint64 `json:"invalid"`
 	Deduplicated   uint64 `json:"deduplicated"`
 	UnknownRemoves uint64 `json:"unknown_removes"`
+	NotForwarded   uint64 `json:"not_forwarded"`
 	Tracked        int    `json:"tracked"`
 	ZMQMessages    uint64 `json:"zmq_messages"`
 	ZMQEvents      uint64 `json:"zmq_events"`
@@ -137,7 +148,8 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 	st := h.c.Stats()
 	b, _ := json.Marshal(consolidatorStats{
 		BatchesIn: st.BatchesIn, EventsIn: st.EventsIn, Invalid: st.Invalid,
-		Deduplicated: st.Deduplicated, UnknownRemoves: st.UnknownRemoves, Tracked: st.Tracked,
+		Deduplicated: st.Deduplicated, UnknownRemoves: st.UnknownRemoves, NotForwarded: st.NotForwarded,
+		Tracked:     st.Tracked,
 		ZMQMessages: st.ZMQMessages, ZMQEvents: st.ZMQEvents, NATSEvents: st.NATSEvents,
 		NATSDropped: st.NATSDropped, NATSBuffered: st.NATSBuffered, ZMQEndpoint: h.c.ZMQEndpoint(),
 	})

@@ -137,6 +137,58 @@ def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
     assert idx.ok, idx.kinds()
 
 
+@pytest.mark.parametrize("mode", ["dedup", "passthrough"])
+def test_consolidator_mode_from_the_environment(zmq_ctx, monkeypatch, mode):
+    """TensorRT-LLM's map events through a consolidator started with
+    DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE: dedup publishes a block once and
+    keeps it while stored twice; passthrough forwards every event as the
+    engine sent it."""
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE", mode)
+    pub = zmq_ctx.socket(zmq.PUB)
+    in_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    out_port = free_port()
+    with Consolidator(engine="trtllm", engine_endpoint=f"tcp://127.0.0.1:{in_port}",
+                      zmq_bind=f"tcp://127.0.0.1:{out_port}") as cons:
+        sub = Sub(zmq_ctx, f"tcp://127.0.0.1:{out_port}")
+        seq = [0]
+
+        def send(events):
+            seq[0] += 1
+            pub.send_multipart([b"", seq[0].to_bytes(8, "big"), msgpack.packb([time.time(), events, 0])])
+
+        probe = PROBE_BASE
+        while not sub.s.poll(100):
+            probe += 1
+            send([stored_map([probe], None, [probe % 1000] * BS), {"type": "BlockRemoved", "block_hashes": [probe]}])
+        toks = list(range(1, 2 * BS + 1))
+        send([stored_map([11, 12], None, toks)])
+        send([stored_map([11], None, toks[:BS])])  # stored again
+        send([{"type": "BlockRemoved", "block_hashes": [12]}])
+        send([{"type": "BlockStored", "block_hashes": [-3], "parent_block_hash": None,
+               "token_ids": [7] * BS, "block_size": BS}])  # last: both modes publish it
+        wait_for(lambda: any(e[0] == "BlockStored" and e[1] == [(1 << 64) - 3] for e in events_of(sub.drain())),
+                 timeout=20)
+        stats = cons.stats()
+        assert len(events_of(sub.msgs)) == stats["zmq_events"]
+    evs = [(e[0], e[1], e[2] if e[0] == "BlockStored" else None) for e in events_of(sub.msgs) if not is_probe(e)]
+    if mode == "dedup":
+        assert evs == [("BlockStored", [11], None), ("BlockStored", [12], 11), ("BlockRemoved", [12], None),
+                       ("BlockStored", [(1 << 64) - 3], None)]
+        assert stats["deduplicated"] == 1
+    else:
+        assert evs == [("BlockStored", [11], None), ("BlockStored", [12], 11), ("BlockStored", [11], None),
+                       ("BlockRemoved", [12], None), ("BlockStored", [(1 << 64) - 3], None)]
+        assert stats["deduplicated"] == 0 and stats["tracked"] == 0
+
+
+def test_invalid_consolidator_mode_names_the_variable(monkeypatch):
+    from kvbm import KvbmConfigError
+
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE", "merge")
+    with pytest.raises(KvbmConfigError, match=r'DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE="merge"'):
+        Consolidator(engine="trtllm", zmq_bind=f"tcp://127.0.0.1:{free_port()}")
+
+
 def nats_server_binary():
     for cand in (os.path.join(os.path.dirname(sys.executable), "nats-server"), shutil.which("nats-server")):
         if cand and os.path.exists(cand):

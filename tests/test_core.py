@@ -110,6 +110,24 @@ def test_invalid_value_names_variable_and_value(env):
         Leader(block_size=BS, bytes_per_block=1024)
 
 
+@pytest.mark.parametrize("allocator", ["default", "open-direct"])
+def test_disk_allocator_types_start_a_disk_tier(env, allocator):
+    env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "8")
+    env.setenv("DYN_KVBM_DISK_ALLOCATOR_TYPE", allocator)
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    assert worker.info()["disk_blocks"] == 8
+
+
+def test_unknown_disk_allocator_type_fails_the_worker_at_start(env):
+    env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "8")
+    env.setenv("DYN_KVBM_DISK_ALLOCATOR_TYPE", "gds")
+    caches = flash_attn_caches()
+    with pytest.raises(KvbmConfigError, match=r'DYN_KVBM_DISK_ALLOCATOR_TYPE="gds": must be one of default, open-direct'):
+        Worker(tensors=describe(caches), kind="flash_attn", num_blocks=caches[0].shape[1], block_size=BS,
+               dtype_bytes=caches[0].itemsize)
+
+
 def test_garbage_plan_is_rejected_not_executed(env):
     caches = flash_attn_caches()
     _, worker = make_pair(caches)

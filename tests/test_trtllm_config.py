@@ -76,7 +76,8 @@ def test_options_without_port_log_the_variable_and_run_without(caplog):
 def test_options_zmq_and_nats(monkeypatch):
     monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", "20081")
     assert cc.consolidator_options(OURS) == {
-        "engine": "trtllm", "engine_endpoint": "tcp://127.0.0.1:20081", "zmq_bind": "tcp://0.0.0.0:57001"}
+        "engine": "trtllm", "engine_endpoint": "tcp://127.0.0.1:20081", "zmq_bind": "tcp://0.0.0.0:57001",
+        "mode": "dedup"}
     monkeypatch.setenv("NATS_SERVER", "nats://10.0.0.1:4222")
     monkeypatch.setenv("DYN_NAMESPACE", "prod")
     monkeypatch.setenv("DYN_KVBM_WORKER_ID", "7")
@@ -89,3 +90,14 @@ def test_options_zmq_and_nats(monkeypatch):
         cc.consolidator_options(OURS)
     monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
     assert cc.consolidator_options(OURS) is None
+
+
+def test_options_consolidator_mode(monkeypatch):
+    monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", "20081")
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE", "passthrough")
+    assert cc.consolidator_options(OURS)["mode"] == "passthrough"
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE", " dedup ")
+    assert cc.consolidator_options(OURS)["mode"] == "dedup"
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE", "pass")
+    with pytest.raises(ValueError, match=r"DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE='pass': must be one of dedup, passthrough"):
+        cc.consolidator_options(OURS)

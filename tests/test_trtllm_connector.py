@@ -315,6 +315,31 @@ def test_device_prefix_hit_then_kvbm_loads_the_rest(make_engine):
     run_and_onboard(eng, first, 1, first[:4 * BS] + [9, 9, 9], expect_blocks=4, device_hit_blocks=1)
 
 
+def test_leader_calls_are_recorded(make_engine, tmp_path):
+    """DYN_KVBM_ENABLE_RECORD: each call TensorRT-LLM makes on the leader is
+    one JSON line with its inputs and outputs; the engine's result is the
+    same as without it."""
+    import json
+
+    path = tmp_path / "records.jsonl"
+    eng = make_engine(env_extra={"DYN_KVBM_ENABLE_RECORD": "1", "DYN_KVBM_RECORD_PATH": str(path)})
+    first = toks(4 * BS + 1)
+    run_and_onboard(eng, first, 1, first[:4 * BS] + [9, 9, 9], expect_blocks=4)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["engine"] for r in recs} == {"trtllm"}
+    matched = [r for r in recs if r["method"] == "get_num_new_matched_tokens"]
+    assert [(m["inputs"]["request"]["request_id"], m["inputs"]["request"]["num_tokens"]) for m in matched] == [
+        (1, len(first)), (2, 4 * BS + 3)]
+    assert [m["output"] for m in matched] == [[0, False], [4 * BS, True]]
+    alloc = [r for r in recs if r["method"] == "update_state_after_alloc"]
+    assert {a["inputs"]["request"]["request_id"] for a in alloc} == {1, 2}
+    assert all(isinstance(b, int) for a in alloc for b in a["inputs"]["block_ids"])
+    metas = [r for r in recs if r["method"] == "build_connector_meta"]
+    assert metas and all(m["output"]["bytes"] > 0 for m in metas)
+    finished = [r for r in recs if r["method"] == "request_finished"]
+    assert sorted(f["inputs"]["request"]["request_id"] for f in finished) == [1, 2]
+
+
 def test_disk_tier_onboarding(make_engine, tmp_path):
     eng = make_engine(env_extra={
         "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4",

@@ -17,6 +17,7 @@ package config
 import (
 	"fmt"
 	"os"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -30,6 +31,9 @@ const (
 	EnvDiskCacheOverrideBlocks      = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 	EnvDiskCacheDir                 = "DYN_KVBM_DISK_CACHE_DIR"
 	EnvDiskDisableODirect           = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+	EnvDiskZerofillFallback         = "DYN_KVBM_DISK_ZEROFILL_FALLBACK"
+	EnvDiskAllocatorType            = "DYN_KVBM_DISK_ALLOCATOR_TYPE"
+	EnvEnableNUMA                   = "DYN_KVBM_ENABLE_NUMA"
 	EnvDiskPersist                  = "DYN_KVBM_DISK_PERSIST"
 	EnvDisableDiskOffloadFilter     = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
 	EnvHostOffloadPrefixMinPriority = "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"
@@ -52,9 +56,26 @@ const (
 	EnvCacheStatsLogIntervalSecs    = "DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS"
 	EnvEnableConsolidator           = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
 	EnvConsolidatorMaxBlocks        = "DYN_KVBM_KV_EVENTS_MAX_TRACKED_BLOCKS"
+	EnvConsolidatorMode             = "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE"
 	EnvTrtllmZMQPort                = "DYN_KVBM_TRTLLM_ZMQ_PORT"
 	EnvZMQMaxMessageMB              = "DYN_KVBM_ZMQ_MAX_MESSAGE_MB"
 	EnvNatsServer                   = "NATS_SERVER"
+
+	// Dynamo variables kvbm accepts without acting on them: each set one
+	// is a start-up warning saying what kvbm does instead (Config.Warnings).
+	EnvNcclMLAMode       = "DYN_KVBM_NCCL_MLA_MODE"
+	EnvNcclMaxCTAs       = "DYN_KVBM_NCCL_MAX_CTAS"
+	EnvTransferBatchSize = "DYN_KVBM_TRANSFER_BATCH_SIZE"
+	EnvNixlBackendPrefix = "DYN_KVBM_NIXL_BACKEND_" // + <NAME>
+)
+
+// DYN_KVBM_DISK_ALLOCATOR_TYPE values: how the disk tier file gets O_DIRECT.
+const (
+	// DiskAllocatorDefault opens the file, then sets O_DIRECT with fcntl.
+	DiskAllocatorDefault = "default"
+	// DiskAllocatorOpenDirect passes O_DIRECT to open itself, for
+	// filesystems that ignore it set later (IBM Storage Scale).
+	DiskAllocatorOpenDirect = "open-direct"
 )
 
 // Defaults (design §8).
@@ -100,11 +121,19 @@ const (
 type Config struct {
 	CPUCacheGB             float64 // G2 size, decimal GB, total across workers; 0 = unset
 	CPUCacheOverrideBlocks int     // exact G2 block count, wins over CPUCacheGB; 0 = unset
+	// EnableNUMA places each rank's G2 pages on the NUMA node of the CPU
+	// that registers its KV caches.
+	EnableNUMA bool
 
 	DiskCacheGB             float64 // G3 size, decimal GB; 0 = unset
 	DiskCacheOverrideBlocks int     // exact G3 block count; 0 = unset
 	DiskCacheDir            string  // directory of the disk tier file
 	DiskDisableODirect      bool    // open the disk tier file without O_DIRECT
+	// DiskZerofillFallback: where fallocate is unsupported, reserve the
+	// tier's space by writing zeros instead of leaving a sparse file.
+	DiskZerofillFallback bool
+	// DiskAllocatorType is DiskAllocatorDefault or DiskAllocatorOpenDirect.
+	DiskAllocatorType string
 	// DiskPersist keeps the disk tier file across restarts (docs/persistent-g3.md).
 	DiskPersist bool
 
@@ -136,6 +165,8 @@ type Config struct {
 	CacheStatsLogInterval time.Duration // hit-rate log period
 
 	EnableConsolidator bool // run the KV event consolidator
+	// ConsolidatorMode is "dedup" or "passthrough" (goext/consolidator.Mode).
+	ConsolidatorMode string
 	// ConsolidatorMaxBlocks caps the blocks the consolidator tracks (0: its
 	// default); beyond it the oldest is forgotten with a REMOVE.
 	ConsolidatorMaxBlocks int
@@ -145,11 +176,45 @@ type Config struct {
 	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
 
 	Object Object // G4 (object.go)
+
+	// Warnings name the Dynamo variables that are set but that kvbm does
+	// not act on, each with what kvbm does instead (logged at start-up).
+	Warnings []string
 }
 
 // Load reads the configuration from the process environment.
 func Load() (*Config, error) {
-	return FromLookup(os.LookupEnv)
+	env := map[string]string{}
+	for _, kv := range os.Environ() {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			env[k] = v
+		}
+	}
+	return FromEnv(env)
+}
+
+// FromEnv reads the configuration from env; unlike FromLookup it also sees
+// the variables named by a prefix (DYN_KVBM_NIXL_BACKEND_<NAME>).
+func FromEnv(env map[string]string) (*Config, error) {
+	c, err := FromLookup(func(k string) (string, bool) {
+		v, ok := env[k]
+		return v, ok
+	})
+	if err != nil {
+		return nil, err
+	}
+	var nixl []string
+	for k, v := range env {
+		if strings.HasPrefix(k, EnvNixlBackendPrefix) && strings.TrimSpace(v) != "" {
+			nixl = append(nixl, k)
+		}
+	}
+	sort.Strings(nixl)
+	for _, k := range nixl {
+		c.Warnings = append(c.Warnings, k+" is ignored: kvbm moves blocks without NIXL "+
+			"(memory copies, CUDA copies and file I/O on the disk tier), so it has no NIXL backend to choose")
+	}
+	return c, nil
 }
 
 // FromLookup reads the configuration through lookup (os.LookupEnv in
@@ -160,11 +225,14 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 	c := &Config{
 		CPUCacheGB:             p.gigabytes(EnvCPUCacheGB),
 		CPUCacheOverrideBlocks: p.count(EnvCPUCacheOverrideBlocks, 0, 0),
+		EnableNUMA:             p.boolean(EnvEnableNUMA, false),
 
 		DiskCacheGB:             p.gigabytes(EnvDiskCacheGB),
 		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
+		DiskZerofillFallback:    p.present(EnvDiskZerofillFallback),
+		DiskAllocatorType:       p.choice(EnvDiskAllocatorType, DiskAllocatorDefault, DiskAllocatorOpenDirect),
 		DiskPersist:             p.boolean(EnvDiskPersist, false),
 
 		DisableDiskOffloadFilter:     p.boolean(EnvDisableDiskOffloadFilter, false),
@@ -194,6 +262,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		EnableConsolidator:    p.boolean(EnvEnableConsolidator, true),
 		ConsolidatorMaxBlocks: p.count(EnvConsolidatorMaxBlocks, 0, 1),
+		ConsolidatorMode:      p.choice(EnvConsolidatorMode, "dedup", "passthrough"),
 		TrtllmZMQPort:         p.port(EnvTrtllmZMQPort, 0),
 		NatsServer:            p.natsURLs(EnvNatsServer, DefaultNatsServer),
 
@@ -201,6 +270,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		Object: p.object(),
 	}
+
+	c.Warnings = p.unsupported(c)
 
 	// Cross-variable rules, only when the inputs themselves parsed (an error
 	// about a value the user already sees as invalid would be noise).
@@ -250,6 +321,25 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// unsupported reads the Dynamo variables kvbm accepts but does not act on;
+// one warning for each that is set.
+func (p *parser) unsupported(c *Config) []string {
+	var w []string
+	// Dynamo reads true/1/yes; a value that is no boolean is an error here.
+	if p.boolean(EnvNcclMLAMode, false) {
+		w = append(w, EnvNcclMLAMode+" is on but kvbm has no NCCL replicated mode: every rank keeps and "+
+			"moves its own shard of the KV blocks (sharded mode), as Dynamo does when built without its nccl feature")
+	}
+	if raw, set := p.get(EnvNcclMaxCTAs); set {
+		w = append(w, fmt.Sprintf("%s=%q is ignored: kvbm uses no NCCL", EnvNcclMaxCTAs, raw))
+	}
+	if raw, set := p.get(EnvTransferBatchSize); set {
+		w = append(w, fmt.Sprintf("%s=%q is ignored (a KVBM v2 setting): kvbm's transfer batch size is %s (%d)",
+			EnvTransferBatchSize, raw, EnvMaxTransferBatchSize, c.MaxTransferBatchSize))
+	}
+	return w
 }
 
 // HostEnabled reports whether the host (G2) tier is configured.
@@ -319,10 +409,14 @@ func (c *Config) Summary() string {
 	}
 	b.WriteString("kvbm configuration:\n")
 	tier("host (G2)", c.HostEnabled(), c.CPUCacheGB, c.CPUCacheOverrideBlocks)
+	if c.HostEnabled() {
+		fmt.Fprintf(&b, "  host tier NUMA placement: %s\n", onOff(c.EnableNUMA))
+	}
 	tier("disk (G3)", c.DiskEnabled(), c.DiskCacheGB, c.DiskCacheOverrideBlocks)
 	if c.DiskEnabled() {
-		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, offload filter %s, persistent %s)\n",
-			c.DiskCacheDir, onOff(!c.DiskDisableODirect), onOff(!c.DisableDiskOffloadFilter), onOff(c.DiskPersist))
+		fmt.Fprintf(&b, "  disk dir: %s (O_DIRECT %s, allocator %s, offload filter %s, persistent %s, zero-fill fallback %s)\n",
+			c.DiskCacheDir, onOff(!c.DiskDisableODirect), c.DiskAllocatorType, onOff(!c.DisableDiskOffloadFilter),
+			onOff(c.DiskPersist), onOff(c.DiskZerofillFallback))
 	}
 	b.WriteString(c.Object.summary())
 	fmt.Fprintf(&b, "  host offload min priority: %d\n", c.HostOffloadPrefixMinPriority)
@@ -340,7 +434,7 @@ func (c *Config) Summary() string {
 	}
 	fmt.Fprintf(&b, "  cache stats: window %d requests, logged every %s\n",
 		c.CacheStatsMaxRequests, c.CacheStatsLogInterval)
-	fmt.Fprintf(&b, "  consolidator: %s, nats %s", onOff(c.EnableConsolidator), c.NatsServer)
+	fmt.Fprintf(&b, "  consolidator: %s (%s), nats %s", onOff(c.EnableConsolidator), c.ConsolidatorMode, c.NatsServer)
 	if c.TrtllmZMQPort > 0 {
 		fmt.Fprintf(&b, ", trtllm zmq port %d", c.TrtllmZMQPort)
 	}
@@ -362,4 +456,17 @@ var logOnce sync.Once
 // process; later calls (with any Config) do nothing.
 func (c *Config) LogOnce(logf func(format string, args ...any)) {
 	logOnce.Do(func() { logf("%s", c.Summary()) })
+}
+
+// warnOnce guards WarnOnce, as logOnce does LogOnce.
+var warnOnce sync.Once
+
+// WarnOnce passes each of c.Warnings to warn the first time it is called in
+// this process (the leader and the workers all start from a Config).
+func (c *Config) WarnOnce(warn func(msg string)) {
+	warnOnce.Do(func() {
+		for _, w := range c.Warnings {
+			warn(w)
+		}
+	})
 }

@@ -29,6 +29,7 @@ func TestDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, &Config{
 		DiskCacheDir:             "/tmp/",
+		DiskAllocatorType:        "default",
 		LeaderWorkerInitTimeout:  1800 * time.Second,
 		LeaderWorkerLiveness:     10 * time.Second,
 		LeaderZMQHost:            "127.0.0.1",
@@ -45,6 +46,7 @@ func TestDefaults(t *testing.T) {
 		CacheStatsMaxRequests:    1000,
 		CacheStatsLogInterval:    5 * time.Second,
 		EnableConsolidator:       true,
+		ConsolidatorMode:         "dedup",
 		NatsServer:               "nats://localhost:4222",
 		ZMQMaxMessageMB:          64,
 	}, c)
@@ -155,6 +157,7 @@ func TestVariables(t *testing.T) {
 		EnvDisableDiskOffloadFilter: func(c *Config) any { return c.DisableDiskOffloadFilter },
 		EnvMetrics:                  func(c *Config) any { return c.Metrics },
 		EnvEnableConsolidator:       func(c *Config) any { return c.EnableConsolidator },
+		EnvEnableNUMA:               func(c *Config) any { return c.EnableNUMA },
 	} {
 		for _, v := range []string{"1", "true", "TRUE", "On", "yes", " yes "} {
 			add(env, tc{name: "true " + v, value: v, check: num(get, true)})
@@ -166,6 +169,25 @@ func TestVariables(t *testing.T) {
 			add(env, tc{name: "bad " + v, value: v, reason: "not a boolean"})
 		}
 	}
+	// Presence, any value, as Dynamo reads it.
+	zf := func(c *Config) any { return c.DiskZerofillFallback }
+	for _, v := range []string{"1", "0", "false", "anything"} {
+		add(EnvDiskZerofillFallback, tc{name: "set " + v, value: v, check: num(zf, true)})
+	}
+	add(EnvDiskZerofillFallback, tc{name: "blank", value: " ", check: num(zf, false)})
+	mode := func(c *Config) any { return c.ConsolidatorMode }
+	add(EnvConsolidatorMode,
+		tc{name: "dedup", value: "dedup", check: num(mode, "dedup")},
+		tc{name: "passthrough", value: "passthrough", check: num(mode, "passthrough")},
+		tc{name: "unknown", value: "pass-through", reason: "must be one of dedup, passthrough"},
+	)
+	alloc := func(c *Config) any { return c.DiskAllocatorType }
+	add(EnvDiskAllocatorType,
+		tc{name: "default", value: "default", check: num(alloc, "default")},
+		tc{name: "open-direct", value: " open-direct ", check: num(alloc, "open-direct")},
+		tc{name: "unknown", value: "gds", reason: "must be one of default, open-direct"},
+		tc{name: "case", value: "Open-Direct", reason: "must be one of default, open-direct"},
+	)
 	add(EnvDiskCacheDir, tc{name: "valid", value: "/x-10.0.0.2", check: num(func(c *Config) any { return c.DiskCacheDir }, "/x-10.0.0.2")})
 	host := func(c *Config) any { return c.LeaderZMQHost }
 	add(EnvLeaderZMQHost,
@@ -416,4 +438,46 @@ func TestVarErrorIsErrorsAsable(t *testing.T) {
 	var ve *VarError
 	require.True(t, errors.As(err, &ve))
 	require.Equal(t, `config: invalid DYN_KVBM_METRICS_PORT="0": port out of range 1..65535`, ve.Error())
+}
+
+// TestUnsupportedVariablesWarn: Dynamo variables kvbm does not act on are
+// accepted, each with one warning naming it and saying what kvbm does.
+func TestUnsupportedVariablesWarn(t *testing.T) {
+	for _, tc := range []struct {
+		env  map[string]string
+		want []string // substrings, one warning each
+	}{
+		{env: nil},
+		{env: map[string]string{EnvNcclMLAMode: "false"}},
+		{env: map[string]string{EnvNcclMLAMode: "true"}, want: []string{EnvNcclMLAMode + " is on but kvbm has no NCCL replicated mode"}},
+		{env: map[string]string{EnvNcclMLAMode: "yes"}, want: []string{"sharded mode"}},
+		{env: map[string]string{EnvNcclMaxCTAs: "8"}, want: []string{EnvNcclMaxCTAs + `="8" is ignored: kvbm uses no NCCL`}},
+		{env: map[string]string{EnvTransferBatchSize: "32", EnvMaxTransferBatchSize: "8"},
+			want: []string{EnvTransferBatchSize + `="32" is ignored (a KVBM v2 setting): kvbm's transfer batch size is ` +
+				EnvMaxTransferBatchSize + " (8)"}},
+		{env: map[string]string{"DYN_KVBM_NIXL_BACKEND_UCX": "true", "DYN_KVBM_NIXL_BACKEND_GDS_MT": "false"},
+			want: []string{"DYN_KVBM_NIXL_BACKEND_GDS_MT is ignored: kvbm moves blocks without NIXL",
+				"DYN_KVBM_NIXL_BACKEND_UCX is ignored"}},
+	} {
+		c, err := FromEnv(tc.env)
+		require.NoError(t, err, "%v", tc.env)
+		require.Len(t, c.Warnings, len(tc.want), "%v: %q", tc.env, c.Warnings)
+		for _, w := range tc.want {
+			found := false
+			for _, got := range c.Warnings {
+				found = found || strings.Contains(got, w)
+			}
+			require.True(t, found, "%v: no warning with %q in %q", tc.env, w, c.Warnings)
+		}
+	}
+	// Not a boolean: an error naming the variable, as for every boolean.
+	_, err := FromEnv(map[string]string{EnvNcclMLAMode: "maybe"})
+	requireVarError(t, err, EnvNcclMLAMode, "not a boolean")
+
+	var logged []string
+	c, err := FromEnv(map[string]string{EnvNcclMaxCTAs: "8"})
+	require.NoError(t, err)
+	c.WarnOnce(func(m string) { logged = append(logged, m) })
+	c.WarnOnce(func(m string) { logged = append(logged, m) })
+	require.Len(t, logged, 1, "once per process")
 }

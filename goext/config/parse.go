@@ -83,6 +83,31 @@ func (p *parser) path(name, def string) string {
 	return v
 }
 
+// present reports whether name is set, whatever its value: Dynamo reads
+// some switches by presence alone, so "0" turns them on too.
+func (p *parser) present(name string) bool {
+	_, set := p.get(name)
+	return set
+}
+
+// choice accepts one of def and others, exactly as written (after
+// trimming); unset is def.
+func (p *parser) choice(name, def string, others ...string) string {
+	raw, set := p.get(name)
+	if !set {
+		return def
+	}
+	v := strings.TrimSpace(raw)
+	allowed := append([]string{def}, others...)
+	for _, a := range allowed {
+		if v == a {
+			return v
+		}
+	}
+	p.fail(name, raw, "must be one of "+strings.Join(allowed, ", "))
+	return def
+}
+
 // boolean accepts 1/true/on/yes and 0/false/off/no, case-insensitively.
 func (p *parser) boolean(name string, def bool) bool {
 	raw, set := p.get(name)

@@ -32,6 +32,29 @@ const (
 	zmqHighWaterMark = 10_000
 )
 
+// Mode is what the consolidator does with the events it receives
+// (DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE).
+type Mode string
+
+const (
+	// ModeDedup (the default) merges the engine's events with kvbm's tier
+	// events: one STORE per logical block, one REMOVE when no holder has
+	// it any more (the tracker, design §7.2).
+	ModeDedup Mode = "dedup"
+	// ModePassthrough forwards the engine's events as they arrive, one
+	// output event per block, under the engine's own hashes and parents,
+	// and its AllBlocksCleared as a CLEAR; nothing is tracked. kvbm's tier
+	// events are not forwarded (counted in Stats.NotForwarded): they name
+	// blocks by kvbm's sequence hashes, not the engine's, so without the
+	// tracker the router would index each offloaded prefix twice, under two
+	// hashes, and one holder's eviction would REMOVE a block the other still
+	// has. The router then sees exactly the engine's G1, as with no kvbm.
+	ModePassthrough Mode = "passthrough"
+)
+
+// Modes lists the accepted modes, the default first.
+var Modes = []Mode{ModeDedup, ModePassthrough}
+
 // DefaultNamespace is the NATS subject namespace when Config.Namespace is
 // empty (Dynamo's default namespace).
 const DefaultNamespace = "dynamo"
@@ -46,6 +69,8 @@ var defaultComponent = map[Engine]string{EngineVllm: "backend", EngineTrtllm: "t
 type Config struct {
 	// Engine names the engine source in logs (Vllm or Trtllm).
 	Engine Engine
+	// Mode is ModeDedup (default when empty) or ModePassthrough.
+	Mode Mode
 	// EngineEndpoints are the engine's KV event publishers to subscribe to
 	// (ZMQ SUB, connect, all topics), e.g. "tcp://127.0.0.1:5557". A "*"
 	// host is read as 127.0.0.1. Unreachable endpoints are retried with
@@ -92,6 +117,7 @@ type Stats struct {
 	Deduplicated   uint64 // stores/removes absorbed by deduplication
 	UnknownRemoves uint64 // removes of untracked blocks (warned)
 	Evicted        uint64 // tracked blocks forgotten at MaxTrackedBlocks (REMOVE published)
+	NotForwarded   uint64 // kvbm tier events dropped in ModePassthrough
 	Tracked        int    // logical blocks tracked now
 	ZMQMessages    uint64 // consolidated messages sent
 	ZMQEvents      uint64 // consolidated events sent over ZMQ
@@ -161,8 +187,8 @@ func New(cfg Config) (*Consolidator, error) {
 		stopFlush: make(chan struct{}),
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
-	log.Info(fmt.Sprintf("Starting KV Event Consolidator: subscribe from %s, publish to ZMQ at %s, NATS at %s",
-		orNone(strings.Join(cfg.EngineEndpoints, ", ")), orNone(cfg.ZMQBind), orNone(cfg.NATSURL)))
+	log.Info(fmt.Sprintf("Starting KV Event Consolidator (mode %s): subscribe from %s, publish to ZMQ at %s, NATS at %s",
+		cfg.Mode, orNone(strings.Join(cfg.EngineEndpoints, ", ")), orNone(cfg.ZMQBind), orNone(cfg.NATSURL)))
 
 	if cfg.ZMQBind != "" {
 		// Not c.ctx: Close cancels that first, to stop the subscribers,
@@ -225,6 +251,14 @@ func (cfg *Config) normalize() error {
 	}
 	if cfg.Engine != EngineVllm && cfg.Engine != EngineTrtllm {
 		return fmt.Errorf("consolidator: engine %d is neither vLLM nor TensorRT-LLM", cfg.Engine)
+	}
+	switch cfg.Mode {
+	case "":
+		cfg.Mode = ModeDedup
+	case ModeDedup, ModePassthrough:
+	default:
+		return fmt.Errorf("consolidator: mode %q (DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE): must be %s or %s",
+			cfg.Mode, ModeDedup, ModePassthrough)
 	}
 	if cfg.ZMQBind == "" && cfg.NATSURL == "" {
 		return errors.New("consolidator: no output configured (set the ZMQ output endpoint or NATS_SERVER)")
@@ -336,6 +370,13 @@ func (c *Consolidator) Publish(ev events.BlockEvent) {
 		c.mu.Unlock()
 		return
 	}
+	if c.cfg.Mode == ModePassthrough {
+		c.stats.EventsIn++
+		c.stats.NotForwarded++
+		c.mu.Unlock()
+		c.countIn(1)
+		return
+	}
 	d0, u0 := c.tr.deduped, c.tr.unknownRemoves
 	c.tr.ApplyKvbm(&ev)
 	c.stats.EventsIn++
@@ -402,7 +443,11 @@ func (c *Consolidator) applyBatch(b *events.Batch) {
 	}
 	d0, u0 := c.tr.deduped, c.tr.unknownRemoves
 	for i := range b.Events {
-		c.tr.ApplyEngine(&b.Events[i])
+		if c.cfg.Mode == ModePassthrough {
+			c.tr.Forward(&b.Events[i])
+		} else {
+			c.tr.ApplyEngine(&b.Events[i])
+		}
 	}
 	c.stats.BatchesIn++
 	c.stats.EventsIn += uint64(n)

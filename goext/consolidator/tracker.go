@@ -489,6 +489,30 @@ func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
 	}
 }
 
+// Forward queues the engine event ev as it is, one event per block, without
+// tracking it (ModePassthrough).
+func (t *Tracker) Forward(ev *events.EngineEvent) {
+	switch ev.Kind {
+	case events.KindStored:
+		for i, h := range ev.BlockHashes {
+			p, hp := ev.Parent(i)
+			tokens := ev.Block(i)
+			t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindStored, BlockHash: h,
+				ParentHash: p, HasParent: hp, TokenIDs: append([]uint32(nil), tokens...), BlockSize: ev.BlockSize,
+				LoraName: ev.LoraName, TokensHash: hashing.RouterLocalHash(tokens, ev.LoraName)})
+			t.stores++
+		}
+	case events.KindRemoved:
+		for _, h := range ev.BlockHashes {
+			t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindRemoved, BlockHash: h})
+			t.removes++
+		}
+	case events.KindCleared:
+		t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindCleared})
+		t.clears++
+	}
+}
+
 // ApplyKvbm feeds one kvbm tier event: its external hash is kvbm's
 // sequence hash, its parent the parent's sequence hash.
 func (t *Tracker) ApplyKvbm(ev *events.BlockEvent) {

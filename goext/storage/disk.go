@@ -27,6 +27,14 @@ type DiskOptions struct {
 	BlockBytes int64 // payload per block; the file stride is this rounded up to Alignment
 	// DisableODirect forces buffered I/O (DYN_KVBM_DISK_DISABLE_O_DIRECT).
 	DisableODirect bool
+	// OpenDirect passes O_DIRECT to open (DYN_KVBM_DISK_ALLOCATOR_TYPE=
+	// open-direct) rather than setting it with fcntl once the file is
+	// open, for filesystems that ignore the latter (IBM Storage Scale).
+	OpenDirect bool
+	// ZeroFill reserves the file's space by writing zeros where fallocate
+	// is unsupported (DYN_KVBM_DISK_ZEROFILL_FALLBACK); otherwise the file
+	// is left sparse there.
+	ZeroFill bool
 	// Persist keeps the file across restarts under a name derived from
 	// Fingerprint and Rank, with a header per block (persist.go).
 	Persist     bool
@@ -101,10 +109,10 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 		return nil, fmt.Errorf("storage: disk tier: %d blocks × %d bytes overflows", o.NumBlocks, stride)
 	}
 	d := &DiskRegion{fd: -1, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes, stride: stride, slot: stride}
-	if err := d.create(dir, o.Rank, !o.DisableODirect, log); err != nil {
+	if err := d.create(dir, o.Rank, !o.DisableODirect, o.OpenDirect, log); err != nil {
 		return nil, err
 	}
-	if err := d.preallocate(size, log); err != nil {
+	if err := d.preallocate(size, o.ZeroFill, log); err != nil {
 		_ = d.Close()
 		return nil, fmt.Errorf("storage: disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
@@ -124,20 +132,123 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 	return d, nil
 }
 
-func (d *DiskRegion) preallocate(size int64, log *slog.Logger) error {
-	err := unix.Fallocate(d.fd, 0, 0, size)
+// fallocate is unix.Fallocate; a variable so tests can make the filesystem
+// refuse it.
+var fallocate = unix.Fallocate
+
+// preallocate reserves size bytes for the file. Where the filesystem has no
+// fallocate (EOPNOTSUPP: Lustre, some network filesystems), zeroFill writes
+// zeros instead; otherwise the file is only extended, sparse.
+func (d *DiskRegion) preallocate(size int64, zeroFill bool, log *slog.Logger) error {
+	err := fallocate(d.fd, 0, 0, size)
 	if err == nil {
 		return nil
 	}
 	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
 		return fmt.Errorf("fallocate: %w", err) // errprefix: wrapped by NewDiskRegion and openPersistent
 	}
+	if zeroFill {
+		log.Warn("kvbm disk tier: fallocate not supported, reserving the space by writing zeros "+
+			"(DYN_KVBM_DISK_ZEROFILL_FALLBACK)", "path", d.path, "bytes", size, "err", err)
+		if err := d.zeroFill(size); err != nil {
+			return fmt.Errorf("zero-fill (DYN_KVBM_DISK_ZEROFILL_FALLBACK): %w", err) // errprefix: wrapped by NewDiskRegion and openPersistent
+		}
+		return nil
+	}
 	// The filesystem cannot reserve space up front; a sparse file still
 	// works, and a full disk then shows up as a write error at runtime,
 	// which the worker turns into a degraded (G2-only) tier.
-	log.Warn("kvbm disk tier: fallocate not supported, using a sparse file (space is not reserved)", "path", d.path, "err", err)
+	log.Warn("kvbm disk tier: fallocate not supported, using a sparse file (space is not reserved; "+
+		"set DYN_KVBM_DISK_ZEROFILL_FALLBACK to write zeros instead)", "path", d.path, "err", err)
 	if err := unix.Ftruncate(d.fd, size); err != nil {
 		return fmt.Errorf("ftruncate: %w", err) // errprefix: wrapped by NewDiskRegion and openPersistent
+	}
+	return nil
+}
+
+// zeroFillChunk is the largest zero-fill write (Dynamo's, 16 MiB).
+const zeroFillChunk = 16 << 20
+
+// zeroFill extends the file to size by writing zeros from its current end,
+// so that every byte is allocated (a write to a full disk fails here, at
+// start-up, rather than at the first offload). The buffer is page-aligned
+// and every write starts and ends on an Alignment boundary, as O_DIRECT
+// requires: the last one is rounded up to a page and the file is then cut
+// back to size. Bytes already in the file are kept (a persistent tier may
+// hold blocks): an unaligned end is first read back into the buffer.
+//
+// errprefix: its errors are wrapped by preallocate's callers.
+func (d *DiskRegion) zeroFill(size int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil {
+		return fmt.Errorf("fstat: %w", err)
+	}
+	if st.Size >= size {
+		return nil
+	}
+	off := st.Size - st.Size%Alignment
+	buf, err := mapAnon(min(zeroFillChunk, layout.AlignUp(size-off, Alignment)), false)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = unix.Munmap(buf) }()
+	if keep := int(st.Size - off); keep > 0 {
+		if err := preadFull(d.fd, buf[:Alignment], off); err != nil {
+			return fmt.Errorf("read the last page back: %w", err)
+		}
+		clear(buf[keep:Alignment])
+	}
+	for first := true; off < size; first = false {
+		n := min(int64(len(buf)), layout.AlignUp(size-off, Alignment))
+		if err := pwriteFull(d.fd, buf[:n], off); err != nil {
+			return fmt.Errorf("write zeros at %d: %w", off, err)
+		}
+		if first {
+			clear(buf[:Alignment]) // it held the kept bytes
+		}
+		off += n
+	}
+	if off > size {
+		if err := unix.Ftruncate(d.fd, size); err != nil {
+			return fmt.Errorf("ftruncate to %d: %w", size, err)
+		}
+	}
+	return nil
+}
+
+// pwriteFull writes all of buf at off.
+func pwriteFull(fd int, buf []byte, off int64) error {
+	for len(buf) > 0 {
+		n, err := unix.Pwrite(fd, buf, off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return io.ErrShortWrite
+		}
+		buf, off = buf[n:], off+int64(n)
+	}
+	return nil
+}
+
+// preadFull reads up to len(buf) bytes at off; past the end of the file the
+// rest of buf is left as it was.
+func preadFull(fd int, buf []byte, off int64) error {
+	for len(buf) > 0 {
+		n, err := unix.Pread(fd, buf, off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return nil
+		}
+		buf, off = buf[n:], off+int64(n)
 	}
 	return nil
 }
@@ -146,13 +257,13 @@ func (d *DiskRegion) preallocate(size int64, log *slog.Logger) error {
 // cleanup in another process may lock and remove the file between our open
 // and our flock (it is not locked yet, so it looks stale); create then sees
 // the lock taken, or its path gone, and tries again under another name.
-func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger) error {
+func (d *DiskRegion) create(dir string, rank int, direct, atOpen bool, log *slog.Logger) error {
 	const attempts = 3
 	for range attempts {
 		var rnd [4]byte
 		_, _ = rand.Read(rnd[:])
 		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
-		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, log)
+		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, atOpen, log)
 		if err != nil {
 			return fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
 		}
@@ -173,24 +284,62 @@ func (d *DiskRegion) create(dir string, rank int, direct bool, log *slog.Logger)
 // we had just created, before we could lock it.
 var errLostToCleanup = errors.New("new file removed by a concurrent cleanup before it was locked") // errprefix: wrapped by create
 
+// openFile is unix.Open; a variable so tests can see the flags.
+var openFile = unix.Open
+
 // openTierFile opens path read-write, creating it, with the extra open
-// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one),
-// and with O_DIRECT when direct is set and the filesystem accepts it at
-// open; the result says whether it did.
-func openTierFile(path string, extra int, direct bool, log *slog.Logger) (fd int, odirect bool, err error) {
+// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one).
+// With direct, it turns O_DIRECT on: as Dynamo does, with fcntl once the
+// file is open, or with atOpen in the open call itself. A filesystem that
+// refuses O_DIRECT (EINVAL) leaves the file buffered, with a warning; the
+// result says whether O_DIRECT is on.
+//
+// errprefix: its errors are wrapped by create and openPersistent.
+func openTierFile(path string, extra int, direct, atOpen bool, log *slog.Logger) (fd int, odirect bool, err error) {
 	baseFlags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC | extra
-	if direct {
-		fd, err = unix.Open(path, baseFlags|unix.O_DIRECT, 0o600)
+	if direct && atOpen {
+		fd, err = openFile(path, baseFlags|unix.O_DIRECT, 0o600)
 		if err == nil {
 			return fd, true, nil
 		}
 		if !errors.Is(err, unix.EINVAL) {
 			return -1, false, err
 		}
-		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open, using buffered I/O", "path", path, "err", err)
+		log.Warn("kvbm disk tier: filesystem refuses O_DIRECT at open (DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct), "+
+			"using buffered I/O", "path", path, "err", err)
+		direct = false
 	}
-	fd, err = unix.Open(path, baseFlags, 0o600)
-	return fd, false, err
+	fd, err = openFile(path, baseFlags, 0o600)
+	if err != nil {
+		return -1, false, err
+	}
+	if !direct {
+		return fd, false, nil
+	}
+	if err := setDirect(fd, true); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			log.Warn("kvbm disk tier: filesystem refuses O_DIRECT, using buffered I/O", "path", path, "err", err)
+			return fd, false, nil
+		}
+		_ = unix.Close(fd)
+		return -1, false, fmt.Errorf("set O_DIRECT: %w", err)
+	}
+	return fd, true, nil
+}
+
+// setDirect turns O_DIRECT on or off on fd's open file description.
+func setDirect(fd int, on bool) error {
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return err
+	}
+	if on {
+		flags |= unix.O_DIRECT
+	} else {
+		flags &^= unix.O_DIRECT
+	}
+	_, err = unix.FcntlInt(uintptr(fd), unix.F_SETFL, flags)
+	return err
 }
 
 // lockTierFile takes the exclusive lock that marks the file as in use for
@@ -222,11 +371,7 @@ func lockTierFile(fd int, path string) error {
 // description rather than opening the file again: the lock belongs to this
 // description, and a second one could not take it while the first holds it.
 func (d *DiskRegion) dropDirect() error {
-	flags, err := unix.FcntlInt(uintptr(d.fd), unix.F_GETFL, 0)
-	if err != nil {
-		return err
-	}
-	if _, err := unix.FcntlInt(uintptr(d.fd), unix.F_SETFL, flags&^unix.O_DIRECT); err != nil {
+	if err := setDirect(d.fd, false); err != nil {
 		return err
 	}
 	d.direct = false

@@ -5,6 +5,7 @@
 package storage
 
 import (
+	"errors"
 	"fmt"
 
 	"golang.org/x/sys/unix"
@@ -22,6 +23,7 @@ const Alignment = 4096
 // allocated once, never grows, and lives outside the Go heap so a large host
 // tier neither doubles the process's RSS at GC time nor gets scanned.
 type HostRegion struct {
+	node       int // NUMA node its pages prefer; -1: the default policy
 	mem        []byte
 	numBlocks  int
 	blockBytes int64
@@ -32,6 +34,14 @@ type HostRegion struct {
 // starts on an Alignment boundary. populate pre-faults the pages (slower start,
 // no page faults on the first transfers).
 func NewHostRegion(numBlocks int, blockBytes int64, populate bool) (*HostRegion, error) {
+	return NewHostRegionOnNode(numBlocks, blockBytes, populate, -1)
+}
+
+// NewHostRegionOnNode is NewHostRegion with the pages placed on NUMA node
+// node (≥ 0; bindToNode: preferred, before they are faulted in). A kernel
+// or sandbox that refuses the policy (seccomp without CAP_SYS_NICE) is an
+// error wrapping ErrNUMAPolicy; the region is then not created.
+func NewHostRegionOnNode(numBlocks int, blockBytes int64, populate bool, node int) (*HostRegion, error) {
 	if numBlocks <= 0 || blockBytes <= 0 {
 		return nil, fmt.Errorf("storage: host region: %d blocks of %d bytes: both must be > 0", numBlocks, blockBytes)
 	}
@@ -51,11 +61,20 @@ func NewHostRegion(numBlocks int, blockBytes int64, populate bool) (*HostRegion,
 				"(lower DYN_KVBM_CPU_CACHE_GB or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS)", numBlocks, stride, size, total)
 		}
 	}
-	mem, err := mapAnon(size, populate)
+	mem, err := mapAnon(size, populate && node < 0)
 	if err != nil {
 		return nil, fmt.Errorf("storage: host region: map %d blocks × %d bytes: %w", numBlocks, stride, err)
 	}
-	return &HostRegion{mem: mem, numBlocks: numBlocks, blockBytes: blockBytes, stride: stride}, nil
+	if node >= 0 {
+		if err := bindToNode(mem, node); err != nil {
+			_ = unix.Munmap(mem)
+			return nil, fmt.Errorf("storage: host region: %w: %w", ErrNUMAPolicy, err)
+		}
+		if populate {
+			populatePages(mem)
+		}
+	}
+	return &HostRegion{node: node, mem: mem, numBlocks: numBlocks, blockBytes: blockBytes, stride: stride}, nil
 }
 
 func mapAnon(size int64, populate bool) ([]byte, error) {
@@ -68,15 +87,26 @@ func mapAnon(size int64, populate bool) ([]byte, error) {
 	// region is faulted in as small pages (what MAP_POPULATE would do).
 	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
 	if populate {
-		if err := unix.Madvise(mem, unix.MADV_POPULATE_WRITE); err != nil {
-			// Kernels before 5.14: touch one byte per page instead.
-			for i := 0; i < len(mem); i += 4096 {
-				mem[i] = 0
-			}
-		}
+		populatePages(mem)
 	}
 	return mem, nil
 }
+
+// populatePages faults mem's pages in.
+func populatePages(mem []byte) {
+	if err := unix.Madvise(mem, unix.MADV_POPULATE_WRITE); err != nil {
+		// Kernels before 5.14: touch one byte per page instead.
+		for i := 0; i < len(mem); i += 4096 {
+			mem[i] = 0
+		}
+	}
+}
+
+// NUMANode is the NUMA node the region's pages prefer, or -1.
+func (r *HostRegion) NUMANode() int { return r.node }
+
+// ErrNUMAPolicy: the kernel refused to set a region's NUMA memory policy.
+var ErrNUMAPolicy = errors.New("cannot set the NUMA memory policy (DYN_KVBM_ENABLE_NUMA)") // errprefix: only wrapped, by NewHostRegionOnNode
 
 // NumBlocks is the number of blocks in the region.
 func (r *HostRegion) NumBlocks() int { return r.numBlocks }

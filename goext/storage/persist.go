@@ -145,7 +145,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	}
 	path := PersistentPath(dir, o.Fingerprint, o.Rank)
 	listForeignTiers(dir, path, log)
-	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, log)
+	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, o.OpenDirect, log)
 	if err != nil {
 		return nil, fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
 	}
@@ -186,7 +186,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 			return fail(fmt.Errorf("storage: disk tier file %s: shrink to %d bytes: %w", path, size, err))
 		}
 	}
-	if err := d.preallocate(size, log); err != nil {
+	if err := d.preallocate(size, o.ZeroFill, log); err != nil {
 		return fail(fmt.Errorf("storage: disk tier needs %d bytes (%d blocks × %d B) in DYN_KVBM_DISK_CACHE_DIR=%q: %w "+
 			"(free space, or lower DYN_KVBM_DISK_CACHE_GB / DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS)",
 			size, o.NumBlocks, slot, dir, err))

@@ -90,6 +90,15 @@ type Options struct {
 	DiskPersist bool
 	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
 	DisableODirect bool
+	// DiskZeroFill is DYN_KVBM_DISK_ZEROFILL_FALLBACK: where fallocate is
+	// unsupported, write zeros to reserve the disk tier's space.
+	DiskZeroFill bool
+	// DiskOpenDirect is DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct: O_DIRECT
+	// is passed to open rather than set after it.
+	DiskOpenDirect bool
+	// NUMA is DYN_KVBM_ENABLE_NUMA: the host tier's pages prefer the NUMA
+	// node of the CPU that registers the KV caches.
+	NUMA bool
 	// MaxConcurrent is DYN_KVBM_MAX_CONCURRENT_TRANSFERS: batches in flight
 	// across loads and saves; ≤ 0: DefaultMaxConcurrent.
 	MaxConcurrent int
@@ -220,6 +229,27 @@ func New(opts Options) (*Worker, error) {
 	return w, nil
 }
 
+// currentNUMANode is storage.CurrentNUMANode; tests give other topologies.
+var currentNUMANode = storage.CurrentNUMANode
+
+// numaNode is the NUMA node the host tier goes on (DYN_KVBM_ENABLE_NUMA):
+// the node of the CPU running this call, or -1 where that means nothing (a
+// single node) or cannot be told.
+func (w *Worker) numaNode() int {
+	node, nodes, err := currentNUMANode()
+	switch {
+	case err != nil:
+		w.log.Warn("kvbm DYN_KVBM_ENABLE_NUMA: cannot tell this CPU's NUMA node; the host tier uses the "+
+			"default memory policy", "rank", w.opts.Rank, "err", err)
+		return -1
+	case nodes <= 1:
+		w.log.Info("kvbm DYN_KVBM_ENABLE_NUMA: this machine has one NUMA node; placing the host tier on it "+
+			"is a no-op", "rank", w.opts.Rank)
+		return -1
+	}
+	return node
+}
+
 // RegisterG1 registers the engine's KV tensors (their memory stays the
 // engine's and must outlive the worker) and allocates the host and disk tiers
 // for e.BytesPerBlock(). It may be called once.
@@ -251,15 +281,30 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 		w.host, w.diskFile, w.disk, w.bounce = nil, nil, nil, nil
 	}
 	if w.opts.HostBlocks > 0 {
-		if w.host, err = storage.NewHostRegion(w.opts.HostBlocks, bpb, true); err != nil {
+		node := -1
+		if w.opts.NUMA {
+			node = w.numaNode()
+		}
+		w.host, err = storage.NewHostRegionOnNode(w.opts.HostBlocks, bpb, true, node)
+		if node >= 0 && errors.Is(err, storage.ErrNUMAPolicy) {
+			w.log.Warn("kvbm DYN_KVBM_ENABLE_NUMA: the host tier cannot be placed on a NUMA node here; "+
+				"it uses the default memory policy", "rank", w.opts.Rank, "err", err)
+			w.host, err = storage.NewHostRegion(w.opts.HostBlocks, bpb, true)
+		}
+		if err != nil {
 			return fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
+		}
+		if node >= 0 {
+			w.log.Info("kvbm host tier placed on NUMA node (DYN_KVBM_ENABLE_NUMA)", "rank", w.opts.Rank,
+				"numa_node", node)
 		}
 		w.hostValid = make([]atomic.Bool, w.opts.HostBlocks)
 	}
 	if w.opts.DiskBlocks > 0 {
 		w.diskFile, err = storage.NewDiskRegion(storage.DiskOptions{
 			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
-			DisableODirect: w.opts.DisableODirect, Logger: w.log,
+			DisableODirect: w.opts.DisableODirect, ZeroFill: w.opts.DiskZeroFill,
+			OpenDirect: w.opts.DiskOpenDirect, Logger: w.log,
 			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(),
 		})
 		if err != nil {

@@ -42,6 +42,7 @@ class ConsolidatorOptions(TypedDict, total=False):
     legacy_subject: bool
     worker_id: int
     buffer_limit: int
+    mode: str  # "dedup" or "passthrough"; unset: DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE
 
 
 class LeaderConsolidatorInfo(TypedDict):
@@ -176,6 +177,7 @@ class ConsolidatorStats(TypedDict):
     invalid: int
     deduplicated: int
     unknown_removes: int
+    not_forwarded: int  # kvbm tier events not forwarded in passthrough mode
     tracked: int
     zmq_messages: int
     zmq_events: int

@@ -54,6 +54,25 @@ def consolidator_enabled() -> bool:
     return env_bool("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", True)
 
 
+CONSOLIDATOR_MODES = ("dedup", "passthrough")
+
+
+def consolidator_mode() -> str:
+    """DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE: ``dedup`` (default: engine and
+    kvbm tier events merged, one STORE per logical block) or ``passthrough``
+    (the engine's events forwarded as they arrive, kvbm's not forwarded; see
+    goext/consolidator.ModePassthrough)."""
+    raw = os.environ.get("DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE")
+    if raw is None or raw.strip() == "":
+        return CONSOLIDATOR_MODES[0]
+    mode = raw.strip()
+    if mode not in CONSOLIDATOR_MODES:
+        raise ValueError(
+            f"invalid DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE={raw!r}: must be one of {', '.join(CONSOLIDATOR_MODES)}"
+        )
+    return mode
+
+
 def consolidator_output_port() -> int:
     pub = env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
     return check_port(pub + 1000, "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 (consolidator output port)")

@@ -135,6 +135,44 @@ def test_disk_tier_and_corrupted_disk_block(harness, tmp_path):
     assert_clean(res["log"])
 
 
+def test_recorded_calls_and_open_direct_disk_tier(harness, tmp_path):
+    """DYN_KVBM_ENABLE_RECORD with vLLM's own objects (Request, KVCacheBlocks,
+    SchedulerOutput), and a disk tier opened with O_DIRECT at open
+    (DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct): same outputs, every call on
+    one JSON line."""
+    import json
+
+    path = tmp_path / "records.jsonl"
+    spec = {
+        "env": {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+            "DYN_KVBM_DISK_ALLOCATOR_TYPE": "open-direct",
+            "DYN_KVBM_ENABLE_RECORD": "1",
+            "DYN_KVBM_RECORD_PATH": str(path),
+        },
+        "engine": {"num_gpu_blocks_override": 16},
+        "actions": [gen("a", A), gen("b", B), {"reset": True, "tag": "reset"}, gen("a_again", A)],
+    }
+    res = harness(spec)
+    t = by_tag(res)
+    assert t["a_again"]["tokens"] == t["a"]["tokens"]
+    assert t["a_again"]["metrics"]["kvbm_onboard_blocks_d2d"] > 0  # from the disk tier
+    assert_clean(res["log"])
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["method"] for r in recs} >= {"get_num_new_matched_tokens", "update_state_after_alloc",
+                                           "build_connector_meta", "request_finished"}
+    assert not [r for r in recs if "unrecorded" in json.dumps(r.get("inputs"))], "a real vLLM object defeated the summary"
+    matched = [r for r in recs if r["method"] == "get_num_new_matched_tokens"]
+    assert [m["inputs"]["request"]["num_tokens"] for m in matched] == [len(A), len(B), len(A)]
+    assert matched[-1]["output"][0] == 6 * BS
+    alloc = [r for r in recs if r["method"] == "update_state_after_alloc"]
+    assert all(isinstance(i, int) for a in alloc for g in a["inputs"]["blocks"]["block_ids"] for i in g)
+    assert max(len(line) for line in path.read_text().splitlines()) < 64 * 1024, "records stay compact"
+
+
 def _free_ports(n):
     import socket
 

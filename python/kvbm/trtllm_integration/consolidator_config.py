@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbm._envs import consolidator_enabled, consolidator_output_endpoints, env_port
+from kvbm._envs import consolidator_enabled, consolidator_mode, consolidator_output_endpoints, env_port
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions
@@ -58,16 +58,24 @@ def consolidator_options(arg_map: Any) -> ConsolidatorOptions | None:
     1000 (what Dynamo's worker-side publisher reads), plus RouterEvents on NATS
     when NATS_SERVER is set, on ``namespace.{DYN_NAMESPACE or dynamo}.component.
     tensorrt_llm.kv-events`` with worker id DYN_KVBM_WORKER_ID (default 0).
+    Mode: DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE (``dedup`` or ``passthrough``;
+    another value raises ValueError naming it).
     """
     import os
 
     if not should_enable_consolidator(arg_map):
         return None
+    mode = consolidator_mode()
     port = engine_events_port()
     if port is None:
         return None
     _, out_bind, _ = get_consolidator_endpoints()
-    opts: ConsolidatorOptions = {"engine": "trtllm", "engine_endpoint": f"tcp://127.0.0.1:{port}", "zmq_bind": out_bind}
+    opts: ConsolidatorOptions = {
+        "engine": "trtllm",
+        "engine_endpoint": f"tcp://127.0.0.1:{port}",
+        "zmq_bind": out_bind,
+        "mode": mode,
+    }
     if os.environ.get("NATS_SERVER", "").strip():
         raw_id = os.environ.get("DYN_KVBM_WORKER_ID", "0").strip() or "0"
         try:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
 from kvbm._adapter_common import FailureState, StepUpdate, guarded
+from kvbm._record import TRTLLM_LEADER_METHODS, record_calls
 from kvbm.trtllm_integration.connector._common import (
     DEFAULT_PRIORITY,
     LOCAL,
@@ -104,6 +105,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         self._seen: set[str] = set()  # has been in a Step (a later "new" appearance is a replay)
         # For the next Step:
         self._loaded: list[str] = []  # requests whose loads ended
+        record_calls(self, "trtllm", TRTLLM_LEADER_METHODS)  # DYN_KVBM_ENABLE_RECORD
 
     # ------------------------------------------------------------ lifecycle
 

@@ -61,6 +61,7 @@ from kvbm.vllm_integration.connector._common import (
     _tp,
     log,
 )
+from kvbm._record import VLLM_SCHEDULER_METHODS, record_calls
 from kvbm.vllm_integration.connector.vllm_leader import VllmConnectorLeader
 from kvbm.vllm_integration.connector.vllm_worker import VllmConnectorWorker
 
@@ -103,6 +104,7 @@ class DynamoConnector(KVConnectorBase_V1):
         self._worker_side: VllmConnectorWorker | None = None
         if self._is_scheduler:
             self._scheduler_side = VllmConnectorLeader(vllm_config, kv_cache_config)
+            record_calls(self, "vllm", VLLM_SCHEDULER_METHODS)  # DYN_KVBM_ENABLE_RECORD
         else:
             # Its kvbm worker is created in register_kv_caches, once the tensors exist.
             self._worker_side = VllmConnectorWorker(vllm_config, kv_cache_config)

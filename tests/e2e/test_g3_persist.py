@@ -5,9 +5,10 @@ leaves the first model's file alone (docs/persistent-g3.md)."""
 
 import os
 import random
-import socket
 
 import pytest
+
+from kvbm.testing.ports import free_port, free_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +26,6 @@ B = prompt(12, 13 * BS + 3)
 
 def gen(tag, *prompts):
     return {"generate": [list(p) for p in prompts], "tag": tag, "max_tokens": 8}
-
-
-def free_port():
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def by_tag(res):
@@ -103,7 +98,7 @@ def test_disk_tier_survives_restart_tp2(harness, tmp_path):
     """TP=2: each rank keeps its own shard's file; the restarted leader
     registers the blocks both ranks recovered (moves went over the side
     channel, tagged) and A comes back from G3 with identical output."""
-    pub, ack = free_port(), free_port()
+    pub, ack = free_ports(2)
     env = {
         "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
         "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,

@@ -7,9 +7,10 @@ import random
 import json
 import os
 import re
-import socket
 
 import pytest
+
+from kvbm.testing.ports import free_ports
 
 from router_index import RouterIndex
 
@@ -18,10 +19,6 @@ pytestmark = pytest.mark.e2e
 BS = 32
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(seed, n):
@@ -34,10 +31,9 @@ def gen(tag, *prompts):
 
 
 def test_consolidated_events_with_real_vllm(harness, tmp_path):
-    engine_port = free_port()
-    out_port = free_port()
+    engine_port, out_port = free_ports(2)
     while out_port <= 1000:
-        out_port = free_port()
+        engine_port, out_port = free_ports(2)
     A, B, C, D = (prompt(s, 9 * BS + 5) for s in (11, 12, 13, 14))
     E = prompt(15, BS // 4)
     spec = {

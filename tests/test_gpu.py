@@ -216,3 +216,32 @@ def test_dropped_g2_block_fails_load(tmp_path):
         assert w.finished() == (["r"], [9])
     finally:
         w.close()
+
+
+def test_packed_kv_pool_lays_layers_out_for_pitched_copies(tmp_path):
+    """KVBM_CUDA_PACK_KV_CACHE's pool (what the vLLM connector returns from
+    get_mem_pool_context): per-layer tensors allocated one after another land
+    ascending and equally spaced, which the caching allocator alone does not
+    give, so `auto` moves their blocks with one pitched copy each."""
+    from kvbm import _kvpool
+
+    shape = (2, 1024, BS, HEADS, DIM)  # 8 MiB a layer: the allocator's large pool
+    with _kvpool.packed_kv_allocations():
+        tensors = [rand_bf16(shape) for _ in range(LAYERS)]
+    ptrs = [t.data_ptr() for t in tensors]
+    gaps = {b - a for a, b in zip(ptrs, ptrs[1:])}
+    assert len(gaps) == 1 and gaps.pop() > 0, [hex(p) for p in ptrs]
+    os.environ.update({
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_CUDA_COPY": "",
+    })
+    w = Worker(tensors=[(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors], kind="flash_attn",
+               num_blocks=shape[1], block_size=BS, dtype_bytes=2)
+    try:
+        g1 = w.info()["g1"]
+        if driver_version() >= 12080:
+            assert g1.startswith("cuda:0 batch") and "one pitched copy per block" in g1, g1
+    finally:
+        w.close()

@@ -547,3 +547,30 @@ def test_consolidator_runs_only_for_kvbm_with_prefix_caching_and_events(env):
         kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"},
                                                   {"kv_connector": "DynamoConnector"}]})
     assert should_enable_consolidator(cfg), "kvbm inside Dynamo's PdConnector"
+
+
+# ------------------------------------------------------------------------------
+# get_mem_pool_context: vLLM allocates the KV cache inside what the worker-side
+# connector returns (KVBM_CUDA_PACK_KV_CACHE, kvbm/_kvpool.py).
+
+def test_mem_pool_context_off_by_default_and_worker_only(env):
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    kvc = vf.kv_cache_config(NUM_BLOCKS, BS, LAYERS, HEADS, HEAD_DIM)
+    worker = DynamoConnector(vllm_config(BS), SimpleNamespace(name="WORKER"), kvc)
+    sched = DynamoConnector(vllm_config(BS), SimpleNamespace(name="SCHEDULER"), kvc)
+    try:
+        assert worker.get_mem_pool_context() is None  # vLLM then uses its own allocation
+        env.setenv("KVBM_CUDA_PACK_KV_CACHE", "1")
+        assert sched.get_mem_pool_context() is None
+        ctx = worker.get_mem_pool_context()
+        assert ctx is not None
+        with ctx:  # without CUDA: allocations as usual
+            t = torch.zeros((2, NUM_BLOCKS, HEADS, BS, HEAD_DIM), dtype=torch.float16)
+        assert t.shape[1] == NUM_BLOCKS
+        env.setenv("KVBM_CUDA_PACK_KV_CACHE", "sometimes")
+        with pytest.raises(ValueError, match="KVBM_CUDA_PACK_KV_CACHE"):
+            worker.get_mem_pool_context()
+    finally:
+        worker.shutdown()
+        sched.shutdown()

@@ -474,8 +474,9 @@ func (c *Copier) analyse() {
 }
 
 // pitchOf reports whether one pitched (3D) copy can move a whole block: the
-// layers' tensors equally spaced in memory (vLLM allocates one tensor per
-// layer, usually back to back), the block's pieces of a layer either one
+// layers' tensors equally spaced in ascending order (vLLM allocates one
+// tensor per layer; the CUDA caching allocator lays successive ones out
+// descending, KVBM_CUDA_PACK_KV_CACHE's pool ascending), the block's pieces of a layer either one
 // run (FlashInfer: K and V adjacent) or OuterDim runs equally spaced (vLLM
 // FlashAttention: K and V planes), and the host layout layer-major. On an
 // H200 one such copy per 2 MiB block ran at 91–93% of a contiguous copy,

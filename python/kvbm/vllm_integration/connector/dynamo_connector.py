@@ -39,8 +39,10 @@ its KV, so storing it under them could serve it to another prompt).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from kvbm import _kvpool
 # vLLM's base classes (or stand-ins), the metadata types and the helpers that
 # read vLLM's configuration, importable from this module as well.
 from kvbm.vllm_integration.connector._common import (
@@ -198,6 +200,13 @@ class DynamoConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._worker_side is not None:
             self._worker_side.register_kv_caches(kv_caches)
+
+    def get_mem_pool_context(self) -> AbstractContextManager[None] | None:
+        """Worker: the allocation context vLLM allocates the KV cache in
+        (KVBM_CUDA_PACK_KV_CACHE, kvbm/_kvpool.py), or None for its own."""
+        if self._worker_side is None:
+            return None
+        return _kvpool.mem_pool_context()
 
     def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
         """Worker: this rank's recovered persistent disk tier index (None

@@ -211,17 +211,20 @@ func (o *natsOut) deliver(deadline time.Time) {
 		clear(o.buf[:n]) // let the GC have the encoded events
 		o.buf = o.buf[n:]
 		o.sent += uint64(n)
-		outage := o.outage
+		// Decided under the lock: an event enqueued right after the buffer
+		// emptied must not swallow the summary of the outage before it.
+		var summary uint64
 		if len(o.buf) == 0 {
-			o.outage = 0
+			summary, o.outage = o.outage, 0
 		}
+		queued := len(o.buf)
 		o.mu.Unlock()
 		if o.m != nil {
 			o.m.EventsOut.Add(float64(n))
-			o.m.EventQueue.Set(float64(o.buffered()))
+			o.m.EventQueue.Set(float64(queued))
 		}
-		if outage > 0 && o.buffered() == 0 {
-			o.log.Warn(fmt.Sprintf("KV event consolidator: NATS caught up; %d event(s) were dropped while it was unavailable (see event_id gaps)", outage))
+		if summary > 0 {
+			o.log.Warn(fmt.Sprintf("KV event consolidator: NATS caught up; %d event(s) were dropped while it was unavailable (see event_id gaps)", summary))
 		}
 	}
 }

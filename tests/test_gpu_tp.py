@@ -159,13 +159,7 @@ def _leader_main(env: dict, to_workers, from_workers, results):
         return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT, lambda: tp_procs.dead_ranks(leader))
 
     def wait_info(cond):
-        """leader.info() once cond(info) holds (TIMEOUT deadline)."""
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            info = leader.info()
-            if cond(info) or time.monotonic() > deadline:
-                return info
-            time.sleep(0.02)
+        return tp_procs.wait_for(lambda: leader.info(), cond, TIMEOUT)
 
     res = {"registered": {r: m[2:] for r, m in collect("registered").items()}}
     leader = Leader(block_size=BS, num_workers=WORLD,

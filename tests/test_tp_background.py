@@ -110,13 +110,7 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
         return tp_procs.collect(from_workers, kind, WORLD, TIMEOUT, lambda: tp_procs.dead_ranks(leader))
 
     def wait_info(cond):
-        """leader.info() once cond(info) holds (TIMEOUT deadline)."""
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            info = leader.info()
-            if cond(info) or time.monotonic() > deadline:
-                return info
-            time.sleep(0.02)
+        return tp_procs.wait_for(lambda: leader.info(), cond, TIMEOUT)
 
     collect("registered")
     leader = Leader(block_size=BLOCK_SIZE, num_workers=WORLD,

@@ -37,3 +37,14 @@ def dead_ranks(leader: Any) -> list[int]:
         return []
     sc = leader.info().get("side_channel")
     return list(sc["dead_ranks"]) if sc else []
+
+
+def wait_for(get: Callable[[], Any], cond: Callable[[Any], bool], timeout: float) -> Any:
+    """``get()`` once ``cond`` holds for it, or its last value after ``timeout``
+    seconds (the caller's assertion then shows what it was)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = get()
+        if cond(v) or time.monotonic() > deadline:
+            return v
+        time.sleep(0.02)

@@ -3,13 +3,13 @@ package leader
 import (
 	"context"
 	"errors"
-	"net"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvbm/kvbm/goext/internal/testports"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/wire"
 )
@@ -29,29 +29,13 @@ func (r *wireRank) executed() int {
 	return len(r.ran)
 }
 
-func freeTCPPorts(t *testing.T, n int) []int {
-	t.Helper()
-	var ports []int
-	var ls []net.Listener
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	for _, l := range ls {
-		require.NoError(t, l.Close())
-	}
-	return ports
-}
-
 // wireCluster binds a coordinator for world ranks, connects them, runs the
 // handshake and returns the coordinator and the ranks.
 func wireCluster(t *testing.T, tr wire.Transport, world int) (*wire.Coordinator, []*wireRank) {
 	t.Helper()
 	ep := wire.Endpoint{Host: t.Name(), PubPort: 1, AckPort: 2}
 	if tr == wire.TransportTCP {
-		p := freeTCPPorts(t, 2)
+		p := testports.Free(t, 2)
 		ep = wire.Endpoint{Host: "127.0.0.1", PubPort: p[0], AckPort: p[1]}
 	}
 	logs := &lockedBuf{}

@@ -4,31 +4,10 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
-	"net"
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/stretchr/testify/require"
 )
-
-// freePorts returns n distinct ports that were free a moment ago (workers
-// that start before their leader need the ports up front).
-func freePorts(t testing.TB, n int) []int {
-	t.Helper()
-	var ls []net.Listener
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	for _, l := range ls {
-		require.NoError(t, l.Close())
-	}
-	return ports
-}
 
 // syncBuf is a log sink the test reads while goroutines write.
 type syncBuf struct {

@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/internal/testports"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/plan"
@@ -396,7 +397,7 @@ func TestProcessesByteExact(t *testing.T) {
 // TestProcessesLateAnyOrder: workers start before and after the leader, in
 // shuffled order, some well after it began waiting.
 func TestProcessesLateAnyOrder(t *testing.T) {
-	ports := freePorts(t, 2)
+	ports := testports.Free(t, 2)
 	p := newProcs(t, 4, layout.FlashAttn, ports[0], ports[1])
 	p.start(3)
 	p.start(1)

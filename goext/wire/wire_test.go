@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/internal/testports"
 )
 
 // fakeRank is a goroutine worker recording what it was asked to do.
@@ -43,7 +44,7 @@ type cluster struct {
 func newCluster(t *testing.T, tr Transport, n int) *cluster {
 	c := &cluster{tr: tr, logs: &syncBuf{}, secret: "engine-" + t.Name()}
 	if tr == TransportTCP {
-		p := freePorts(t, 2)
+		p := testports.Free(t, 2)
 		c.ep = Endpoint{Host: "127.0.0.1", PubPort: p[0], AckPort: p[1]}
 	} else {
 		// A distinct in-process endpoint per test.
@@ -343,7 +344,7 @@ func TestPortInUse(t *testing.T) {
 	require.NoError(t, err)
 	defer taken.Close()
 	port := taken.Addr().(*net.TCPAddr).Port
-	free := freePorts(t, 1)[0]
+	free := testports.Free(t, 1)[0]
 
 	for _, tc := range []struct {
 		name   string
@@ -369,7 +370,7 @@ func TestPortInUse(t *testing.T) {
 // TestTwoEnginesDefaultPorts: a second leader on the same ports (two engines
 // with default settings) fails with the variable to change.
 func TestTwoEnginesDefaultPorts(t *testing.T) {
-	p := freePorts(t, 2)
+	p := testports.Free(t, 2)
 	ep := Endpoint{Host: "127.0.0.1", PubPort: p[0], AckPort: p[1]}
 	first, err := Listen(CoordinatorOptions{NumWorkers: 2, Endpoint: ep, Transport: TransportTCP, Size: fixedSize})
 	require.NoError(t, err)

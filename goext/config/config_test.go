@@ -477,6 +477,7 @@ func TestUnsupportedVariablesWarn(t *testing.T) {
 	var logged []string
 	c, err := FromEnv(map[string]string{EnvNcclMaxCTAs: "8"})
 	require.NoError(t, err)
+	warnOnce = sync.Once{} // a fresh process, whatever ran before in this one (go test -count)
 	c.WarnOnce(func(m string) { logged = append(logged, m) })
 	c.WarnOnce(func(m string) { logged = append(logged, m) })
 	require.Len(t, logged, 1, "once per process")

@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
 
 from kvbm import _record
 from kvbm.testing import vllm_fakes as vf
-from test_vllm_adapter import BS, fake_vllm, prompt
-
-
-@pytest.fixture
-def env(monkeypatch, tmp_path):
-    for k in [k for k in os.environ if k.startswith("DYN_KVBM_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "64")
-    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
-    monkeypatch.setenv("DYN_KVBM_DISK_CACHE_DIR", str(tmp_path))
-    return monkeypatch
+from test_vllm_adapter import BS, env, fake_vllm, prompt  # noqa: F401 - env is a fixture
 
 
 def records(path):

@@ -99,6 +99,18 @@ def make_cache(kind, nblocks):
     return [t((nblocks, LAYERS, 2, HEADS * BS * DIM))]
 
 
+def layer_spacing(tensors):
+    """How the per-layer tensors lie: one pitched copy per block needs them
+    equally spaced and ascending (goext/cuda pitchOf)."""
+    if len(tensors) < 2:
+        return "one tensor"
+    gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(tensors, tensors[1:])}
+    if len(gaps) > 1:
+        return f"unevenly spaced ({len(gaps)} different gaps)"
+    g = gaps.pop()
+    return f"equally spaced, {'ascending' if g > 0 else 'descending'} ({abs(g) >> 20} MiB apart)"
+
+
 def refill(tensors):
     for t in tensors:
         t.view(torch.int16).random_()
@@ -419,6 +431,7 @@ def main():
     for kind in args.layouts.split(","):
         tensors = make_cache(kind, args.blocks)
         torch.cuda.synchronize()
+        print(f"  {kind}: layer tensors {layer_spacing(tensors)}", flush=True)
         if first:
             # The first worker of the process has run its duplex steps at
             # half speed in some runs (later ones never): measured apart.

@@ -475,8 +475,8 @@ func (c *Copier) analyse() {
 
 // pitchOf reports whether one pitched (3D) copy can move a whole block: the
 // layers' tensors equally spaced in ascending order (vLLM allocates one
-// tensor per layer; the CUDA caching allocator's layout of them was uneven or
-// descending on an H200, KVBM_CUDA_PACK_KV_CACHE's pool ascending), the block's pieces of a layer either one
+// tensor per layer; the CUDA caching allocator left them unevenly spaced on
+// an H200, KVBM_CUDA_PACK_KV_CACHE's pool ascending), the block's pieces of a layer either one
 // run (FlashInfer: K and V adjacent) or OuterDim runs equally spaced (vLLM
 // FlashAttention: K and V planes), and the host layout layer-major. On an
 // H200 one such copy per 2 MiB block ran at 91–93% of a contiguous copy,

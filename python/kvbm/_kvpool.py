@@ -4,8 +4,8 @@ vLLM allocates one KV tensor per layer. kvbm's CUDA copier moves a whole
 block with one pitched copy (no kernel, the engine's kernels barely slowed;
 docs/cuda.md) only where the layers' tensors are equally spaced in
 ascending order, and the CUDA caching allocator did not lay successive
-large allocations out that way on an H200 (unevenly, or equally spaced but
-descending; bench/gpu_transfer.py prints which). vLLM asks its KV connector for an
+large allocations out that way on an H200 (bench/gpu_transfer.py prints how
+they lie). vLLM asks its KV connector for an
 allocation context before it allocates the KV cache
 (``KVConnectorBase_V1.get_mem_pool_context``); with this variable set, kvbm
 answers with a private memory pool whose segments are expandable, so the

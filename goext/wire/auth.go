@@ -130,9 +130,9 @@ func (t sealedWorker) send(frames [][]byte) error {
 }
 
 // redialSub passes through to a transport that can redial its subscription.
-func (t sealedWorker) redialSub() error {
+func (t sealedWorker) redialSub(installed func()) error {
 	if r, ok := t.workerTransport.(subRedialer); ok {
-		return r.redialSub()
+		return r.redialSub(installed)
 	}
 	return nil
 }

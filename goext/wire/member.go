@@ -53,8 +53,11 @@ type MemberOptions struct {
 const DefaultLeaderSilence = 3 * time.Second
 
 // subRedialer is a worker transport whose subscription can be redialed.
+// redialSub calls installed (when not nil) once the new subscription is
+// connected, just before anything can be received on it, so that what the
+// caller records of the redial precedes every message it brings.
 type subRedialer interface {
-	redialSub() error
+	redialSub(installed func()) error
 }
 
 // Member is one rank's end of the side channel. Connect starts it in the
@@ -335,13 +338,13 @@ func (w *Member) watchLeader(r subRedialer, ended <-chan struct{}) {
 		if quiet < silence {
 			continue
 		}
-		err := r.redialSub()
+		var n uint64
+		err := r.redialSub(func() { n = w.reconnects.Add(1) })
 		w.lastHeard.Store(time.Now().UnixNano()) // the next attempt waits a full period
 		if err != nil {
 			w.log.Debug("kvbm worker side channel: redialing the leader's PUB socket", "err", err)
 			continue
 		}
-		n := w.reconnects.Add(1)
 		w.log.Info("kvbm worker: no message from the leader's side channel; reconnected its subscription to it",
 			"silent", quiet.Round(time.Millisecond), "pub", w.opts.Endpoint.PubURL(), "reconnects", n)
 	}
@@ -353,10 +356,12 @@ func (w *Member) watchLeader(r subRedialer, ended <-chan struct{}) {
 // the connection) or exited.
 func (w *Member) redial(r subRedialer) error {
 	for {
-		err := r.redialSub()
-		if err == nil {
+		var n uint64
+		err := r.redialSub(func() {
 			w.lastHeard.Store(time.Now().UnixNano())
-			n := w.reconnects.Add(1)
+			n = w.reconnects.Add(1)
+		})
+		if err == nil {
 			w.log.Info("kvbm worker: reconnected its subscription to the leader's side channel",
 				"pub", w.opts.Endpoint.PubURL(), "reconnects", n)
 			return nil

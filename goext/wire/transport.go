@@ -336,7 +336,7 @@ func (t *tcpWorker) recv() ([][]byte, error) {
 // subscriber that took no data for its write timeout, e.g. a worker process
 // stalled for a few seconds): without a redial the worker would never hear
 // the leader again and stay suspected for good.
-func (t *tcpWorker) redialSub() error {
+func (t *tcpWorker) redialSub(installed func()) error {
 	if t.closed.Load() {
 		return errTransportClosed
 	}
@@ -354,6 +354,9 @@ func (t *tcpWorker) redialSub() error {
 		t.subMu.Unlock()
 		_ = quietClose(sub)
 		return errTransportClosed
+	}
+	if installed != nil {
+		installed() // under subMu: the receive loop cannot use sub yet
 	}
 	t.sub = sub
 	t.subMu.Unlock()

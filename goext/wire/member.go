@@ -403,11 +403,16 @@ func (w *Member) onLeaderMetadata(m leaderMsg) {
 				err = fmt.Errorf("wire: rank %d: allocating %d host and %d disk blocks: %w", w.opts.Rank, md.NumHostBlocks, md.NumDiskBlocks, err)
 				w.log.Error("kvbm worker: allocation failed", "err", err)
 			}
+			if err == nil {
+				// Before allocDone: a repeated leader_metadata is acked as
+				// soon as allocDone is set, and the leader may broadcast an
+				// operation right after that ack.
+				close(w.ready)
+			}
 			w.mu.Lock()
 			w.allocDone, w.allocErr = true, err
 			w.mu.Unlock()
 			if err == nil {
-				close(w.ready)
 				w.send(m.id, fnAck, nil)
 			} else {
 				w.send(m.id, fnAck, []byte(err.Error()))

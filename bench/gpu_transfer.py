@@ -67,6 +67,8 @@ KNOBS = {
     "streams": "KVBM_CUDA_DMA_STREAMS",  # DMA streams per direction
     "prio": "KVBM_CUDA_STAGED_PRIORITY",  # high or low: the gather/scatter stream's priority
     "pct": "KVBM_CUDA_SPLIT_PCT",  # split: share of each batch's blocks sent by cuMemcpyBatchAsync
+    "chunk": "KVBM_CUDA_SPLIT_CHUNK_MIB",  # split with no fixed share: MiB the batch share takes at a time
+    "bstreams": "KVBM_CUDA_SPLIT_STREAMS",  # split: DMA streams of the batch share
 }
 
 
@@ -188,16 +190,23 @@ def matmul_window(movers, k):
     return 2 * MM_N ** 3 * k / secs / 1e12, results
 
 
+MM_WINDOWS = 5
+
+
 def slowdown(movers, k):
-    """Alone, with the movers, alone, with: (alone TFLOP/s, with TFLOP/s,
-    mover results of the last window). Each with-window is compared with
-    the alone-windows next to it, so clock drift over the run cancels."""
-    alone, withm, res = [], [], None
-    for _ in range(3):
-        alone.append(matmul_window([], k)[0])
+    """Alone, with the movers, alone, …, alone (MM_WINDOWS with-windows):
+    (alone TFLOP/s, with TFLOP/s, slowdown, mover results of the last
+    window). Each with-window is compared with the mean of the two
+    alone-windows around it, so clock drift over the run cancels; the
+    slowdown is the median of those ratios, so one disturbed window does
+    not decide it."""
+    alone, withm, res = [matmul_window([], k)[0]], [], None
+    for _ in range(MM_WINDOWS):
         t, res = matmul_window(movers, k)
         withm.append(t)
-    return statistics.mean(alone), statistics.mean(withm), res
+        alone.append(matmul_window([], k)[0])
+    slow = statistics.median(1 - w / ((a + b) / 2) for w, a, b in zip(withm, alone, alone[1:]))
+    return statistics.mean(alone), statistics.mean(withm), slow, res
 
 
 def poll(ev):
@@ -369,9 +378,11 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
                     moved += 2 * nbytes
                 return moved, time.perf_counter() - t0
 
-            alone, tflops, res = slowdown([mover], mm_k)
+            alone, tflops, slow, res = slowdown([mover], mm_k)
             moved, secs = res[0]
-            r.update(mm_alone=alone, mm=tflops, mm_gbps=moved / 1e9 / secs)
+            r.update(mm_alone=alone, mm=tflops, mm_slow=slow, mm_gbps=moved / 1e9 / secs)
+        if "so far" in (end := w.info()["g1"]):  # split: how the batches were shared
+            r["g1"] = end
         return r
     finally:
         w.close()
@@ -385,6 +396,7 @@ def main():
     ap.add_argument("--modes", default="staged,kernel", help="kvbm modes for per-layer layouts (trtllm adds direct)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
+    ap.add_argument("--mm-windows", type=int, default=5, help="matmul windows with the mover (each between two alone)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive per-block torch copies")
     ap.add_argument("--ranks", type=int, default=1,
                     help="tensor-parallel ranks, one process each on cuda:rank (all on cuda:0 with one GPU), "
@@ -395,8 +407,8 @@ def main():
     ap.add_argument("--staged-variants", default="",
                     help="extra staged runs on the first layout, MiB:slots:grid each, e.g. 64:4:16,128:2:132")
     args = ap.parse_args()
-    global PACKED
-    PACKED = args.packed_layers
+    global PACKED, MM_WINDOWS
+    PACKED, MM_WINDOWS = args.packed_layers, args.mm_windows
 
     path, variant = _native.library_path()
     if variant != "cuda":
@@ -415,10 +427,10 @@ def main():
     nbytes = args.moved * bpb
     rows = []
     a_off, a_on, a_both, bufs = bench_pinned(nbytes, args.repeat)
-    mm_alone = mm_torch = torch_gbps = None
+    mm_alone = mm_torch = torch_gbps = torch_slow = None
     if args.matmuls:
         dev, dev2, host, host2 = bufs
-        mm_alone, mm_torch, res = slowdown([torch_mover(dev, host, False), torch_mover(dev2, host2, True)], args.matmuls)
+        mm_alone, mm_torch, torch_slow, res = slowdown([torch_mover(dev, host, False), torch_mover(dev2, host2, True)], args.matmuls)
         torch_gbps = sum(m for m, _ in res) / 1e9 / max(s for _, s in res)
         print(f"  matmul alone {mm_alone:.0f} TFLOP/s, with torch pinned DMA both ways {mm_torch:.0f} TFLOP/s, "
               f"torch moved {torch_gbps:.1f} GB/s", flush=True)
@@ -426,7 +438,7 @@ def main():
     del bufs
     torch.cuda.empty_cache()
     rows.append(dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both,
-                     mm_alone=mm_alone, mm=mm_torch, mm_gbps=torch_gbps))
+                     mm_alone=mm_alone, mm=mm_torch, mm_slow=torch_slow, mm_gbps=torch_gbps))
     first = True
     for kind in args.layouts.split(","):
         tensors = make_cache(kind, args.blocks)
@@ -469,7 +481,8 @@ def main():
 
     print(f"\n{args.moved} random blocks of {bpb // 1024} KiB ({nbytes / 1e9:.2f} GB each way) out of {args.blocks}; "
           f"median of {args.repeat} (naive: 1 run); matmul: {args.matmuls} bf16 {MM_N}³ on the engine stream, "
-          f"alone {mm_alone or 0:.0f} TFLOP/s; slowdown against the alone-windows next to each row's")
+          f"alone {mm_alone or 0:.0f} TFLOP/s; slowdown: median over {MM_WINDOWS} windows with the mover, each against "
+          "the alone-windows on either side of it")
     hdr = ["path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "e2e off/on GB/s", "both ways GB/s",
            "%(a)", "matmul TFLOP/s", "slowdown", "GB/s during matmul"]
     print("| " + " | ".join(hdr) + " |")
@@ -484,7 +497,7 @@ def main():
                  f(100 * r["on"] / a_on, "{:.0f}%"),
                  f"{r['off_e2e']:.1f} / {r['on_e2e']:.1f}" if "off_e2e" in r else "-",
                  f(r.get("both")), f(100 * r["both"] / a_both, "{:.0f}%") if r.get("both") else "-",
-                 f(mm, "{:.0f}"), f(100 * (1 - mm / r["mm_alone"]), "{:.1f}%") if mm else "-",
+                 f(mm, "{:.0f}"), f(100 * r["mm_slow"], "{:.1f}%") if mm else "-",
                  f(r.get("mm_gbps"))]
         print("| " + " | ".join(cells) + " |")
 

@@ -249,6 +249,9 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	}
 	info := h.info
 	info.DiskDegraded = h.w.DiskDegraded()
+	if h.g1 != nil {
+		info.G1 = fmt.Sprint(h.g1) // the copier's description may change as it works
+	}
 	if h.member != nil {
 		info.SideChannel = memberInfo(h.member)
 	}

@@ -127,9 +127,9 @@ def test_round_trip(tmp_path, kind, mode, via):
     try:
         info = w.info()
         # batch and split fall back to staged on drivers without
-        # cuMemcpyBatchAsync; auto picks batch for TensorRT-LLM's contiguous blocks.
+        # cuMemcpyBatchAsync; auto picks split where they exist.
         want = {"batch": ("batch", "staged"), "split": ("split", "staged"),
-                "auto": ("batch", "staged")}.get(mode, (mode,))
+                "auto": ("split", "staged")}.get(mode, (mode,))
         assert any(info["g1"].startswith("cuda:0 " + m) for m in want), info
 
         # The engine writes the source blocks late: after a ~20 ms sleep on
@@ -175,19 +175,21 @@ def test_round_trip(tmp_path, kind, mode, via):
 @pytest.mark.parametrize("mode,packed", [("", False), ("auto", False), ("", True)])
 def test_default_mode_uses_copy_engines(tmp_path, mode, packed):
     """The default copy path crosses PCIe with the copy engines, never the
-    zero-copy kernel that holds the SMs while it waits on PCIe: `staged`
-    (kernel gather/scatter on a small fixed grid + DMA) for per-layer tensors
-    wherever they lie, or `batch` with one pitched copy per block (no kernel
-    at all) where the layers are equally spaced, as when they share one
-    allocation; and it round-trips."""
+    zero-copy kernel that holds the SMs while it waits on PCIe: `split` with
+    no fixed share (staged gather/scatter on a small fixed grid + DMA while
+    the GPU is idle, the driver's batched copies while the engine's kernels
+    hold the SMs), with one pitched copy per block where the layers are
+    equally spaced, as when they share one allocation; `staged` where the
+    driver has no batched copies; and it round-trips."""
     cache = Cache("flash_attn", packed=packed)
     w = cache.worker(tmp_path, mode)
     try:
         g1 = w.info()["g1"]
-        pitched = g1.startswith("cuda:0 batch") and "one pitched copy per block" in g1
-        assert g1.startswith("cuda:0 staged") or pitched, g1
-        if packed and driver_version() >= 12080:  # the batched copies exist from CUDA 12.8 on
-            assert pitched, g1
+        if driver_version() >= 12080:  # the batched copies exist from CUDA 12.8 on
+            assert g1.startswith("cuda:0 split") and "no fixed share" in g1, g1
+            assert ("one pitched copy per block" in g1) == packed, g1
+        else:
+            assert g1.startswith("cuda:0 staged"), g1
         src, dst = list(range(10, 10 + N)), list(range(50, 50 + N))
         want = [cache.block(b) for b in src]
         w.bind(_plan.encode_map({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(src)]}))
@@ -242,6 +244,6 @@ def test_packed_kv_pool_lays_layers_out_for_pitched_copies(tmp_path):
     try:
         g1 = w.info()["g1"]
         if driver_version() >= 12080:
-            assert g1.startswith("cuda:0 batch") and "one pitched copy per block" in g1, g1
+            assert g1.startswith("cuda:0 split") and "one pitched copy per block" in g1, g1
     finally:
         w.close()

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
+	"time"
 	"unsafe"
 
 	"gorgonia.org/cu"
@@ -25,9 +27,8 @@ import (
 type Mode uint8
 
 const (
-	// Auto: Batch for layouts whose blocks are long contiguous pieces in G1
-	// (batchMinRun) or that one pitched copy per block can move (pitchOf)
-	// when the driver has the batched copies, else DefaultMode.
+	// Auto: Split (no fixed share) when the driver has the batched copies,
+	// else DefaultMode.
 	Auto Mode = iota
 	// Kernel: one kernel per batch reads/writes mapped page-locked host
 	// memory directly (zero-copy).
@@ -43,29 +44,23 @@ const (
 	// run time). Experimental; where the driver lacks it, Staged is used.
 	Batch
 	// Split: each batch's blocks are shared between Batch (on DMA streams of
-	// their own) and Staged, both enqueued at once. The copy engines then
-	// take descriptors from both: the staged share's long contiguous copies
-	// fill the gaps the batch share's per-piece overhead leaves, while the
-	// gather/scatter kernel touches only the staged share's bytes. Where the
-	// driver lacks cuMemcpyBatchAsync, Staged is used.
+	// their own) and Staged. By default the share is not fixed but follows
+	// the GPU (runShared): while the gather/scatter kernels run as soon as
+	// they are queued (an idle GPU) the batch goes staged, the fastest way
+	// across PCIe; while they wait for SMs (the engine's kernels hold
+	// them) one small staged chunk stays in flight and the copy engines
+	// alone move the rest, so the engine keeps its SMs. Where the driver
+	// lacks cuMemcpyBatchAsync, Staged is used. Auto's pick.
 	Split
 )
 
-// DefaultMode is what Auto picks unless Batch applies (batchMinRun):
-// Staged, whose PCIe traffic goes through the copy engines. The zero-copy Kernel mode moves the same bytes about as
-// fast on an idle GPU, but its kernel holds every SM while it waits on PCIe:
-// on an H200 an engine's bf16 matmul ran 92% slower while kvbm moved KV in
-// Kernel mode, and a few percent slower in Staged mode (docs/cuda.md).
+// DefaultMode is what Auto picks where the driver lacks the batched copies
+// that Split needs: Staged, whose PCIe traffic goes through the copy
+// engines. The zero-copy Kernel mode moves the same bytes about as fast on
+// an idle GPU, but its kernel holds every SM while it waits on PCIe: on an
+// H200 an engine's bf16 matmul ran 92% slower while kvbm moved KV in Kernel
+// mode, and a few percent slower in Staged mode (docs/cuda.md).
 const DefaultMode = Staged
-
-// batchMinRun: Auto picks Batch over Staged when every contiguous piece of a
-// block in G1 is at least this long and the driver has cuMemcpyBatchAsync.
-// On an H200, 32 KiB pieces (vLLM FlashAttention, 8 heads × 128 × 16
-// tokens) reached only 32–49 GB/s one way that way and the two directions
-// did not add up; 64 KiB pieces (FlashInfer) 50/50 GB/s, 90–92% of a
-// contiguous copy, 2 MiB pieces (TensorRT-LLM's whole block) 95–96%, both
-// with the engine's matmuls barely slowed.
-const batchMinRun = 64 << 10
 
 // DefaultDMAStreams is Options.DMAStreams' default for Staged and Direct
 // (one per staging slot), DefaultBatchStreams for Batch. On an H200 a
@@ -83,13 +78,33 @@ const (
 // slowed an H200's matmuls as much as 256 (docs/cuda.md).
 const DefaultStagedThreads = 256
 
-// DefaultSplitPercent is Options.SplitPercent's default: the share of a
-// Split batch's blocks that goes by Batch. DefaultSplitStreams is how many
-// DMA streams per direction that share gets (besides Options.DMAStreams for
-// the staged share).
+// DefaultSplitStreams is Options.SplitStreams' default: the DMA streams per
+// direction of Split's batch share (besides Options.DMAStreams for the
+// staged share; with no fixed share, used while the GPU is busy);
+// splitInFlight is how many of its sub-batches each of them holds queued
+// while the share is not fixed; DefaultSplitChunk is Options.SplitChunkBytes'
+// default.
 const (
-	DefaultSplitPercent = 50
-	DefaultSplitStreams = 2
+	DefaultSplitStreams = 4
+	splitInFlight       = 2
+	DefaultSplitChunk   = 32 << 20
+)
+
+// Split with no fixed share (runShared): a gather/scatter kernel that
+// waited longer than splitBusyWait for SMs marks the GPU busy, one that ran
+// within splitIdleWait marks it idle; while it is busy the staged share
+// keeps one chunk of 1/splitBusyDiv of a slot in flight.
+const (
+	splitBusyWait = 500 * time.Microsecond
+	splitIdleWait = 250 * time.Microsecond
+	splitBusyDiv  = 8
+)
+
+// SplitStagingBytes and SplitPipelineDepth are Split's staging buffer per
+// direction and its slots when neither is set.
+const (
+	SplitStagingBytes  = 256 << 20
+	SplitPipelineDepth = 4
 )
 
 var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch", Split: "split"}
@@ -153,10 +168,17 @@ type Options struct {
 	// engine, so per-copy overhead overlaps and one busy engine does not
 	// hold up the other direction.
 	DMAStreams int
-	// SplitPercent is the share (1–99 %) of a Split batch's blocks that goes
-	// by Batch, the rest by Staged (default DefaultSplitPercent;
-	// KVBM_CUDA_SPLIT_PCT).
+	// SplitPercent fixes the share (1–99 %) of a Split batch's blocks that
+	// goes by Batch, the rest by Staged (KVBM_CUDA_SPLIT_PCT). Zero (the
+	// default): no fixed share, each side takes more while the other is busy.
 	SplitPercent int
+	// SplitChunkBytes is how much of the batch Split's batch share takes at a
+	// time while the share is not fixed (default DefaultSplitChunk;
+	// KVBM_CUDA_SPLIT_CHUNK_MIB).
+	SplitChunkBytes int64
+	// SplitStreams is how many DMA streams per direction Split's batch share
+	// uses (default DefaultSplitStreams; KVBM_CUDA_SPLIT_STREAMS, at most 8).
+	SplitStreams int
 	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
@@ -189,8 +211,12 @@ type lane struct {
 	descH        uintptr // page-locked host descriptors: [ids n][addrs n] uint64
 	descD        cu.DevicePtr
 	staging      cu.DevicePtr // Staged mode
-	// Split mode: the batch share's DMA streams (the staged share uses dma).
-	bdma []cu.Stream
+	// Split mode: the batch share's DMA streams (the staged share uses dma)
+	// and, per stream, the events that mark its queued sub-batches' ends;
+	// busy carries runShared's view of the GPU from one call to the next.
+	bdma  []cu.Stream
+	bDone [][]cu.Event
+	busy  bool // runShared: the engine's kernels kept the last staged kernel waiting
 }
 
 // Copier implements worker.G1Copier for GPU-resident engine tensors.
@@ -208,8 +234,7 @@ type Copier struct {
 	bases        cu.DevicePtr // NumLayers uint64: G1 address of chunk (0, l, 0)
 	blockStride  int64
 	outerStride  int64
-	vecOK        bool  // G1 addresses and chunk size are 16-byte multiples
-	minRun       int64 // shortest run of a block's chunks contiguous in G1 (host order)
+	vecOK        bool // G1 addresses and chunk size are 16-byte multiples
 	bpb          int64
 	batchNote    string   // why Batch fell back to Staged
 	pitched      *pitch   // Batch/Split: one pitched copy per block (pitchOf); nil: one copy per piece
@@ -219,7 +244,10 @@ type Copier struct {
 	lanes        [2]*lane // 0: G1 → host, 1: host → G1
 
 	engineStream atomic.Uintptr // the engine's CUDA stream (0: legacy default stream)
-	closed       atomic.Bool
+	// Split with no fixed share: blocks moved, and how many of them by Batch.
+	sharedBlocks, sharedBatch atomic.Int64
+	testBusy                  func(chunk int) bool // tests: whether runShared treats the GPU as busy before chunk
+	closed                    atomic.Bool
 
 	fenceMu sync.Mutex // guards fenceEv
 	fenceEv cu.Event
@@ -252,11 +280,19 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1)
 	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
 	envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1)
+	envInt(&opts.SplitChunkBytes, "KVBM_CUDA_SPLIT_CHUNK_MIB", 1<<20)
+	envInt(&opts.SplitStreams, "KVBM_CUDA_SPLIT_STREAMS", 1)
+	if opts.SplitStreams > 8 {
+		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_STREAMS=%d: want 1 to 8", opts.SplitStreams)
+	}
+	if opts.SplitStreams <= 0 {
+		opts.SplitStreams = DefaultSplitStreams
+	}
 	if p := opts.SplitPercent; p < 0 || p > 99 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_PCT=%d: want 1 to 99", p)
 	}
-	if opts.SplitPercent == 0 {
-		opts.SplitPercent = DefaultSplitPercent
+	if opts.SplitChunkBytes <= 0 {
+		opts.SplitChunkBytes = DefaultSplitChunk
 	}
 	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
 	case "", "high":
@@ -274,7 +310,8 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	if opts.DMAStreams > 8 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
 	}
-	if opts.StagingBytes <= 0 {
+	stagingDefault, depthDefault := opts.StagingBytes <= 0, opts.PipelineDepth <= 0
+	if stagingDefault {
 		opts.StagingBytes = 128 << 20
 	}
 	if opts.CTAsPerSM <= 0 {
@@ -296,19 +333,14 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	case opts.Mode == Direct && !c.contiguousBlocks():
 		return nil, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
 	case opts.Mode == Auto:
+		// Split moves a batch like Staged while the GPU is idle (96–99% of
+		// torch's contiguous copy on an H200) and with the copy engines
+		// alone while the engine's kernels hold the SMs (its matmuls then
+		// ran 0–3% slower, as with torch's own copy, against Staged's
+		// 3–5%), for every layout (docs/cuda.md).
 		c.mode = DefaultMode
-		// Blocks made of long contiguous pieces (TensorRT-LLM: one 2 MiB
-		// piece; FlashInfer: K and V of a layer, 64 KiB here) cross PCIe
-		// without any kernel through the driver's batched copy nearly as
-		// fast, with the engine's matmuls barely disturbed (docs/cuda.md).
-		// So do blocks one pitched copy can move (layers equally spaced,
-		// pitchOf): on an H200 vLLM's FlashAttention layout then moved at
-		// 88–90% of torch's contiguous copy each way and ~92% both ways
-		// with the matmuls 1.4% slower, against Staged's 96–97% at 4.7%.
-		_, pitchable := c.pitchOf()
-		pitchable = pitchable && batch3DInit() == nil
-		if (c.minRun >= batchMinRun || pitchable) && batchInit() == nil {
-			c.mode = Batch
+		if batchInit() == nil {
+			c.mode = Split
 		}
 	default:
 		c.mode = opts.Mode
@@ -318,6 +350,11 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		if c.mode == Batch {
 			c.opts.DMAStreams = DefaultBatchStreams
 		}
+	}
+	if c.mode == Split && stagingDefault && depthDefault {
+		// More slots let the staged share take most of a batch on an idle
+		// GPU; on a busy one it keeps one small chunk in flight (runShared).
+		c.opts.StagingBytes, c.opts.PipelineDepth = SplitStagingBytes, SplitPipelineDepth
 	}
 	opts = c.opts
 	c.depth = opts.PipelineDepth
@@ -387,12 +424,19 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		}
 		l.stream = l.dma[0]
 		if c.mode == Split {
-			for range DefaultSplitStreams {
+			for range opts.SplitStreams {
 				s, err := cu.MakeStream(cu.NonBlocking)
 				if err != nil {
 					return nil, fmt.Errorf("cuda: create stream: %w", err)
 				}
 				l.bdma = append(l.bdma, s)
+				evs := make([]cu.Event, splitInFlight)
+				for k := range evs {
+					if evs[k], err = cu.MakeEvent(cu.DisableTiming); err != nil {
+						return nil, fmt.Errorf("cuda: create event: %w", err)
+					}
+				}
+				l.bDone = append(l.bDone, evs)
 			}
 		}
 		if l.kstream, err = cu.MakeStreamWithPriority(kprio, cu.NonBlocking); err != nil {
@@ -450,26 +494,6 @@ func (c *Copier) analyse() {
 	c.vecOK = e.ChunkBytes%16 == 0 && c.blockStride%16 == 0 && c.outerStride%16 == 0
 	for l := 0; l < e.NumLayers; l++ {
 		c.vecOK = c.vecOK && e.ChunkAddr(0, l, 0)%16 == 0
-	}
-	// Runs of block 0's chunks, in host order, that are adjacent in G1.
-	c.minRun = -1
-	var run int64
-	var end uintptr
-	for l := 0; l < e.NumLayers; l++ {
-		for o := 0; o < e.OuterDim; o++ {
-			a := e.ChunkAddr(0, l, o)
-			if run > 0 && a != end {
-				if c.minRun < 0 || run < c.minRun {
-					c.minRun = run
-				}
-				run = 0
-			}
-			run += e.ChunkBytes
-			end = a + uintptr(e.ChunkBytes)
-		}
-	}
-	if c.minRun < 0 || run < c.minRun {
-		c.minRun = run
 	}
 }
 
@@ -611,7 +635,14 @@ func (c *Copier) String() string {
 		return fmt.Sprintf("cuda:%d %s copies (%s on %d streams, no kernel)", c.ordinal, c.mode, c.batchCall(), c.opts.DMAStreams)
 	}
 	if c.mode == Split {
-		return fmt.Sprintf("cuda:%d %s copies (%d%% of each batch by %s on %d streams, the rest staged: vec16=%v, grid %d×%d, %d×%d-block staging slots, %d DMA streams)", c.ordinal, c.mode, c.opts.SplitPercent, c.batchCall(), DefaultSplitStreams, c.vecOK, c.stagedGrid, c.opts.StagedThreads, c.depth, c.stagingSlots, c.opts.DMAStreams)
+		share := fmt.Sprintf("%d%% of each batch", c.opts.SplitPercent)
+		if c.opts.SplitPercent == 0 {
+			share = fmt.Sprintf("no fixed share: %d-block pieces", max(1, c.opts.SplitChunkBytes/c.bpb))
+			if n := c.sharedBlocks.Load(); n > 0 {
+				share += fmt.Sprintf(", %d%% of the %d blocks so far", 100*c.sharedBatch.Load()/n, n)
+			}
+		}
+		return fmt.Sprintf("cuda:%d %s copies (%s by %s on %d streams, the rest staged: vec16=%v, grid %d×%d, %d×%d-block staging slots, %d DMA streams)", c.ordinal, c.mode, share, c.batchCall(), c.opts.SplitStreams, c.vecOK, c.stagedGrid, c.opts.StagedThreads, c.depth, c.stagingSlots, c.opts.DMAStreams)
 	}
 	if c.mode == Direct {
 		return fmt.Sprintf("cuda:%d %s copies (%d DMA streams)", c.ordinal, c.mode, c.opts.DMAStreams)
@@ -771,15 +802,157 @@ func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	return nil
 }
 
-// runSplit enqueues the batch share first (on the lane's bdma streams, so
-// the copy engines start at once) and then the staged share; run waits for
-// both.
+// runSplit, with a fixed share, enqueues the batch share first (on the
+// lane's bdma streams, so the copy engines start at once) and then the
+// staged share; run waits for both. Otherwise runShared shares the batch.
 func (c *Copier) runSplit(l *lane, toG1 bool, blocks []int, host []uintptr) error {
+	if c.opts.SplitPercent == 0 {
+		return c.runShared(l, toG1, blocks, host)
+	}
 	k := len(blocks) * c.opts.SplitPercent / 100
 	if err := c.runBatch(l.bdma, toG1, blocks[:k], host[:k]); err != nil {
 		return err
 	}
 	return c.runStaged(l, toG1, blocks[k:], host[k:])
+}
+
+// runShared moves the batch with no fixed share: the staged pipeline takes
+// chunks from the front of the batch (in host order) whenever a staging slot
+// is free, each bdma stream takes SplitChunkBytes from the back whenever it
+// holds fewer than splitInFlight sub-batches, until they meet. Each side
+// thus takes what it can move. The staged side also watches how long its
+// gather/scatter kernels wait for SMs: while they wait (the engine's
+// kernels hold the GPU), it keeps one small chunk in flight, so the
+// engine loses little to kvbm and the copy engines move the rest; once
+// they run at once again (an idle GPU), it fills every slot, and the batch
+// crosses PCIe nearly as fast as with Staged alone. run waits for the
+// queued tail.
+func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) error {
+	st, err := c.prepareStaged(l, blocks, host)
+	if err != nil {
+		return err
+	}
+	blocks, host = st.blocks, st.host
+	sub := int(max(1, c.opts.SplitChunkBytes/c.bpb))
+	small := max(1, c.stagingSlots/splitBusyDiv)
+	front, back, j := 0, len(blocks), 0
+	type flight struct {
+		j          int
+		ready      time.Time // when its kernel could start, as far as we know
+		dmaSeen    bool      // onboard: its DMA into the slot finished
+		kernelSeen bool
+	}
+	var inflight []*flight
+	var lastKernel time.Time
+	queued := make([][]int, len(l.bdma)) // per bdma stream: bDone indices in flight, oldest first
+	next := make([]int, len(l.bdma))     // per bdma stream: the bDone event to record next
+	defer func() {
+		c.sharedBlocks.Add(int64(len(blocks)))
+		c.sharedBatch.Add(int64(len(blocks) - back))
+	}()
+	for front < back {
+		// Retire what finished, and time the kernels.
+		now := time.Now()
+		for _, f := range inflight {
+			s := f.j % c.depth
+			if toG1 && !f.dmaSeen {
+				done, err := eventDone(&l.dDone[s])
+				if err != nil {
+					return fmt.Errorf("cuda: staged share: %w", err)
+				}
+				if !done {
+					break
+				}
+				f.dmaSeen, f.ready = true, now
+			}
+			if !f.kernelSeen {
+				done, err := eventDone(&l.kDone[s])
+				if err != nil {
+					return fmt.Errorf("cuda: staged share: %w", err)
+				}
+				if !done {
+					break
+				}
+				f.kernelSeen = true
+				start := f.ready
+				if lastKernel.After(start) {
+					start = lastKernel // it queued behind the previous kernel
+				}
+				if wait := now.Sub(start); wait > splitBusyWait {
+					l.busy = true
+				} else if wait < splitIdleWait {
+					l.busy = false
+				}
+				lastKernel = now
+			}
+		}
+		for len(inflight) > 0 {
+			f := inflight[0]
+			if !f.kernelSeen {
+				break
+			}
+			if !toG1 {
+				done, err := eventDone(&l.dDone[f.j%c.depth])
+				if err != nil {
+					return fmt.Errorf("cuda: staged share: %w", err)
+				}
+				if !done {
+					break
+				}
+			}
+			inflight = inflight[1:]
+		}
+		for k := range queued {
+			for len(queued[k]) > 0 {
+				done, err := eventDone(&l.bDone[k][queued[k][0]])
+				if err != nil {
+					return fmt.Errorf("cuda: batch share: %w", err)
+				}
+				if !done {
+					break
+				}
+				queued[k] = queued[k][1:]
+			}
+		}
+		// Hand out more.
+		progressed := false
+		slots, per, streams := c.depth, c.stagingSlots, 0
+		busy := l.busy
+		if c.testBusy != nil {
+			busy = c.testBusy(j)
+		}
+		if busy {
+			slots, per, streams = 1, small, len(l.bdma)
+		}
+		for front < back && len(inflight) < slots {
+			hi := min(front+per, back)
+			if err := c.stageChunk(l, toG1, st, j, front, hi); err != nil {
+				return err
+			}
+			inflight = append(inflight, &flight{j: j, ready: time.Now()})
+			front, j, progressed = hi, j+1, true
+		}
+		for k := range streams {
+			for front < back && len(queued[k]) < splitInFlight {
+				lo := max(front, back-sub)
+				if err := c.runBatch(l.bdma[k:k+1], toG1, blocks[lo:back], host[lo:back]); err != nil {
+					return err
+				}
+				if err := l.bDone[k][next[k]].Record(l.bdma[k]); err != nil {
+					return fmt.Errorf("cuda: record batched copy: %w", err)
+				}
+				queued[k] = append(queued[k], next[k])
+				next[k], back, progressed = (next[k]+1)%splitInFlight, lo, true
+			}
+		}
+		if !progressed && front < back {
+			// Not time.Sleep: the Go runtime rounds short sleeps up to about
+			// a millisecond, longer than a slot's kernel takes.
+			ts := syscall.Timespec{Nsec: 20_000}
+			_ = syscall.Nanosleep(&ts, nil)
+		}
+	}
+	return nil
 }
 
 // runBatch moves every chunk with the driver's batched copy, merging chunks
@@ -872,9 +1045,37 @@ func (c *Copier) runKernel(l *lane, toG1 bool, blocks []int, host []uintptr) err
 // kernels use a small fixed grid; PCIe is crossed by the copy engines only,
 // with one DMA copy per run of blocks adjacent in host memory.
 func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	// Host-address order: blocks adjacent in host memory then share one
-	// DMA copy (the worker orders a batch by G1 block, which leaves the host
-	// side scattered). Each entry is independent, so the order is free.
+	st, err := c.prepareStaged(l, blocks, host)
+	if err != nil {
+		return err
+	}
+	for j, lo := 0, 0; lo < len(st.blocks); j, lo = j+1, lo+c.stagingSlots {
+		if err := c.stageChunk(l, toG1, st, j, lo, min(lo+c.stagingSlots, len(st.blocks))); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// staged is a batch prepared for the staging buffer: its entries in host
+// order, each entry's staging address, and the descriptors uploaded for the
+// kernels. The buffer is a ring of depth × slot-size blocks: entry i lies at
+// ring position i mod (depth × slot size), so a chunk of consecutive
+// entries (at most a slot's worth) never overlaps the depth-1 chunks
+// before it, whatever their sizes.
+type staged struct {
+	blocks      []int
+	host, addrs []uintptr
+	ids, dAddrs cu.DevicePtr
+}
+
+// prepareStaged orders the batch by host address (blocks adjacent in host
+// memory then share one DMA copy; the worker orders a batch by G1 block,
+// which leaves the host side scattered; each entry is independent, so the
+// order is free), makes room for the staging buffer and uploads every
+// entry's descriptors with one copy on the kernel stream, before any of the
+// batch's DMA copies can queue ahead of it.
+func (c *Copier) prepareStaged(l *lane, blocks []int, host []uintptr) (*staged, error) {
 	if !slices.IsSorted(host) {
 		idx := make([]int, len(host))
 		for i := range idx {
@@ -887,95 +1088,113 @@ func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		}
 		blocks, host = b2, h2
 	}
-	per := c.stagingSlots
+	ring := c.depth * c.stagingSlots
 	if l.staging == 0 {
-		p, err := cu.MemAlloc(int64(c.depth*per) * c.bpb)
+		p, err := cu.MemAlloc(int64(ring) * c.bpb)
 		if err != nil {
-			return fmt.Errorf("cuda: allocate %d×%d-block staging buffer: %w", c.depth, per, err)
+			return nil, fmt.Errorf("cuda: allocate %d×%d-block staging buffer: %w", c.depth, c.stagingSlots, err)
 		}
 		l.staging = p
 	}
-	// Staging address of every batch entry; the descriptors of all chunks
-	// go up in one copy, on the kernel stream.
-	addrs := make([]uintptr, len(blocks))
-	for i := range addrs {
-		j := i / per
-		addrs[i] = uintptr(l.staging) + uintptr(int64((j%c.depth)*per+i%per)*c.bpb)
+	st := &staged{blocks: blocks, host: host, addrs: make([]uintptr, len(blocks))}
+	for i := range st.addrs {
+		st.addrs[i] = uintptr(l.staging) + uintptr(int64(i%ring)*c.bpb)
 	}
-	ids, dAddrs, err := c.upload(l, l.kstream, blocks, addrs)
-	if err != nil {
-		return err
+	var err error
+	if st.ids, st.dAddrs, err = c.upload(l, l.kstream, blocks, st.addrs); err != nil {
+		return nil, err
 	}
-	for j, lo := 0, 0; lo < len(blocks); j, lo = j+1, lo+per {
-		hi := min(lo+per, len(blocks))
-		s := j % c.depth
-		ds := l.dma[j%len(l.dma)] // this chunk's DMA stream
-		off := cu.DevicePtr(8 * lo)
-		if !toG1 {
-			if j >= c.depth {
-				if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-					return fmt.Errorf("cuda: wait for staging slot: %w", err)
-				}
-			}
-			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, false, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
-				return err
-			}
-			if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
-				return fmt.Errorf("cuda: order staging copies: %w", err)
-			}
-		} else if j >= c.depth {
-			if err := ds.Wait(l.kDone[s], 0); err != nil {
+	return st, nil
+}
+
+// stageChunk enqueues chunk j, entries [lo, hi) of st (at most one slot's
+// worth), marking its ends with slot j mod depth's events. The stream
+// waits order it after chunk j-depth, the last that may have used its
+// part of the ring.
+func (c *Copier) stageChunk(l *lane, toG1 bool, st *staged, j, lo, hi int) error {
+	blocks, host, addrs := st.blocks, st.host, st.addrs
+	s := j % c.depth
+	ds := l.dma[j%len(l.dma)] // this chunk's DMA stream
+	off := cu.DevicePtr(8 * lo)
+	kernel := func() error {
+		return c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, toG1, st.ids+off, st.dAddrs+off, hi-lo, addrs[lo:hi])
+	}
+	if !toG1 {
+		if j >= c.depth {
+			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
 				return fmt.Errorf("cuda: wait for staging slot: %w", err)
 			}
 		}
-		for i := lo; i < hi; {
-			k := i + 1
-			for k < hi && host[k] == host[k-1]+uintptr(c.bpb) {
-				k++
-			}
-			if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
-				return fmt.Errorf("cuda: staging copy of G1 block %d: %w", blocks[i], err)
-			}
-			i = k
+		if err := kernel(); err != nil {
+			return err
 		}
-		if err := l.dDone[s].Record(ds); err != nil {
-			return fmt.Errorf("cuda: record staging copy: %w", err)
+		if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
+			return fmt.Errorf("cuda: order staging copies: %w", err)
 		}
-		if toG1 {
-			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-				return fmt.Errorf("cuda: order staging copies: %w", err)
-			}
-			if err := c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, true, ids+off, dAddrs+off, hi-lo, addrs[lo:hi]); err != nil {
-				return err
-			}
-			if err := l.kDone[s].Record(l.kstream); err != nil {
-				return fmt.Errorf("cuda: record staging kernel: %w", err)
-			}
+	} else if j >= c.depth {
+		if err := ds.Wait(l.kDone[s], 0); err != nil {
+			return fmt.Errorf("cuda: wait for staging slot: %w", err)
+		}
+	}
+	// One DMA copy per run of entries adjacent both in host memory and in
+	// the ring.
+	for i := lo; i < hi; {
+		k := i + 1
+		for k < hi && host[k] == host[k-1]+uintptr(c.bpb) && addrs[k] == addrs[k-1]+uintptr(c.bpb) {
+			k++
+		}
+		if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
+			return fmt.Errorf("cuda: staging copy of G1 block %d: %w", blocks[i], err)
+		}
+		i = k
+	}
+	if err := l.dDone[s].Record(ds); err != nil {
+		return fmt.Errorf("cuda: record staging copy: %w", err)
+	}
+	if toG1 {
+		if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
+			return fmt.Errorf("cuda: order staging copies: %w", err)
+		}
+		if err := kernel(); err != nil {
+			return err
+		}
+		if err := l.kDone[s].Record(l.kstream); err != nil {
+			return fmt.Errorf("cuda: record staging kernel: %w", err)
 		}
 	}
 	return nil
+}
+
+// descriptors makes the lane's descriptor buffers hold n entries and
+// returns the page-locked host side: [G1 block ids n][copy addresses n].
+func (l *lane) descriptors(n int) ([]uint64, error) {
+	if n > l.descCap {
+		if err := l.freeDesc(); err != nil {
+			return nil, err
+		}
+		want := max(n, 1024)
+		var err error
+		if l.descH, err = hostAlloc(int64(16 * want)); err != nil {
+			return nil, fmt.Errorf("cuda: descriptor buffer: %w", err)
+		}
+		if l.descD, err = cu.MemAlloc(int64(16 * want)); err != nil {
+			_ = hostFree(l.descH)
+			l.descH = 0
+			return nil, fmt.Errorf("cuda: device descriptor buffer: %w", err)
+		}
+		l.descCap = want
+	}
+	return unsafe.Slice((*uint64)(unsafePtr(l.descH)), 2*n), nil
 }
 
 // upload writes the batch's descriptors (G1 block ids, then copy addresses)
 // to the lane's device buffer with one copy and returns where each array starts.
 func (c *Copier) upload(l *lane, s cu.Stream, blocks []int, addrs []uintptr) (ids, dAddrs cu.DevicePtr, err error) {
 	n := len(blocks)
-	if n > l.descCap {
-		if err := l.freeDesc(); err != nil {
-			return 0, 0, err
-		}
-		want := max(n, 1024)
-		if l.descH, err = hostAlloc(int64(16 * want)); err != nil {
-			return 0, 0, fmt.Errorf("cuda: descriptor buffer: %w", err)
-		}
-		if l.descD, err = cu.MemAlloc(int64(16 * want)); err != nil {
-			_ = hostFree(l.descH)
-			l.descH = 0
-			return 0, 0, fmt.Errorf("cuda: device descriptor buffer: %w", err)
-		}
-		l.descCap = want
+	d, err := l.descriptors(n)
+	if err != nil {
+		return 0, 0, err
 	}
-	d := unsafe.Slice((*uint64)(unsafePtr(l.descH)), 2*n)
 	for i, b := range blocks {
 		d[i] = uint64(b)
 		d[n+i] = uint64(addrs[i])
@@ -1081,6 +1300,12 @@ func (c *Copier) release() error {
 			errs = append(errs, cu.DestroyEvent(&l.dDone[i]))
 		}
 		l.kDone, l.dDone = nil, nil
+		for _, evs := range l.bDone {
+			for i := range evs {
+				errs = append(errs, cu.DestroyEvent(&evs[i]))
+			}
+		}
+		l.bDone = nil
 		l.mu.Unlock()
 	}
 	c.regMu.Lock()

@@ -218,52 +218,66 @@ func TestParseMode(t *testing.T) {
 	require.ErrorContains(t, err, "DYN_KVBM_CUDA_COPY")
 }
 
-// TestAutoMode: Batch for blocks of long contiguous pieces (≥ 64 KiB) when
-// the driver has it, Staged for shorter pieces; and the DMA streams' defaults.
+// TestAutoMode: Split with no fixed share for every layout when the driver
+// has the batched copies (its batch share one pitched copy per block where
+// the layers are equally spaced), Staged otherwise; and the DMA streams'
+// defaults.
 func TestAutoMode(t *testing.T) {
 	needGPU(t)
-	// TensorRT-LLM, 2 layers × K/V × 16 KiB chunks: one 64 KiB piece a block.
-	g := newCache(t, layout.TRTLLM, 1, []int64{8, 2, 2, 16 * 8 * 64}, 8, 16, 2)
-	c, err := New(g.eng, Options{})
-	require.NoError(t, err)
-	defer c.Close()
-	want, streams := Staged, DefaultDMAStreams
+	want := Staged
 	if batchInit() == nil {
-		want, streams = Batch, DefaultBatchStreams
+		want = Split
 	}
-	require.Equal(t, want, c.Mode(), c.String())
-	require.Len(t, c.lanes[1].dma, streams)
-	// FlashAttention, K and V of a layer apart: 32 KiB pieces, and the
-	// layers not whole K/V planes apart (4 KiB more), so no pitched copy.
-	g = newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2, []int64{0, 4096})
-	c2, err := New(g.eng, Options{})
-	require.NoError(t, err)
-	defer c2.Close()
-	require.Equal(t, Staged, c2.Mode(), c2.String())
-	require.Len(t, c2.lanes[0].dma, DefaultDMAStreams)
-	// The same layout with its layers back to back: one pitched copy a block.
-	g = newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, 8, 16, 2, []int64{0, 0})
-	c3, err := New(g.eng, Options{})
-	require.NoError(t, err)
-	defer c3.Close()
-	if batchInit() == nil && batch3DInit() == nil {
-		require.Equal(t, Batch, c3.Mode(), c3.String())
-		require.NotNil(t, c3.pitched, c3.String())
-	} else {
-		require.Equal(t, Staged, c3.Mode(), c3.String())
+	for _, tc := range []struct {
+		name    string
+		kind    layout.Kind
+		n       int
+		shape   []int64
+		gaps    []int64
+		pitched bool
+	}{
+		// TensorRT-LLM, 2 layers × K/V × 16 KiB chunks: one 64 KiB piece a block.
+		{"trtllm", layout.TRTLLM, 1, []int64{8, 2, 2, 16 * 8 * 64}, nil, false},
+		// FlashAttention, the layers not whole K/V planes apart (4 KiB
+		// more), so no pitched copy.
+		{"flash_attn_uneven", layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, []int64{0, 4096}, false},
+		// The same layout with its layers back to back: one pitched copy a block.
+		{"flash_attn_packed", layout.FlashAttn, 2, []int64{2, 8, 16, 16, 64}, []int64{0, 0}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var g *gpuCache
+			if tc.gaps == nil {
+				g = newCache(t, tc.kind, tc.n, tc.shape, 8, 16, 2)
+			} else {
+				g = newCacheIn(t, tc.kind, tc.n, tc.shape, 8, 16, 2, tc.gaps)
+			}
+			c, err := New(g.eng, Options{})
+			require.NoError(t, err)
+			defer c.Close()
+			require.Equal(t, want, c.Mode(), c.String())
+			require.Len(t, c.lanes[1].dma, DefaultDMAStreams)
+			require.Contains(t, c.String(), fmt.Sprintf("×%d,", DefaultStagedThreads))
+			if want == Split {
+				require.Len(t, c.lanes[1].bdma, DefaultSplitStreams)
+				require.Equal(t, 0, c.opts.SplitPercent)
+				require.Contains(t, c.String(), "no fixed share")
+				require.Equal(t, tc.pitched && batch3DInit() == nil, c.pitched != nil, c.String())
+				require.Equal(t, SplitPipelineDepth, c.depth)
+			}
+		})
 	}
-	require.Contains(t, c2.String(), fmt.Sprintf("×%d,", DefaultStagedThreads))
 }
 
 func TestDirectNeedsContiguousBlocks(t *testing.T) {
 	needGPU(t)
-	// Layers 4 KiB more than whole K/V planes apart: Auto cannot batch them.
+	// Layers 4 KiB more than whole K/V planes apart: Direct cannot move a
+	// block with one copy, and Auto does not pick it.
 	g := newCacheIn(t, layout.FlashAttn, 2, []int64{2, 8, 16, 2, 64}, 8, 16, 2, []int64{0, 4096})
 	_, err := New(g.eng, Options{Mode: Direct})
 	require.ErrorContains(t, err, "contiguous")
 	c, err := New(g.eng, Options{})
 	require.NoError(t, err)
-	require.Equal(t, DefaultMode, c.Mode())
+	require.NotEqual(t, Direct, c.Mode())
 	require.NoError(t, c.Close())
 }
 
@@ -389,6 +403,37 @@ func TestRoundTrip(t *testing.T) {
 						roundTrip(t, g, c, viaDisk)
 					})
 				}
+				if m == Split {
+					// Shared in pieces of one or two blocks: each side
+					// comes back many times and every event is reused;
+					// and a fixed share.
+					for _, o := range []Options{{SplitChunkBytes: g.eng.BytesPerBlock()}, {SplitChunkBytes: 2 * g.eng.BytesPerBlock(), PipelineDepth: 3}, {SplitPercent: 30}} {
+						t.Run(fmt.Sprintf("%s/chunk%d/pct%d", name, o.SplitChunkBytes/g.eng.BytesPerBlock(), o.SplitPercent), func(t *testing.T) {
+							o.Mode, o.StagingBytes, o.MaxBatch = m, 3*g.eng.BytesPerBlock(), 16
+							c, err := New(g.eng, o)
+							require.NoError(t, err)
+							roundTrip(t, g, c, viaDisk)
+						})
+					}
+					for _, busy := range []struct {
+						name string
+						fn   func(int) bool
+					}{{"busy", func(int) bool { return true }}, {"busy-idle", func(j int) bool { return j%3 == 1 }}} {
+						t.Run(name+"/"+busy.name, func(t *testing.T) {
+							// As while the engine's kernels hold the SMs
+							// (one one-block staged chunk at a time, the
+							// batched copies on every stream), and as
+							// when the GPU turns busy and idle again:
+							// chunks of one and of two blocks in turn, so
+							// chunks wrap around the staging ring.
+							c, err := New(g.eng, Options{Mode: m, StagingBytes: 6 * g.eng.BytesPerBlock(), PipelineDepth: 3, SplitChunkBytes: 2 * g.eng.BytesPerBlock(), MaxBatch: 16})
+							require.NoError(t, err)
+							c.testBusy = busy.fn
+							roundTrip(t, g, c, viaDisk)
+							require.Contains(t, c.String(), "so far")
+						})
+					}
+				}
 				if m == Batch || m == Direct || m == Staged || m == Split {
 					for _, ns := range []int{1, 5} {
 						t.Run(fmt.Sprintf("%s/streams%d", name, ns), func(t *testing.T) {
@@ -477,7 +522,6 @@ func TestCoalescedCopies(t *testing.T) {
 		g := newCache(t, lc.kind, lc.n, lc.shape, lc.blocks, lc.bs, lc.dtype)
 		probe, err := New(g.eng, Options{})
 		require.NoError(t, err)
-		require.Equal(t, Staged, probe.Mode(), "small test blocks have short contiguous pieces")
 		modes := modesFor(probe)
 		require.NoError(t, probe.Close())
 		for _, m := range modes {

@@ -179,6 +179,15 @@ static int kvbm_memcpy_batch3d(uint64_t* g1, uint64_t* host, size_t n, int to_de
 	return r;
 }
 
+// kvbm_event_done: 1 when every work recorded before ev finished, 0 while
+// some is pending, -r on an error.
+static int kvbm_event_done(uintptr_t ev) {
+	CUresult r = cuEventQuery((CUevent)ev);
+	if (r == CUDA_SUCCESS) return 1;
+	if (r == CUDA_ERROR_NOT_READY) return 0;
+	return -(int)r;
+}
+
 static const char* kvbm_cu_error(int r) {
 	const char* s = 0;
 	if (cuGetErrorString((CUresult)r, &s) != CUDA_SUCCESS || s == 0) return "unknown CUDA error";
@@ -249,6 +258,15 @@ func hostFree(p uintptr) error { return cuErr("cuMemFreeHost", C.kvbm_host_free(
 // (single-pointer structs) for the calls cu does not offer on raw handles.
 func rawStream(s *cu.Stream) uintptr { return *(*uintptr)(unsafe.Pointer(s)) }
 func rawEvent(e *cu.Event) uintptr   { return *(*uintptr)(unsafe.Pointer(e)) }
+
+// eventDone reports whether the work recorded before ev has finished.
+func eventDone(ev *cu.Event) (bool, error) {
+	r := C.kvbm_event_done(C.uintptr_t(rawEvent(ev)))
+	if r < 0 {
+		return false, cuErr("cuEventQuery", -r)
+	}
+	return r == 1, nil
+}
 
 // fence records ev on the engine stream and makes every one of streams wait for it.
 func fence(ev, engine uintptr, streams ...uintptr) error {

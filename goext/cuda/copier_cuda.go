@@ -100,13 +100,6 @@ const (
 	splitBusyDiv  = 8
 )
 
-// SplitStagingBytes and SplitPipelineDepth are Split's staging buffer per
-// direction and its slots when neither is set.
-const (
-	SplitStagingBytes  = 256 << 20
-	SplitPipelineDepth = 4
-)
-
 var modeNames = [...]string{Auto: "auto", Kernel: "kernel", Staged: "staged", Direct: "direct", Batch: "batch", Split: "split"}
 
 func (m Mode) String() string {
@@ -310,8 +303,7 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	if opts.DMAStreams > 8 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_DMA_STREAMS=%d: want 1 to 8", opts.DMAStreams)
 	}
-	stagingDefault, depthDefault := opts.StagingBytes <= 0, opts.PipelineDepth <= 0
-	if stagingDefault {
+	if opts.StagingBytes <= 0 {
 		opts.StagingBytes = 128 << 20
 	}
 	if opts.CTAsPerSM <= 0 {
@@ -350,11 +342,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 		if c.mode == Batch {
 			c.opts.DMAStreams = DefaultBatchStreams
 		}
-	}
-	if c.mode == Split && stagingDefault && depthDefault {
-		// More slots let the staged share take most of a batch on an idle
-		// GPU; on a busy one it keeps one small chunk in flight (runShared).
-		c.opts.StagingBytes, c.opts.PipelineDepth = SplitStagingBytes, SplitPipelineDepth
 	}
 	opts = c.opts
 	c.depth = opts.PipelineDepth

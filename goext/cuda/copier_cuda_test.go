@@ -262,7 +262,7 @@ func TestAutoMode(t *testing.T) {
 				require.Equal(t, 0, c.opts.SplitPercent)
 				require.Contains(t, c.String(), "no fixed share")
 				require.Equal(t, tc.pitched && batch3DInit() == nil, c.pitched != nil, c.String())
-				require.Equal(t, SplitPipelineDepth, c.depth)
+				require.Equal(t, 2, c.depth)
 			}
 		})
 	}

@@ -27,6 +27,7 @@ from kvbm._core import Worker  # noqa: E402
 from kvbm import _plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS, NBLOCKS = 4, 2, 64, 16, 96
+MLA_LATENT = 72  # 576 in DeepSeek's models
 N = 24  # blocks per round trip
 
 
@@ -66,6 +67,8 @@ class Cache:
             self.tensors = [rand_bf16((2, NBLOCKS, BS, HEADS, DIM)) for _ in range(LAYERS)]
         elif kind == "flashinfer":
             self.tensors = [rand_bf16((NBLOCKS, 2, BS, HEADS, DIM)) for _ in range(LAYERS)]
+        elif kind == "mla":  # vLLM's MLA backends: one latent per token and layer
+            self.tensors = [rand_bf16((NBLOCKS, BS, MLA_LATENT)) for _ in range(LAYERS)]
         else:  # trtllm: one pool [N, L, kv_factor, heads × block_size × head_dim]
             self.tensors = [rand_bf16((NBLOCKS, LAYERS, 2, HEADS * BS * DIM))]
 
@@ -111,7 +114,8 @@ def set_stream(w, stream):
 
 
 MODES = {"flash_attn": ["kernel", "staged", "batch", "split"], "flashinfer": ["kernel", "staged", "batch", "split"],
-         "trtllm": ["direct", "kernel", "staged", "batch", "split", "auto"]}
+         "trtllm": ["direct", "kernel", "staged", "batch", "split", "auto"],
+         "mla": ["kernel", "staged", "batch", "split", "auto"]}
 CASES = [(k, m, via) for k, ms in MODES.items() for m in ms for via in ("g2", "g3")]
 
 

@@ -181,6 +181,9 @@ var layouts = []layoutCase{
 	{"flash_attn", layout.FlashAttn, 4, []int64{2, 96, 16, 2, 64}, 96, 16, 2},
 	{"flashinfer", layout.FlashInfer, 4, []int64{96, 2, 16, 2, 64}, 96, 16, 2},
 	{"trtllm", layout.TRTLLM, 1, []int64{96, 4, 2, 2 * 16 * 64}, 96, 16, 2},
+	// vLLM's MLA backends: one latent per token and layer (72 here, 576 in
+	// DeepSeek's), no K/V split.
+	{"mla", layout.MLA, 4, []int64{96, 16, 72}, 96, 16, 2},
 	// 30-byte chunks: the unaligned (byte) kernel.
 	{"flash_attn_unaligned", layout.FlashAttn, 3, []int64{2, 96, 3, 1, 5}, 96, 3, 2},
 }

@@ -60,6 +60,8 @@ int kvbm_leader_match(uint64_t hd, char *req_id, uint32_t *tokens, int64_t n, ui
                       int64_t *out_tokens, int32_t *out_async, char **err);
 int kvbm_leader_update_after_alloc(uint64_t hd, char *req_id, int64_t *block_ids, int64_t n, int64_t num_external,
                                    char **err);
+int kvbm_leader_load_sources(uint64_t hd, char *req_id, int64_t num_tokens, int64_t *out_host, int64_t *out_disk,
+                             int64_t *out_remote, char **err);
 int kvbm_leader_step(uint64_t hd, void *in, int64_t in_len, uint8_t **out, int64_t *out_len, char **err);
 int kvbm_leader_request_finished(uint64_t hd, char *req_id, int32_t *out_pending, char **err);
 int kvbm_leader_reset(uint64_t hd, char **err);

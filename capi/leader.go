@@ -459,6 +459,31 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 	return statusOK
 }
 
+// kvbm_leader_load_sources splits the first num_tokens tokens of a planned
+// load (after kvbm_leader_update_after_alloc, before the next step) by the
+// tier they come from: host (G2), disk (G3) and remote (G4) tokens, in block
+// order. vLLM asks for it to report cache hits per source.
+//
+//export kvbm_leader_load_sources
+func kvbm_leader_load_sources(hd C.uint64_t, reqID *C.char, numTokens C.int64_t, outHost, outDisk, outRemote *C.int64_t,
+	errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, err := leaderOf(hd)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := errors.Join(checkReqID("kvbm_leader_load_sources", reqID),
+		checkOut("kvbm_leader_load_sources", ptr(outHost), ptr(outDisk), ptr(outRemote))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
+	}
+	if numTokens < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_load_sources: negative token count %d", int64(numTokens)), errOut)
+	}
+	host, disk, remote := h.l.LoadSources(C.GoString(reqID), int(numTokens))
+	*outHost, *outDisk, *outRemote = C.int64_t(host), C.int64_t(disk), C.int64_t(remote)
+	return statusOK
+}
+
 // stepUpdate is one scheduled request, msgpack-encoded by the Python adapter
 // as an array: [req_id, new_tokens, new_block_ids, num_computed,
 // num_scheduled, priority, salt, resumed].

@@ -110,6 +110,15 @@ CASES = {
         expect_error("kvbm_leader_update_after_alloc", leader._h, None, ids, 4, 0, match="null request id")
         expect_error("kvbm_leader_update_after_alloc", leader._h, b"r", ids, 4, -8, match="negative external")
     """,
+    "leader load_sources: request id, count, outputs": """
+        leader = Leader(block_size=4, bytes_per_block=64)
+        outs = [c_int64() for _ in range(3)]
+        refs = [ctypes.byref(o) for o in outs]
+        expect_error("kvbm_leader_load_sources", leader._h, None, 4, *refs, match="null request id")
+        expect_error("kvbm_leader_load_sources", leader._h, b"r", -1, *refs, match="negative token count")
+        expect_error("kvbm_leader_load_sources", leader._h, b"r", 4, refs[0], None, refs[2], match="null output pointer")
+        assert leader.load_sources("r", 4) == (0, 0, 0)  # still serving; nothing planned for "r"
+    """,
     "leader step: bad update buffer and outputs": """
         leader = Leader(block_size=4, bytes_per_block=64)
         payload = bytes([0x93, 0x90, 0x90, 0x90])  # msgpack [[], [], []]

@@ -162,6 +162,32 @@ def test_promised_load_completes(engine):
             assert torch.equal(layer[:, 10 + i], layer[:, 1 + i])
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cache_hit_sources_name_the_tier_of_each_loaded_block(env, tier):
+    """vLLM asks, right after update_state_after_alloc, which tier the hit
+    tokens come from (its per-source prefix cache metrics): G2 is host, G3
+    disk, block by block; tokens kvbm did not plan count as unspecified."""
+    source = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
+    if tier == "disk":  # disk only: blocks go G1 → G3 directly
+        env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "0")
+        env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "64")
+    want = source.HOST if tier == "host" else source.DISK
+    eng = Engine()
+    try:
+        tokens = list(range(300, 300 + 4 * BS + 2))
+        offload_prompt(eng, tokens, [1, 2, 3, 4, 5])
+        b, got = promise_load(eng, tokens, [10, 11, 12, 13, 14])
+        assert got == 4 * BS
+        assert eng.sched.get_external_cache_hit_sources(b, got) == {want: got}
+        assert eng.sched.get_external_cache_hit_sources(b, got - 1) == {want: got - 1}
+        other = request("x", tokens)
+        assert eng.sched.get_external_cache_hit_sources(other, 5) == {source.EXTERNAL_UNSPECIFIED: 5}
+        assert eng.sched.get_external_cache_hit_sources(b, 0) == {}
+        assert eng.worker.get_external_cache_hit_sources(b, got) == {}  # scheduler only
+    finally:
+        eng.close()
+
+
 def _raise(*_args, **_kwargs):
     raise RuntimeError("injected leader failure")
 

@@ -240,6 +240,36 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 	l.m.MatchedTokens.Add(float64(n * bs))
 }
 
+// LoadSources splits the first numTokens tokens of reqID's planned load
+// (UpdateStateAfterAlloc, before the next Step) by the tier each block comes
+// from, block by block in prefix order: host (G2), disk (G3), remote (G4).
+// Tokens past the planned blocks, or of a request with no planned load, are
+// in none of them.
+func (l *Leader) LoadSources(reqID string, numTokens int) (host, disk, remote int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	s, ok := l.slots[reqID]
+	if !ok || s.load != loadPlanned {
+		return 0, 0, 0
+	}
+	for _, src := range s.staged {
+		n := min(l.bs, numTokens)
+		if n <= 0 {
+			break
+		}
+		numTokens -= n
+		switch src.tier {
+		case plan.G2:
+			host += n
+		case plan.G3:
+			disk += n
+		default:
+			remote += n
+		}
+	}
+	return host, disk, remote
+}
+
 // LoadsFinished releases the sources of the requests' loads once the workers
 // reported them finished (successfully or not; failures come through
 // LoadErrors, in either order: the leader remembers the last load into each

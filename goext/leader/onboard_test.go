@@ -68,6 +68,30 @@ func TestMatchingRule(t *testing.T) {
 			for k, src := range s.staged {
 				require.Equal(t, hs[tc.numComputed/bs+k], src.hash, "staged in prompt order")
 			}
+			if len(tc.wantTiers) == 0 {
+				return
+			}
+			// The planned load's tokens by tier (vLLM's per-source hits):
+			// nothing before it is planned; block by block after, the last
+			// block partial when fewer tokens are asked for.
+			h, d, r := e.l.LoadSources("r", n)
+			require.Equal(t, [3]int{}, [3]int{h, d, r}, "not planned yet")
+			g1 := make([]int64, tc.promptLen/bs+1)
+			for i := range g1 {
+				g1[i] = int64(40 + i)
+			}
+			e.l.UpdateStateAfterAlloc("r", g1, n)
+			var want [3]int
+			for _, tier := range tc.wantTiers {
+				want[map[plan.Tier]int{plan.G2: 0, plan.G3: 1}[tier]] += bs
+			}
+			h, d, r = e.l.LoadSources("r", n)
+			require.Equal(t, want, [3]int{h, d, r})
+			want[map[plan.Tier]int{plan.G2: 0, plan.G3: 1}[tc.wantTiers[len(tc.wantTiers)-1]]]--
+			h, d, r = e.l.LoadSources("r", n-1)
+			require.Equal(t, want, [3]int{h, d, r}, "one token less: from the last block's tier")
+			h, d, r = e.l.LoadSources("other", n)
+			require.Equal(t, [3]int{}, [3]int{h, d, r}, "unknown request")
 		})
 	}
 }

@@ -199,6 +199,8 @@ _native.register_signatures(
             [c_uint64, c_char_p, _P(c_uint32), c_int64, c_uint64, c_int64, _P(c_int64), _P(c_int32), _ERR],
         ),
         "kvbm_leader_update_after_alloc": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int64), c_int64, c_int64, _ERR]),
+        "kvbm_leader_load_sources": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(c_int64), _P(c_int64), _P(c_int64),
+                                                    _ERR]),
         "kvbm_leader_step": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_leader_request_finished": (ctypes.c_int, [c_uint64, c_char_p, _P(c_int32), _ERR]),
         "kvbm_leader_reset": (ctypes.c_int, [c_uint64, _ERR]),
@@ -350,6 +352,15 @@ class Leader(_native.Handle):
     def update_after_alloc(self, req_id: str, block_ids: Iterable[int], num_external_tokens: int) -> None:
         arr, n = _int64_array(list(block_ids))
         _native.call("kvbm_leader_update_after_alloc", self._h, req_id.encode(), arr, n, int(num_external_tokens))
+
+    def load_sources(self, req_id: str, num_tokens: int) -> tuple[int, int, int]:
+        """How the first ``num_tokens`` tokens of the request's planned load
+        (after :meth:`update_after_alloc`, before the next :meth:`step`) split
+        by tier: (host, disk, remote) tokens, from G2, G3 and G4."""
+        host, disk, remote = c_int64(), c_int64(), c_int64()
+        _native.call("kvbm_leader_load_sources", self._h, req_id.encode(), int(num_tokens), byref(host),
+                     byref(disk), byref(remote))
+        return host.value, disk.value, remote.value
 
     def step(self, updates: Sequence[Sequence[object]], loaded: Iterable[str] = (),
              load_errors: Iterable[int] = ()) -> bytes:

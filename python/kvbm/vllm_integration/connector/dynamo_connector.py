@@ -162,6 +162,11 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._scheduler_side is not None:
             self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        if self._scheduler_side is None:
+            return {}
+        return self._scheduler_side.get_external_cache_hit_sources(request, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output: Any) -> DynamoConnectorMetadata:
         if self._scheduler_side is None:
             return DynamoConnectorMetadata()

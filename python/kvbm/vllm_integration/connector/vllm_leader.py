@@ -199,6 +199,28 @@ class VllmConnectorLeader(VllmSide):
             block_ids = blocks.get_block_ids()[0]
             self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's per-source cache hit counts (asked right after
+        update_state_after_alloc): the tokens of the planned load by the tier
+        each block comes from, host (G2) and disk (G3); G4, an object store
+        shared by a fleet, has no source of its own in vLLM and counts as
+        external_unspecified, as do tokens kvbm cannot place."""
+        try:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        except ImportError:  # a vLLM without per-source hit metrics never asks
+            return {}
+        if num_external_tokens <= 0:
+            return {}
+        host = disk = 0
+        if self._leader is not None:
+            try:
+                host, disk, _ = self._leader.load_sources(request.request_id, num_external_tokens)
+            except Exception as e:  # noqa: BLE001 - metrics only: the engine keeps serving
+                log.warning("kvbm: cache hit sources of request %s: %s", request.request_id, e)
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk,
+               CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - host - disk}
+        return {k: v for k, v in out.items() if v > 0}
+
     def _failure_meta(self) -> DynamoConnectorMetadata:
         """The metadata of a step kvbm could not plan: the promised loads that
         no plan carries go to the workers as failed."""

@@ -43,11 +43,12 @@ def by_tag(res):
 def test_offload_onboard_eviction_determinism(harness):
     spec = {
         "env": {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100},
-        "engine": {"num_gpu_blocks_override": 16},
+        "engine": {"num_gpu_blocks_override": 16, "disable_log_stats": False},
         "actions": [
             gen("first", A),
             {"reset": True, "tag": "reset1"},
             gen("after_reset", A),
+            {"vllm_metric": "vllm:prompt_tokens_cached_by_source", "by": "source", "tag": "by_source"},
             gen("evict_with_b", B),
             gen("a_after_eviction", A),
             gen("b_again", B),
@@ -71,6 +72,11 @@ def test_offload_onboard_eviction_determinism(harness):
     assert m1["kvbm_matched_tokens"] == 6 * BS
     assert m1["kvbm_offload_blocks_d2h"] == 6, "blocks kvbm already holds are not offloaded again"
     assert t["after_reset"]["tokens"] == t["first"]["tokens"]
+    # vLLM's own per-source counter names the tier kvbm loaded from (the
+    # connector's get_external_cache_hit_sources): host (G2), every token.
+    src = t["by_source"]["vllm_metric"]
+    assert src.get("host") == 6 * BS, src
+    assert not src.get("external_unspecified"), src
     # B evicts A from G1; A is onboarded from G2 again with identical output.
     m2 = t["evict_with_b"]["metrics"]
     m3 = t["a_after_eviction"]["metrics"]

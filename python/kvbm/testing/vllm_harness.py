@@ -292,6 +292,12 @@ def run(spec: dict) -> dict:
         elif act.get("reset"):
             # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
             rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))
+        elif act.get("vllm_metric"):
+            # vLLM's own counters (needs "engine": {"disable_log_stats": false}):
+            # one value per label set, keyed by the label named in "by".
+            by = act.get("by", "")
+            rec["vllm_metric"] = {m.labels.get(by, ""): getattr(m, "value", None)
+                                  for m in llm.get_metrics() if m.name == act["vllm_metric"]}
         elif act.get("corrupt_disk"):
             rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
         elif act.get("s3"):

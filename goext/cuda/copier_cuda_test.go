@@ -498,6 +498,8 @@ func TestBadOptions(t *testing.T) {
 	require.ErrorContains(t, err, "KVBM_CUDA_STAGED_THREADS=48")
 	_, err = New(g.eng, Options{DMAStreams: 9})
 	require.ErrorContains(t, err, "KVBM_CUDA_DMA_STREAMS=9")
+	_, err = New(g.eng, Options{Mode: Split, SplitStreams: 9})
+	require.ErrorContains(t, err, "KVBM_CUDA_SPLIT_STREAMS=9")
 	_, err = New(g.eng, Options{Mode: Split, SplitPercent: 100})
 	require.ErrorContains(t, err, "KVBM_CUDA_SPLIT_PCT=100")
 	c, err := New(g.eng, Options{Mode: Staged, StagedLowPriority: true})

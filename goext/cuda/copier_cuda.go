@@ -9,7 +9,6 @@ import (
 	"os"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -267,14 +266,18 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, fmt.Errorf("cuda: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
-	envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20)
-	envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1)
-	envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1)
-	envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1)
-	envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1)
-	envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1)
-	envInt(&opts.SplitChunkBytes, "KVBM_CUDA_SPLIT_CHUNK_MIB", 1<<20)
-	envInt(&opts.SplitStreams, "KVBM_CUDA_SPLIT_STREAMS", 1)
+	if err := errors.Join(
+		envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20),
+		envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1),
+		envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1),
+		envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1),
+		envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1),
+		envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1),
+		envInt(&opts.SplitChunkBytes, "KVBM_CUDA_SPLIT_CHUNK_MIB", 1<<20),
+		envInt(&opts.SplitStreams, "KVBM_CUDA_SPLIT_STREAMS", 1),
+	); err != nil {
+		return nil, err
+	}
 	if opts.SplitStreams > 8 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_STREAMS=%d: want 1 to 8", opts.SplitStreams)
 	}
@@ -455,16 +458,18 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	return c, nil
 }
 
-// envInt sets *v to the environment variable's value × unit when *v is
-// zero and the variable holds a positive integer (tuning knobs for the
-// Staged mode, read where the C ABI gives no option for them).
-func envInt[T int | int64](v *T, name string, unit T) {
+// envInt sets *v to the environment variable's value × unit (knob) when *v
+// is zero and the variable is set; a value that is not a positive integer
+// is an error naming the variable.
+func envInt[T int | int64](v *T, name string, unit T) error {
 	if *v != 0 {
-		return
+		return nil
 	}
-	if n, err := strconv.ParseInt(getenv(name), 10, 64); err == nil && n > 0 {
-		*v = T(n) * unit
+	n, err := knob(name, getenv(name), int64(unit))
+	if n > 0 {
+		*v = T(n)
 	}
+	return err
 }
 
 // analyse derives the strides the kernel needs from the layout's chunk

@@ -16,14 +16,16 @@ worker (C ABI → Go → CUDA), for each layout and copy mode, and checking byte
    (steps back to back) vs while torch's pinned contiguous copies do the same
    (same run). kvbm's engine-stream fence points at an idle stream, so its
    copies do not wait for the queued matmuls; the movers wait by polling, so
-   no thread holds the GIL while waiting.
+   no thread holds the GIL while waiting. Windows alternate alone / with the
+   mover (--mm-windows with it, each between two alone); the slowdown is the
+   median of each with-window against the two around it.
 
 Baselines in the same run: (a) torch's pinned contiguous copy of the same
 number of bytes, each way and both ways at once; (b) naive per-block,
 per-layer torch copies. GB/s = 10^9 bytes per second of moved payload
 (2,048 × 2 MiB = 4.29 GB each way).
 
-    PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm] [--modes staged,kernel]
+    PYTHONPATH=python python3 bench/gpu_transfer.py [--layouts flash_attn,flashinfer,trtllm] [--modes auto,staged,batch]
 
 A mode may carry tuning knobs, each `@name=value`: `batch@streams=4`,
 `staged@mib=128@slots=2@grid=66@threads=128@streams=1` (see KNOBS).
@@ -393,7 +395,7 @@ def main():
     ap.add_argument("--blocks", type=int, default=8192)
     ap.add_argument("--moved", type=int, default=2048)
     ap.add_argument("--layouts", default="flash_attn,flashinfer,trtllm")
-    ap.add_argument("--modes", default="staged,kernel", help="kvbm modes for per-layer layouts (trtllm adds direct)")
+    ap.add_argument("--modes", default="auto,staged,batch", help="kvbm modes for per-layer layouts (trtllm adds direct)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
     ap.add_argument("--mm-windows", type=int, default=5, help="matmul windows with the mover (each between two alone)")

@@ -211,15 +211,18 @@ class VllmConnectorLeader(VllmSide):
             return {}
         if num_external_tokens <= 0:
             return {}
-        host = disk = 0
-        if self._leader is not None:
-            try:
-                host, disk, _ = self._leader.load_sources(request.request_id, num_external_tokens)
-            except Exception as e:  # noqa: BLE001 - metrics only: the engine keeps serving
-                log.warning("kvbm: cache hit sources of request %s: %s", request.request_id, e)
+        host, disk = self._load_sources(request.request_id, num_external_tokens)
         out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk,
                CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - host - disk}
         return {k: v for k, v in out.items() if v > 0}
+
+    @guarded((0, 0))
+    def _load_sources(self, rid: str, num_tokens: int) -> tuple[int, int]:
+        """(host, disk) tokens of the request's planned load; (0, 0) without a leader."""
+        if self._leader is None:
+            return 0, 0
+        host, disk, _ = self._leader.load_sources(rid, num_tokens)
+        return host, disk
 
     def _failure_meta(self) -> DynamoConnectorMetadata:
         """The metadata of a step kvbm could not plan: the promised loads that

@@ -177,6 +177,10 @@ type Config struct {
 
 	Object Object // G4 (object.go)
 
+	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
+	// instead of their defaults (secret.go). Never logged.
+	StorageSecret []byte
+
 	// Warnings name the Dynamo variables that are set but that kvbm does
 	// not act on, each with what kvbm does instead (logged at start-up).
 	Warnings []string
@@ -269,6 +273,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		ZMQMaxMessageMB: p.count(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 
 		Object: p.object(),
+
+		StorageSecret: p.storageSecret(),
 	}
 
 	c.Warnings = p.unsupported(c)

@@ -50,6 +50,7 @@ func (p *parser) storageSecret() []byte {
 	return nil
 }
 
+// errprefix: its errors are only the reason of a VarError, which names the variable.
 func readSecretFile(path string) ([]byte, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {

@@ -325,6 +325,9 @@ def test_leader_calls_are_recorded(make_engine, tmp_path):
     eng = make_engine(env_extra={"DYN_KVBM_ENABLE_RECORD": "1", "DYN_KVBM_RECORD_PATH": str(path)})
     first = toks(4 * BS + 1)
     run_and_onboard(eng, first, 1, first[:4 * BS] + [9, 9, 9], expect_blocks=4)
+    from kvbm import _record
+
+    assert _record.flush()  # records are written by a background thread
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert {r["engine"] for r in recs} == {"trtllm"}
     matched = [r for r in recs if r["method"] == "get_num_new_matched_tokens"]

@@ -24,7 +24,10 @@ import (
 // Inputs are the properties a fingerprint covers.
 type Inputs struct {
 	// Model identifies the weights: the engine's model name or path, with
-	// its revision when the engine knows one. Empty when the engine gave
+	// its revision, hub snapshot commit and a digest of the model's config,
+	// index and weight-file heads when the adapter can see them (Python's
+	// kvbm._model_digest), so new weights under an old name do not match
+	// blocks of the old ones. Opaque here. Empty when the engine gave
 	// none; the layout then still separates unrelated models of different
 	// shapes, but two models of one architecture would collide, so adapters
 	// always pass it.

@@ -18,22 +18,35 @@ recorded as a compact summary: a request as its id and token counts, a
 block list as its block ids, token lists as their length, bytes as their
 length, other objects as their public attributes (four levels deep).
 
-The record is for debugging; it never breaks the engine: a record that
-cannot be made or written is skipped, with one warning per process.
+The record is for debugging; it never breaks or stalls the engine. The
+recorded call only summarizes its record and queues it; a background
+thread writes the file. When the writer falls behind (a slow disk), records
+are dropped and counted, with one warning; their ``seq`` numbers are then
+missing from the file. The file must be a regular file owned by this user,
+writable by no one else and with one name; a missing one is created with
+mode 0600. A symlink at the path is not followed and a FIFO is never waited
+on: such a path, or one that cannot be written, turns recording off with
+one warning per process. Every string is written as a JSON string, ``$``
+and backquotes as ``\\u`` escapes too, so a request id chosen by a client
+can neither break a line nor run in a shell that reads the file.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import functools
 import inspect
 import json
 import logging
+import math
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
 from kvbm._envs import env_bool
 
@@ -124,6 +137,8 @@ def _int_lists(items: list[Any]) -> bool:
 
 def summarize(x: Any, depth: int = 0) -> Any:
     """A JSON-able, compact form of x (see the module docstring)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # NaN and Infinity are not JSON
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, (bytes, bytearray, memoryview)):
@@ -189,44 +204,191 @@ def _field(key: str, v: Any, depth: int) -> Any:
     return summarize(v, depth)
 
 
+# Records wait here for the writer thread; when it falls behind (a slow or
+# stuck disk), further records are dropped rather than making the engine wait.
+QUEUE_CAPACITY = 4096
+
+# Shell-active characters, written as JSON escapes: the line parses to the
+# same strings, and a record file sourced by mistake expands nothing.
+_SHELL_ESCAPES = str.maketrans({"$": "\\u0024", "`": "\\u0060"})
+
+
+def _line(rec: dict[str, Any]) -> str:
+    """One record as one line of ASCII JSON. Every string (request ids and
+    anything else an engine's client chose) is a JSON string: quotes,
+    newlines and control characters escaped, nothing written raw."""
+    text = json.dumps(rec, ensure_ascii=True, allow_nan=False, default=lambda o: {"type": type(o).__name__})
+    return text.translate(_SHELL_ESCAPES) + "\n"
+
+
+class RecordFileError(OSError):
+    """The record path is not a file kvbm may write."""
+
+
+def _open_record_file(path: str) -> int:
+    """A write descriptor on path, which must be a regular file owned by this
+    user, writable by no one else, with one name; a missing file is created
+    (mode 0600). The open never follows a symlink (another user's link in
+    /tmp must not aim the record at a file of ours) and never waits (a FIFO
+    with no reader would block the engine for ever)."""
+    base = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, base | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        # A file, or a symlink (O_EXCL does not follow it either): checked below,
+        # or ELOOP for the link.
+        fd = os.open(path, base)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordFileError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_uid != os.geteuid():
+            raise RecordFileError(f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise RecordFileError(f"writable by group or others (mode {stat.filemode(st.st_mode)})")
+        if st.st_nlink != 1:
+            raise RecordFileError(f"the file has {st.st_nlink} links (names); want 1")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _Sink:
-    """One record file, shared by every recorder of the process."""
+    """One record file, shared by every recorder of the process.
 
-    def __init__(self, path: str) -> None:
+    The recorded call only summarizes its record and appends it to a bounded
+    queue (``submit``); a daemon writer thread, started by ``start``, formats
+    and writes the records. When the queue is full the record is dropped and
+    counted (``dropped``): its ``seq`` is then missing from the file.
+    """
+
+    def __init__(self, path: str, capacity: int = QUEUE_CAPACITY) -> None:
         self.path = path
-        self.lock = threading.Lock()
-        self.file: TextIO | None = None
-        self.seq = 0
+        self.capacity = capacity
+        self.cond = threading.Condition()
+        # Guarded by cond:
+        self.pending: collections.deque[dict[str, Any]] = collections.deque()
+        self.seq = 0  # calls seen, recorded or dropped
+        self.accepted = 0  # records queued
+        self.done = 0  # records the writer is finished with (written or failed)
+        self.dropped = 0
+        self.off = False  # the file cannot be written: recording is off
+        # Owned by the writer thread once started:
+        self.fd: int | None = None
         self.failures = 0
+        self.thread: threading.Thread | None = None
 
-    def write(self, rec: dict[str, Any]) -> None:
-        with self.lock:
+    def open(self) -> bool:
+        """Open the record file; on failure, one warning and recording off."""
+        try:
+            self.fd = _open_record_file(self.path)
+            return True
+        except OSError as e:
+            self._turn_off(e)
+            return False
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="kvbm-record", daemon=True)
+        self.thread.start()
+
+    def _turn_off(self, e: BaseException) -> None:
+        with self.cond:
+            self.off = True
+            self.done += len(self.pending)
+            self.pending.clear()
+            self.cond.notify_all()
+        log.warning("kvbm: cannot write the call record to %s (%s): %s; "
+                    "the engine continues, calls are not recorded", self.path, PATH_ENV, e)
+
+    def submit(self, rec: dict[str, Any]) -> None:
+        """Queue rec for the writer; never waits for I/O."""
+        first_drop = False
+        with self.cond:
+            if self.off:
+                return
+            rec["seq"] = self.seq
+            self.seq += 1
+            if len(self.pending) >= self.capacity:
+                self.dropped += 1
+                first_drop = self.dropped == 1
+            else:
+                self.pending.append(rec)
+                self.accepted += 1
+                self.cond.notify_all()
+        if first_drop:
+            log.warning("kvbm: the call record %s is %d records behind; dropping records until it "
+                        "catches up (their seq numbers are missing from the file)", self.path, self.capacity)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the records queued so far are written (or given up);
+        whether they were within timeout."""
+        with self.cond:
+            target = self.accepted
+            return self.cond.wait_for(lambda: self.done >= target, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: bool(self.pending) or self.off)
+                if self.off:
+                    return
+                batch = list(self.pending)
+                self.pending.clear()
+            lines = []
+            for rec in batch:
+                try:
+                    lines.append(_line(rec))
+                except Exception:  # noqa: BLE001 - a record never breaks the engine
+                    lines.append(_line({"seq": rec.get("seq"), "method": rec.get("method"),
+                                        "unrecorded": "not JSON"}))
             try:
-                rec["seq"] = self.seq
-                line = json.dumps(rec, default=lambda o: {"type": type(o).__name__}) + "\n"
-                if self.file is None:
-                    self.file = open(self.path, "a", encoding="utf-8")
-                self.file.write(line)
-                self.file.flush()
-                self.seq += 1
-            except Exception as e:  # noqa: BLE001 - a record never breaks the engine
-                self.failures += 1
-                if self.failures == 1:
-                    log.warning("kvbm: cannot write the call record to %s (%s=%s): %s; "
-                                "the engine continues, calls are not recorded", self.path, PATH_ENV,
-                                self.path, e)
+                self._write_lines(lines)
+            except OSError as e:
+                with self.cond:
+                    self.done += len(batch)
+                fd, self.fd = self.fd, None
+                if fd is not None:
+                    os.close(fd)
+                self._turn_off(e)
+                return
+            with self.cond:
+                self.done += len(batch)
+                self.cond.notify_all()
+
+    def _write_lines(self, lines: list[str]) -> None:
+        assert self.fd is not None
+        data = memoryview("".join(lines).encode("ascii"))
+        while data:
+            n = os.write(self.fd, data)
+            data = data[n:]
 
 
 _sinks: dict[str, _Sink] = {}
 _sinks_lock = threading.Lock()
 
 
-def _sink(path: str) -> _Sink:
+def _sink(path: str) -> _Sink | None:
+    """The sink of path, opened and started on first use; None (recording
+    off) when the file cannot be written."""
     with _sinks_lock:
         s = _sinks.get(path)
         if s is None:
             s = _sinks[path] = _Sink(path)
-        return s
+            if s.open():
+                s.start()
+        return None if s.off else s
+
+
+def flush(timeout: float | None = 5.0) -> bool:
+    """Wait for every sink's queued records to be written; whether they were
+    within timeout (each)."""
+    with _sinks_lock:
+        sinks = list(_sinks.values())
+    return all([s.flush(timeout) for s in sinks])
+
+
+atexit.register(flush, 2.0)
 
 
 def _recorded(sink: _Sink, engine: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -255,13 +417,13 @@ def _recorded(sink: _Sink, engine: str, name: str, fn: Callable[..., Any]) -> Ca
             out = fn(*args, **kwargs)
         except BaseException as e:
             rec["error"] = f"{type(e).__name__}: {e}"
-            sink.write(rec)
+            sink.submit(rec)
             raise
         try:
             rec["output"] = summarize(out)
         except Exception as e:  # noqa: BLE001
             rec["output"] = {"unrecorded": type(e).__name__}
-        sink.write(rec)
+        sink.submit(rec)
         return out
 
     return call
@@ -275,6 +437,8 @@ def record_calls(obj: Any, engine: str, methods: tuple[str, ...]) -> bool:
         return False
     path = record_path()
     sink = _sink(path)
+    if sink is None:  # warned once
+        return False
     for name in methods:
         fn = getattr(obj, name, None)
         if callable(fn):

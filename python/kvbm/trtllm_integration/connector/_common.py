@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from kvbm import _model_digest
+
 # A child of TensorRT-LLM's logger name, so lines are easy to find in its log.
 log = logging.getLogger("tensorrt_llm.kvbm")
 
@@ -128,15 +130,13 @@ def parallel_sizes(llm_args: Any) -> dict[str, int]:
 
 
 def model_identity(llm_args: Any) -> str:
-    """The model's name or path (and revision when set): blocks kept beyond
-    this process (persistent disk tier, object storage) only match the same
-    weights."""
+    """The model's name or path, revision when set and files digest
+    (kvbm._model_digest): blocks kept beyond this process (persistent disk
+    tier, object storage) only match the same weights."""
     model = _get(llm_args, "model")
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    name = str(model) if isinstance(model, str) else ""
-    rev = _get(llm_args, "revision")
-    return f"{name}@{rev}" if rev else name
+    return _model_digest.model_identity(model if isinstance(model, str) else "", _get(llm_args, "revision"))
 
 
 def this_rank(llm_args: Any) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm._adapter_common import FailureState
+from kvbm._model_digest import model_identity
 
 # A child of vLLM's logger, so lines appear in the engine's own log format.
 log = logging.getLogger("vllm.kvbm")
@@ -101,14 +102,15 @@ def _lora_name(request: Any) -> str | None:
 
 
 def _model_identity(vllm_config: Any) -> str:
-    """The model's name or path and revision: blocks kept beyond this process
-    (persistent disk tier, object storage) only match the same weights."""
+    """The model's name or path, revision and files digest
+    (kvbm._model_digest): blocks kept beyond this process (persistent disk
+    tier, object storage) only match the same weights."""
     mc = getattr(vllm_config, "model_config", None)
     if mc is None:
         return ""
-    model = str(getattr(mc, "model", "") or "")
-    rev = getattr(mc, "revision", None)
-    return f"{model}@{rev}" if rev else model
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    return model_identity(str(getattr(mc, "model", "") or ""), getattr(mc, "revision", None),
+                          download_dir if isinstance(download_dir, str) and download_dir else None)
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:

@@ -52,6 +52,9 @@ type leaderOptions struct {
 	// G4Async: the engine asks again when kvbm_leader_match answers -1
 	// (a G4 lookup is running); vLLM does.
 	G4Async bool `json:"g4_async,omitempty"`
+	// LoadFullHit: a prompt cached whole loads every block and is reported
+	// one token short (leader.Options.LoadFullHit); vLLM sets it.
+	LoadFullHit bool `json:"load_full_hit,omitempty"`
 }
 
 type leaderHandle struct {
@@ -192,6 +195,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		Background:       o.Background,
 		SideChannel:      bc,
 		BroadcastTimeout: sideChannelTimeout(o.SideChannel),
+		LoadFullHit:      o.LoadFullHit,
 	})
 	if err != nil {
 		h.release()

@@ -162,6 +162,25 @@ def test_promised_load_completes(engine):
             assert torch.equal(layer[:, 10 + i], layer[:, 1 + i])
 
 
+def test_prompt_cached_whole_loads_every_block(engine):
+    """A prompt that ends on a block boundary and is cached whole: kvbm loads
+    all of its blocks and answers one token short of the prompt, so vLLM
+    computes only the last token (over loaded KV) instead of a whole block."""
+    tokens = list(range(250, 250 + 4 * BS))
+    offload_prompt(engine, tokens, [1, 2, 3, 4])
+    _, got = promise_load(engine, tokens, [10, 11, 12, 13])
+    assert got == 4 * BS - 1
+    meta, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert plan_summary(meta.plan)["loads"] == {"b": [10, 11, 12, 13]}
+    deadline = time.monotonic() + 60  # loads are asynchronous: wait by wall clock, not by step count
+    while not recving and time.monotonic() < deadline:
+        _, recving, invalid = engine.step(scheduler_output(), forward=False)
+    assert recving == {"b"} and invalid == set()
+    for i in range(4):
+        for layer in engine.kv.values():
+            assert torch.equal(layer[:, 10 + i], layer[:, 1 + i])
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_cache_hit_sources_name_the_tier_of_each_loaded_block(env, tier):
     """vLLM asks, right after update_state_after_alloc, which tier the hit

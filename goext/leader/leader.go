@@ -81,6 +81,14 @@ type Options struct {
 	BroadcastTimeout time.Duration
 	// G4 enables the object-storage tier (g4.go); nil: none. Needs G2.
 	G4 *G4Options
+	// LoadFullHit: when every block of a prompt that ends on a block
+	// boundary is cached, load all of them and report one token fewer than
+	// the prompt; the engine recomputes only the last token over the loaded
+	// KV (the same values, written again) so it can sample the next one.
+	// vLLM accepts such a hit (its scheduler keeps at least one token to
+	// compute). Off (TensorRT-LLM, whose matches are whole blocks), the last
+	// block is left to the engine: a full hit then recomputes a whole block.
+	LoadFullHit bool
 }
 
 // Leader is one engine instance's block manager. See the package comment.
@@ -96,6 +104,7 @@ type Leader struct {
 	filter   *freqFilter
 	maxMoves int
 	persist  bool         // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
+	fullHit  bool         // Options.LoadFullHit
 	g4       *g4State     // nil: no G4 tier (g4.go)
 	sc       *sideChannel // background loop; nil without Options.SideChannel
 	hits     *hitWindow
@@ -169,6 +178,7 @@ func New(opts Options) (*Leader, error) {
 		minPrio:   cfg.HostOffloadPrefixMinPriority,
 		maxMoves:  opts.MaxMovesPerStep,
 		persist:   cfg.DiskPersist,
+		fullHit:   opts.LoadFullHit,
 		slots:     make(map[string]*slot),
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),

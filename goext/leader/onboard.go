@@ -116,9 +116,10 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 			srcs = append(srcs, source{tier: plan.G4, idx: -1, hash: h}) // bounce allocated when planned
 		}
 	}
-	if numComputed+len(srcs)*bs == len(tokens) {
-		// Full-prompt hit; the sources are ordered host then disk, so the last
-		// one is from the deepest tier used.
+	if numComputed+len(srcs)*bs == len(tokens) && !l.fullHit {
+		// Full-prompt hit, and the engine takes only whole blocks: the last
+		// block is left to it. The sources are ordered host then disk, so the
+		// last one is from the deepest tier used.
 		srcs = srcs[:len(srcs)-1]
 	}
 	for _, src := range srcs {
@@ -149,7 +150,12 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	}
 	s.load = loadStaged
 	s.computedAt = numComputed
-	return len(srcs) * bs, true
+	n := len(srcs) * bs
+	if numComputed+n == len(tokens) {
+		// LoadFullHit: every block loads; the engine computes the last token.
+		n--
+	}
+	return n, true
 }
 
 // unstage releases a staged or planned (not yet emitted) load.
@@ -192,7 +198,9 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 		return
 	}
 	bs := l.bs
-	n := min(numExternalTokens/bs, len(s.staged))
+	// A full hit is accepted one token short of its last block
+	// (LoadFullHit): that block still loads whole.
+	n := min((numExternalTokens+bs-1)/bs, len(s.staged))
 	first := s.computedAt / bs
 	if avail := len(g1BlockIDs) - first; n > avail {
 		l.log.Warn("kvbm: fewer G1 blocks than promised external tokens; loading what fits",
@@ -237,7 +245,7 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 	if fromG4 > 0 {
 		object.CountOnboard(fromG4)
 	}
-	l.m.MatchedTokens.Add(float64(n * bs))
+	l.m.MatchedTokens.Add(float64(min(n*bs, numExternalTokens)))
 }
 
 // LoadSources splits the first numTokens tokens of reqID's planned load

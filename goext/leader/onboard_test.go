@@ -270,3 +270,62 @@ func TestLoadErrorOnPinnedBlockDoesNotDropWhileInUse(t *testing.T) {
 	require.Equal(t, 1, e.l.host.NumInactive())
 	require.Equal(t, 15, e.l.host.NumFree())
 }
+
+// TestLoadFullHit: with LoadFullHit (vLLM), a prompt that ends on a block
+// boundary and is cached whole loads every block and leaves the engine only
+// its last token; without it (TensorRT-LLM) the last block is recomputed.
+func TestLoadFullHit(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		promptLen   int
+		host, disk  []int
+		numComputed int
+		want        int
+		wantTiers   []plan.Tier
+	}{
+		{name: "all G2", promptLen: 16, host: []int{0, 1, 2, 3}, want: 15,
+			wantTiers: []plan.Tier{plan.G2, plan.G2, plan.G2, plan.G2}},
+		{name: "G2 then G3", promptLen: 16, host: []int{0, 1}, disk: []int{2, 3}, want: 15,
+			wantTiers: []plan.Tier{plan.G2, plan.G2, plan.G3, plan.G3}},
+		{name: "one block", promptLen: 4, host: []int{0}, want: 3, wantTiers: []plan.Tier{plan.G2}},
+		{name: "after a G1 hit", promptLen: 16, host: []int{3}, numComputed: 12, want: 3,
+			wantTiers: []plan.Tier{plan.G2}},
+		{name: "not a full hit: whole blocks", promptLen: 16, host: []int{0, 1, 2}, want: 12,
+			wantTiers: []plan.Tier{plan.G2, plan.G2, plan.G2}},
+		{name: "partial tail: whole blocks", promptLen: 18, host: []int{0, 1, 2, 3}, want: 16,
+			wantTiers: []plan.Tier{plan.G2, plan.G2, plan.G2, plan.G2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnvWith(t, 16, 16, nil, func(o *Options) { o.LoadFullHit = true })
+			prompt := toks(100, tc.promptLen)
+			seed(t, e.l.host, prompt, tc.host...)
+			seed(t, e.l.disk, prompt, tc.disk...)
+			n, async := e.l.GetNumNewMatchedTokens("r", prompt, 0, tc.numComputed)
+			require.Equal(t, tc.want, n)
+			require.True(t, async)
+			g1 := make([]int64, (tc.promptLen+bs-1)/bs)
+			for i := range g1 {
+				g1[i] = int64(100 + i)
+			}
+			e.l.UpdateStateAfterAlloc("r", g1, n)
+			h, d, r := e.l.LoadSources("r", n)
+			require.Equal(t, n, h+d+r, "every accepted token has a source")
+			st := e.step(t)
+			require.Len(t, st.Loads, 1)
+			var tiers []plan.Tier
+			for k, c := range st.Loads[0].Copies {
+				tiers = append(tiers, c.Src)
+				require.Equal(t, g1[tc.numComputed/bs+k], c.DstBlock, "block %d loads into its G1 block", k)
+			}
+			require.Equal(t, tc.wantTiers, tiers, "the last block loads whole")
+			require.Equal(t, float64(n), val(e.m.MatchedTokens))
+		})
+	}
+	t.Run("off: the last block is the engine's", func(t *testing.T) {
+		e := newEnv(t, 16, 16, nil)
+		prompt := toks(100, 16)
+		seed(t, e.l.host, prompt, 0, 1, 2, 3)
+		n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+		require.Equal(t, 12, n)
+	})
+}

@@ -262,7 +262,8 @@ class Leader(_native.Handle):
 
     def __init__(self, *, block_size: int, bytes_per_block: int = 0, num_workers: int = 1, worker_id: int = 0,
                  consolidator: ConsolidatorOptions | None = None, background: bool = False,
-                 g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None) -> None:
+                 g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None,
+                 load_full_hit: bool = False) -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts: dict[str, object] = {
@@ -281,6 +282,10 @@ class Leader(_native.Handle):
         if g4_async:
             # The engine asks again when match answers PENDING (a G4 lookup runs).
             opts["g4_async"] = True
+        if load_full_hit:
+            # A prompt cached whole loads every block; match reports one token
+            # short of it, so the engine computes only the last token.
+            opts["load_full_hit"] = True
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))

@@ -107,6 +107,7 @@ class VllmConnectorLeader(VllmSide):
             num_workers=tp_size,
             consolidator=consolidator,
             g4_async=True,  # vLLM asks again when told "not ready yet" (None)
+            load_full_hit=True,  # vLLM computes the last token of a prompt cached whole
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
         )
         if tp_size > 1:

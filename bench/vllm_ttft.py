@@ -102,6 +102,7 @@ def main():
           f"re-visited in shuffled order; G1 {g1} blocks, kvbm G2 {host} blocks + G3 {disk} blocks on disk; "
           f"the enlarged-G1 baseline has {g1 + host} blocks (G1 + G2 bytes); kvbm settings: {compare.KVBM_ENV}",
           flush=True)
+    print(compare.engine_threads(), flush=True)
     tries = []
     for k in range(max(a.repeat, 1)):
         order_k = compare.COLUMNS[k % 4:] + compare.COLUMNS[:k % 4]

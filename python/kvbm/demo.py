@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"turn: ~{need} blocks of {bs} tokens; vLLM's G1 {a.g1_blocks} blocks; kvbm G2 {a.host_blocks} blocks "
           f"(the enlarged G1 gets the same bytes: {a.g1_blocks + a.host_blocks} blocks), G3 {a.disk_blocks} blocks "
           f"on disk", flush=True)
+    print(compare.engine_threads(), flush=True)
     warm = {"each": [[5 + (i % 200) for i in range(96)]], "max_tokens": 1, "tag": "warmup"}
     runs = compare.run_columns(model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks, [warm, chat], columns,
                                kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})

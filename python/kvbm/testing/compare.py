@@ -38,6 +38,24 @@ ENLARGED = "no kvbm, G1 + G2 bytes"
 COLUMNS = ("no kvbm", "no-op connector", ENLARGED, "kvbm")
 BASELINES = COLUMNS[:3]
 
+# Cores vLLM's CPU backend keeps free of the model's OpenMP threads, the same
+# in every column. vLLM reserves one core per rank for its scheduler, and one
+# more as soon as any KV connector is configured; on a machine with few cores
+# that changes the model's thread count (on 2 cores: 1 OpenMP thread without
+# a connector, 2 with one and no core left for the scheduler), so columns with
+# and without a connector would not run the same model. Every column runs
+# with VLLM_CPU_NUM_OF_RESERVED_CPU set to this (the harness runs one rank).
+RESERVED_CPUS = 1
+
+
+def engine_threads() -> str:
+    """The thread layout every column runs with, for the bench's header."""
+    n = len(os.sched_getaffinity(0))
+    return (f"every column: VLLM_CPU_NUM_OF_RESERVED_CPU={RESERVED_CPUS} "
+            f"({max(n - RESERVED_CPUS, 1)} OpenMP thread(s) for the model of {n} cores, "
+            f"{min(RESERVED_CPUS, n - 1)} core(s) for vLLM's scheduler and kvbm)")
+
+
 # kvbm's settings in the kvbm column besides the tier sizes. By default a
 # block goes to disk only once it has been registered in G2 twice (a
 # frequency filter that spares the disk); these workloads come back to every
@@ -70,6 +88,17 @@ def _fstype(path: str) -> str:
 _PROGRESS = re.compile(r"^\[\w+\] request \d")
 
 
+def harness_env(spec: dict, root: str, run_dir: str) -> dict[str, str]:
+    """The environment of one column's engine process: the caller's, the
+    column's own variables, kvbm's disk tier in the run's private directory,
+    and the same core reservation in every column (RESERVED_CPUS)."""
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
+    env.setdefault("DYN_KVBM_DISK_CACHE_DIR", run_dir)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(RESERVED_CPUS)
+    return env
+
+
 def run_harness(spec: dict, label: str) -> dict:
     """One engine run of kvbm.testing.vllm_harness in a subprocess; prints its
     per-request progress lines."""
@@ -78,9 +107,7 @@ def run_harness(spec: dict, label: str) -> dict:
         sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
         with open(sp, "w") as f:
             json.dump(spec, f)
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
-        env.setdefault("DYN_KVBM_DISK_CACHE_DIR", d)
+        env = harness_env(spec, root, d)
         print(f"== {label}: starting vLLM (CPU backend) ...", flush=True)
         t0 = time.time()
         p = subprocess.Popen([sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op], env=env,

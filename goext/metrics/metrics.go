@@ -115,6 +115,8 @@ func registerZMQGuard(r *prometheus.Registry) {
 			func(s zmqguard.Stats) uint64 { return s.OversizedMessages }},
 		{"kvbm_zmq_slow_peers_dropped", "ZeroMQ peers disconnected for not taking a write in time (e.g. a subscriber that stopped reading)",
 			func(s zmqguard.Stats) uint64 { return s.SlowPeersDropped }},
+		{"kvbm_zmq_subscribers_dropped", "ZeroMQ subscribers disconnected for subscribing past the topic count or topic bytes cap",
+			func(s zmqguard.Stats) uint64 { return s.SubscribersDropped }},
 	} {
 		r.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: x.name, Help: x.help},
 			func() float64 { return float64(x.get(zmqguard.Default().Stats())) }))

@@ -1,6 +1,7 @@
 // Command pubflood measures what a subscription flood costs a kvbm
-// publisher: a zmq4 PUB bound as the consolidator's output is (same
-// high-water mark, through the same transport) takes -topics distinct
+// publisher: a PUB bound as the consolidator's output is (kvbm's
+// zmqguard.Pub, or with -pub zmq4 zmq4's PUB, as it was; same high-water
+// mark, through the same transport) takes -topics distinct
 // subscriptions of -topic-bytes each from one hostile peer, which reconnects
 // whenever it is dropped until it has sent them all. It prints the Go heap
 // in use and the process's RSS before and after, the topics the PUB holds,
@@ -9,9 +10,10 @@
 //
 // -network kvbm+tcp is kvbm's guarded transport (goext/zmqguard); -network
 // tcp is zmq4's own, which handles subscriptions as the guard did before it
-// capped them.
+// capped them (with -pub zmq4 only: kvbm's Pub listens only through the
+// guard).
 //
-//	go run ./bench/pubflood [-network kvbm+tcp|tcp] [-topics 200000] [-topic-bytes 1024]
+//	go run ./bench/pubflood [-pub kvbm|zmq4] [-network kvbm+tcp|tcp] [-topics 200000] [-topic-bytes 1024]
 package main
 
 import (
@@ -38,9 +40,18 @@ func main() {
 	network := flag.String("network", zmqguard.Network, "zmq4 transport of the PUB: kvbm+tcp (guarded) or tcp")
 	topics := flag.Int("topics", 200_000, "distinct subscriptions the hostile peer sends")
 	topicBytes := flag.Int("topic-bytes", 1024, "bytes per topic")
+	kind := flag.String("pub", "kvbm", "publisher: kvbm (zmqguard.Pub) or zmq4 (zmq4.NewPub)")
 	flag.Parse()
 
-	pub := zmq4.NewPub(context.Background())
+	var pub zmq4.Socket
+	switch *kind {
+	case "kvbm":
+		pub = zmqguard.NewPub()
+	case "zmq4":
+		pub = zmq4.NewPub(context.Background())
+	default:
+		log.Fatalf("-pub %q: want kvbm or zmq4", *kind)
+	}
 	defer pub.Close()
 	check(pub.SetOption(zmq4.OptionHWM, 1<<16)) // the consolidator's output
 	check(pub.Listen(*network + "://127.0.0.1:0"))
@@ -65,8 +76,8 @@ func main() {
 		_ = c.Close()
 	}
 
-	fmt.Printf("network %s: %d subscriptions of %d bytes in %.1fs over %d connections (%d dropped by the PUB side)\n",
-		*network, *topics, *topicBytes, floodTime.Seconds(), len(conns), dropped)
+	fmt.Printf("%s PUB, network %s: %d subscriptions of %d bytes in %.1fs over %d connections (%d dropped by the PUB side)\n",
+		*kind, *network, *topics, *topicBytes, floodTime.Seconds(), len(conns), dropped)
 	fmt.Printf("topics held by the PUB after the flood: %d\n", held)
 	fmt.Printf("Go heap in use: %.1f MB -> %.1f MB (+%.1f MB)\n", mb(heap0), mb(heap1), mb(heap1)-mb(heap0))
 	fmt.Printf("RSS:            %.1f MB -> %.1f MB (+%.1f MB)\n", mb(rss0), mb(rss1), mb(rss1)-mb(rss0))

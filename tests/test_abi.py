@@ -80,11 +80,13 @@ def test_config_error_names_variable():
         except kvbm.KvbmConfigError as e:
             print('ERR', e)
         """,
-        env={"DYN_KVBM_CPU_CACHE_GB": "lots", "DYN_KVBM_METRICS_PORT": "70000"},
+        env={"DYN_KVBM_CPU_CACHE_GB": "lots", "DYN_KVBM_METRICS_PORT": "70000",
+             "DYN_KVBM_METRICS_HOST": "http://0.0.0.0"},
     )
     assert r.returncode == 0, r.stderr
     assert "DYN_KVBM_CPU_CACHE_GB" in r.stdout and "lots" in r.stdout
     assert "DYN_KVBM_METRICS_PORT" in r.stdout and "70000" in r.stdout
+    assert "DYN_KVBM_METRICS_HOST" in r.stdout and "http://0.0.0.0" in r.stdout
 
 
 def test_config_requires_a_tier():

@@ -47,6 +47,7 @@ const (
 	EnvMaxTransferBatchSize         = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE"
 	EnvMetrics                      = "DYN_KVBM_METRICS"
 	EnvMetricsPort                  = "DYN_KVBM_METRICS_PORT"
+	EnvMetricsHost                  = "DYN_KVBM_METRICS_HOST"
 	EnvMetricsMaxConnections        = "DYN_KVBM_METRICS_MAX_CONNECTIONS"
 	EnvMetricsReadHeaderTimeoutSecs = "DYN_KVBM_METRICS_READ_HEADER_TIMEOUT_SECS"
 	EnvMetricsReadTimeoutSecs       = "DYN_KVBM_METRICS_READ_TIMEOUT_SECS"
@@ -95,6 +96,9 @@ const (
 	DefaultMaxConcurrentTransfers = 4
 	DefaultMaxTransferBatchSize   = 16
 	DefaultMetricsPort            = 6880
+	// DefaultMetricsHost keeps the endpoint on this host: a scraper
+	// elsewhere needs DYN_KVBM_METRICS_HOST set to an address it can reach.
+	DefaultMetricsHost = "127.0.0.1"
 	// The metrics endpoint's bounds (goext/metrics.ServerOptions): a scrape
 	// is one small request every few seconds, so a handful of scrapers need
 	// far fewer connections than this, and an idle or trickling connection
@@ -150,8 +154,9 @@ type Config struct {
 	MaxConcurrentTransfers int // parallel transfer batches
 	MaxTransferBatchSize   int // blocks per transfer batch
 
-	Metrics     bool // serve Prometheus on 0.0.0.0:MetricsPort/metrics
+	Metrics     bool // serve Prometheus on MetricsHost:MetricsPort/metrics
 	MetricsPort int
+	MetricsHost string // an IP address or host name of this host
 	// Bounds of the metrics endpoint: connections held at once, and the time
 	// a connection may take to send its headers, its whole request, to take
 	// the response, and idle between requests.
@@ -254,6 +259,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		Metrics:     p.boolean(EnvMetrics, false),
 		MetricsPort: p.port(EnvMetricsPort, DefaultMetricsPort),
+		MetricsHost: p.host(EnvMetricsHost, DefaultMetricsHost),
 
 		MetricsMaxConnections:    p.count(EnvMetricsMaxConnections, DefaultMetricsMaxConnections, 1),
 		MetricsReadHeaderTimeout: p.seconds(EnvMetricsReadHeaderTimeoutSecs, DefaultMetricsReadHeaderTimeout),
@@ -432,8 +438,8 @@ func (c *Config) Summary() string {
 		c.LeaderZMQHost, c.LeaderZMQPubPort, c.LeaderZMQAckPort, c.LeaderWorkerInitTimeout, c.LeaderWorkerLiveness)
 	fmt.Fprintf(&b, "  zmq: messages up to %d MiB\n", c.ZMQMaxMessageMB)
 	if c.Metrics {
-		fmt.Fprintf(&b, "  metrics: on, 0.0.0.0:%d/metrics (up to %d connections; timeouts: headers %s, "+
-			"request %s, response %s, idle %s)\n", c.MetricsPort, c.MetricsMaxConnections,
+		fmt.Fprintf(&b, "  metrics: on, %s/metrics (up to %d connections; timeouts: headers %s, "+
+			"request %s, response %s, idle %s)\n", c.MetricsAddr(), c.MetricsMaxConnections,
 			c.MetricsReadHeaderTimeout, c.MetricsReadTimeout, c.MetricsWriteTimeout, c.MetricsIdleTimeout)
 	} else {
 		b.WriteString("  metrics: off\n")

@@ -38,6 +38,7 @@ func TestDefaults(t *testing.T) {
 		MaxConcurrentTransfers:   4,
 		MaxTransferBatchSize:     16,
 		MetricsPort:              6880,
+		MetricsHost:              "127.0.0.1",
 		MetricsMaxConnections:    64,
 		MetricsReadHeaderTimeout: 5 * time.Second,
 		MetricsReadTimeout:       10 * time.Second,
@@ -191,16 +192,21 @@ func TestVariables(t *testing.T) {
 		tc{name: "case", value: "Open-Direct", reason: "must be one of default, open-direct"},
 	)
 	add(EnvDiskCacheDir, tc{name: "valid", value: "/x-10.0.0.2", check: num(func(c *Config) any { return c.DiskCacheDir }, "/x-10.0.0.2")})
-	host := func(c *Config) any { return c.LeaderZMQHost }
-	add(EnvLeaderZMQHost,
-		tc{name: "ip", value: "10.0.0.2", check: num(host, "10.0.0.2")},
-		tc{name: "ipv6", value: "::1", check: num(host, "::1")},
-		tc{name: "name", value: "node-3.cluster.local", check: num(host, "node-3.cluster.local")},
-		tc{name: "path", value: "/x-10.0.0.2", reason: "not an IP address or host name"},
-		tc{name: "url", value: "tcp://10.0.0.2", reason: "not an IP address or host name"},
-		tc{name: "port", value: "10.0.0.2:5555", reason: "not an IP address or host name"},
-		tc{name: "dash", value: "-node", reason: "starts or ends with '-'"},
-	)
+	for env, host := range map[string]func(*Config) any{
+		EnvLeaderZMQHost: func(c *Config) any { return c.LeaderZMQHost },
+		EnvMetricsHost:   func(c *Config) any { return c.MetricsHost },
+	} {
+		add(env,
+			tc{name: "ip", value: "10.0.0.2", check: num(host, "10.0.0.2")},
+			tc{name: "any", value: "0.0.0.0", check: num(host, "0.0.0.0")},
+			tc{name: "ipv6", value: "::1", check: num(host, "::1")},
+			tc{name: "name", value: "node-3.cluster.local", check: num(host, "node-3.cluster.local")},
+			tc{name: "path", value: "/x-10.0.0.2", reason: "not an IP address or host name"},
+			tc{name: "url", value: "tcp://10.0.0.2", reason: "not an IP address or host name"},
+			tc{name: "port", value: "10.0.0.2:5555", reason: "not an IP address or host name"},
+			tc{name: "dash", value: "-node", reason: "starts or ends with '-'"},
+		)
+	}
 	nats := func(c *Config) any { return c.NatsServer }
 	add(EnvNatsServer,
 		tc{name: "url", value: "nats://10.0.0.2:4222", check: num(nats, "nats://10.0.0.2:4222")},
@@ -415,7 +421,7 @@ func TestSummaryAndLogOnce(t *testing.T) {
 	require.NoError(t, err)
 	s := c.Summary()
 	for _, want := range []string{"host (G2) tier: 4 GB", "disk (G3) tier: 500 blocks (override)",
-		"metrics: on, 0.0.0.0:6880/metrics", "trtllm zmq port 5557", "nats://localhost:4222",
+		"metrics: on, 127.0.0.1:6880/metrics", "trtllm zmq port 5557", "nats://localhost:4222",
 		"4 concurrent batches of up to 16 blocks", "worker init timeout 30m0s"} {
 		require.Contains(t, s, want)
 	}

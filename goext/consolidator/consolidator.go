@@ -191,9 +191,10 @@ func New(cfg Config) (*Consolidator, error) {
 		cfg.Mode, orNone(strings.Join(cfg.EngineEndpoints, ", ")), orNone(cfg.ZMQBind), orNone(cfg.NATSURL)))
 
 	if cfg.ZMQBind != "" {
-		// Not c.ctx: Close cancels that first, to stop the subscribers,
-		// and the flusher still publishes the last events after it.
-		pub := zmq4.NewPub(context.Background(), zmq4.WithLogger(slog.NewLogLogger(log.Handler(), slog.LevelDebug)))
+		// kvbm's PUB (zmqguard.Pub): its Close ends its goroutines, and it
+		// lives until Close, after the flusher has published the last
+		// events (c.ctx is cancelled first, to stop the subscribers).
+		pub := zmqguard.NewPub()
 		if err := pub.SetOption(zmq4.OptionHWM, zmqHighWaterMark); err != nil {
 			c.cancel()
 			return nil, fmt.Errorf("consolidator: ZMQ output high-water mark: %w", err)

@@ -115,6 +115,8 @@ func registerZMQGuard(r *prometheus.Registry) {
 			func(s zmqguard.Stats) uint64 { return s.OversizedMessages }},
 		{"kvbm_zmq_slow_peers_dropped", "ZeroMQ peers disconnected for not taking a write in time (e.g. a subscriber that stopped reading)",
 			func(s zmqguard.Stats) uint64 { return s.SlowPeersDropped }},
+		{"kvbm_zmq_subscribers_dropped", "ZeroMQ subscribers disconnected for subscribing past the topic count or topic bytes cap",
+			func(s zmqguard.Stats) uint64 { return s.SubscribersDropped }},
 	} {
 		r.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: x.name, Help: x.help},
 			func() float64 { return float64(x.get(zmqguard.Default().Stats())) }))
@@ -135,6 +137,10 @@ type ServerOptions struct {
 	ReadTimeout       time.Duration // the whole request
 	WriteTimeout      time.Duration // the whole response
 	IdleTimeout       time.Duration // a kept-alive connection between requests
+	// ScrapesPerSecond and ScrapeBurst are each client's token bucket
+	// (clientLimiter): a request beyond it is answered 429.
+	ScrapesPerSecond float64
+	ScrapeBurst      int
 }
 
 // Defaults of ServerOptions (those of the DYN_KVBM_METRICS_* variables). A
@@ -173,6 +179,12 @@ func (o *ServerOptions) fill() {
 	set(&o.ReadTimeout, DefaultReadTimeout)
 	set(&o.WriteTimeout, DefaultWriteTimeout)
 	set(&o.IdleTimeout, DefaultIdleTimeout)
+	if o.ScrapesPerSecond <= 0 {
+		o.ScrapesPerSecond = DefaultScrapesPerSecond
+	}
+	if o.ScrapeBurst <= 0 {
+		o.ScrapeBurst = DefaultScrapeBurst
+	}
 }
 
 // Server serves /metrics until Close.
@@ -181,7 +193,7 @@ type Server struct {
 	Addr string // the address actually bound (useful with port 0)
 }
 
-// Serve starts the Prometheus endpoint on addr (e.g. "0.0.0.0:6880") with
+// Serve starts the Prometheus endpoint on addr (e.g. "127.0.0.1:6880") with
 // the default ServerOptions.
 func (m *Metrics) Serve(addr string) (*Server, error) {
 	return m.ServeWith(addr, ServerOptions{})
@@ -193,14 +205,16 @@ func (m *Metrics) ServeWith(addr string, o ServerOptions) (*Server, error) {
 	o.fill()
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("metrics: endpoint %s (set DYN_KVBM_METRICS_PORT to a free port): %w", addr, err)
+		return nil, fmt.Errorf("metrics: endpoint %s (%s must be an address of this host, %s a free port): %w",
+			addr, config.EnvMetricsHost, config.EnvMetricsPort, err)
 	}
 	mux := http.NewServeMux()
 	g := prometheus.Gatherers{m.Registry}
 	if m.Also != nil {
 		g = append(g, m.Also)
 	}
-	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
+	lim := newClientLimiter(o.ScrapesPerSecond, o.ScrapeBurst)
+	mux.Handle("/metrics", lim.wrap(promhttp.HandlerFor(g, promhttp.HandlerOpts{})))
 	s := &Server{
 		srv: &http.Server{
 			Handler:           mux,

@@ -117,6 +117,7 @@ func TestServerDefaults(t *testing.T) {
 	require.Equal(t, ServerOptions{
 		MaxConns: DefaultMaxConns, ReadHeaderTimeout: DefaultReadHeaderTimeout, ReadTimeout: DefaultReadTimeout,
 		WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout,
+		ScrapesPerSecond: DefaultScrapesPerSecond, ScrapeBurst: DefaultScrapeBurst,
 	}, o)
 }
 

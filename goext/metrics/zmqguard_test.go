@@ -13,7 +13,7 @@ func TestZMQGuardCountersExported(t *testing.T) {
 	for _, f := range fams {
 		names[f.GetName()] = true
 	}
-	for _, n := range []string{"kvbm_zmq_handshakes_refused", "kvbm_zmq_oversized_messages", "kvbm_zmq_slow_peers_dropped"} {
+	for _, n := range []string{"kvbm_zmq_handshakes_refused", "kvbm_zmq_oversized_messages", "kvbm_zmq_slow_peers_dropped", "kvbm_zmq_subscribers_dropped"} {
 		require.True(t, names[n], n)
 	}
 }

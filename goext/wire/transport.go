@@ -168,7 +168,7 @@ func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t := &tcpLeader{ctx: ctx, cancel: cancel}
-	t.pub = zmq4.NewPub(ctx, zmqLogger(log))
+	t.pub = zmqguard.NewPub()
 	if err := t.pub.Listen(zmqguard.Endpoint(ep.PubURL())); err != nil {
 		_ = t.pub.Close()
 		cancel()

@@ -41,6 +41,9 @@ type Conn struct {
 	replay       []byte // handshake bytes not yet handed to zmq4
 	scan         frameScanner
 	readDeadline bool // the handshake's read deadline is still set
+	// sub filters the stream of a peer that is a subscriber (nil for
+	// other peers); it replaces scan once the handshake is replayed.
+	sub *subscriberFilter
 
 	dropped atomic.Bool // the guard closed the connection
 
@@ -73,6 +76,9 @@ func (c *Conn) Read(p []byte) (int, error) {
 		n := copy(p, c.replay)
 		c.replay = c.replay[n:]
 		return n, nil
+	}
+	if c.sub != nil {
+		return c.sub.read(c, p)
 	}
 	n, err := c.Conn.Read(p)
 	if n > 0 {
@@ -166,6 +172,18 @@ func (c *Conn) send(b []byte) error {
 		return err
 	}
 	return nil
+}
+
+// dropSubscriber drops a subscriber that broke the subscription rules:
+// counted, and logged for the first one of the transport.
+func (c *Conn) dropSubscriber(reason string) error {
+	c.t.subscribersDropped.Add(1)
+	err := c.drop(reason)
+	if c.t.subscriberLogged.CompareAndSwap(false, true) {
+		c.t.logger().Warn("zmqguard: dropped a subscriber; later ones are only counted (kvbm_zmq_subscribers_dropped)",
+			"err", err)
+	}
+	return err
 }
 
 // drop closes the connection for a reason the guard found.

@@ -12,10 +12,11 @@ import (
 
 // TestZMQ4PubLeaksAGoroutinePerSocket is the minimal reproduction of a defect
 // in go-zeromq/zmq4 v0.17 that no peer can reach: every closed PUB socket
-// leaves its writer goroutine (pubMWriter.run) and queue behind. kvbm
-// therefore creates each PUB socket once per component lifetime (the
-// consolidator's output, the leader's side channel) and never per
-// reconnect. Should this test fail, zmq4 fixed the leak and that rule can go.
+// leaves its writer goroutine (pubMWriter.run) and queue behind (the
+// socket's Close never stops it, and nothing public can). kvbm therefore
+// publishes through its own Pub (TestPubGoroutinesEndAtClose), and
+// TestNoZMQ4PubOutsideTheGuard keeps it so. Should this test fail, zmq4
+// fixed the leak.
 func TestZMQ4PubLeaksAGoroutinePerSocket(t *testing.T) {
 	const cycles = 40
 	settle := func() int {

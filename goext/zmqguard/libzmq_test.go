@@ -50,9 +50,19 @@ func pythonWithZMQ(t *testing.T) string {
 
 // The guard speaks ZMTP as libzmq does, in both directions, with short and
 // long frames.
+// Both publishers are checked: zmq4's through the guarded transport, and
+// kvbm's own Pub.
 func TestLibzmqPeers(t *testing.T) {
 	py := pythonWithZMQ(t)
-	pub := zmq4.NewPub(context.Background())
+	for name, pub := range map[string]func() zmq4.Socket{
+		"zmq4 PUB": func() zmq4.Socket { return zmq4.NewPub(context.Background()) },
+		"kvbm Pub": func() zmq4.Socket { return zmqguard.NewPub() },
+	} {
+		t.Run(name, func(t *testing.T) { libzmqPeers(t, py, pub()) })
+	}
+}
+
+func libzmqPeers(t *testing.T, py string, pub zmq4.Socket) {
 	defer pub.Close()
 	require.NoError(t, pub.Listen(zmqguard.Endpoint("tcp://127.0.0.1:0")))
 	pull := zmq4.NewPull(context.Background())

@@ -44,3 +44,30 @@ func TestEveryZMQEndpointIsGuarded(t *testing.T) {
 	}
 	require.Positive(t, checked)
 }
+
+// House rule: kvbm publishes through zmqguard.Pub, never zmq4.NewPub, whose
+// sockets each leave a goroutine behind when closed
+// (TestZMQ4PubLeaksAGoroutinePerSocket). wirebench's bare zmq4 baseline is
+// exempt.
+func TestNoZMQ4PubOutsideTheGuard(t *testing.T) {
+	exempt := map[string]bool{filepath.Join("goext", "wire", "wirebench", "wirebench.go"): true}
+	for _, root := range []string{"../../goext", "../../capi"} {
+		err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+				return err
+			}
+			rel, _ := filepath.Rel("../..", path)
+			if strings.HasPrefix(rel, filepath.Join("goext", "zmqguard")) || exempt[rel] {
+				return nil
+			}
+			src, err := os.ReadFile(path)
+			if err != nil {
+				return err
+			}
+			require.NotContains(t, string(src), "zmq4.NewPub(", "%s: publish through zmqguard.NewPub", rel)
+			require.NotContains(t, string(src), "zmq4.NewXPub(", "%s: publish through zmqguard.NewPub", rel)
+			return nil
+		})
+		require.NoError(t, err)
+	}
+}

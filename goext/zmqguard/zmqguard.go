@@ -4,7 +4,7 @@
 // dependency and kvbm's endpoint strings stay tcp://… for users: Endpoint
 // rewrites them where kvbm creates its sockets.
 //
-// zmq4 v0.17 trusts its peers in three ways that a hostile or broken peer
+// zmq4 v0.17 trusts its peers in four ways that a hostile or broken peer
 // turns into an outage:
 //
 //   - It allocates the size a frame header declares before reading the body,
@@ -24,6 +24,13 @@
 //     one subscriber that stops reading stops delivery to all. The guard's
 //     Conn gives every write Limits.WriteTimeout and drops the peer when it
 //     expires.
+//   - A PUB keeps every distinct topic a subscriber sends for as long as the
+//     connection lives and checks each message against all of them, and it
+//     queues any other message a peer sends where nothing reads it. The
+//     guard's Conn filters what a subscriber sends on a connection the
+//     listener accepted (kvbm's publishers bind) through subscriberFilter: it
+//     drops a peer over MaxSubscriptions or MaxSubscriptionBytes and hands
+//     zmq4 only subscriptions.
 //
 // Only the NULL security mechanism is supported: it is the one kvbm and the
 // engines it talks to use.
@@ -37,6 +44,7 @@ package zmqguard
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"strings"
 	"sync/atomic"
@@ -84,10 +92,15 @@ type Stats struct {
 	// reached.
 	HandshakeFailures uint64
 	// OversizedMessages: peers that declared a frame or message over
-	// MaxMessageSize.
+	// MaxMessageSize, or, from a subscriber, a frame longer than any
+	// subscription within MaxSubscriptionBytes.
 	OversizedMessages uint64
 	// SlowPeersDropped: peers that did not take a write within WriteTimeout.
 	SlowPeersDropped uint64
+	// SubscribersDropped: subscribers of a publisher that went over
+	// MaxSubscriptions or MaxSubscriptionBytes, or sent invalid frame
+	// flags.
+	SubscribersDropped uint64
 }
 
 // Transport is a zmq4 transport over TCP that enforces Limits on every
@@ -100,6 +113,10 @@ type Transport struct {
 	handshakeFailures atomic.Uint64
 	oversized         atomic.Uint64
 	slowDropped       atomic.Uint64
+
+	subscribersDropped atomic.Uint64
+	subscriberLogged   atomic.Bool // the first dropped subscriber was logged
+	log                atomic.Pointer[slog.Logger]
 }
 
 var _ transport.Transport = (*Transport)(nil)
@@ -178,7 +195,19 @@ func (t *Transport) Stats() Stats {
 		HandshakeFailures: t.handshakeFailures.Load(),
 		OversizedMessages: t.oversized.Load(),
 		SlowPeersDropped:  t.slowDropped.Load(),
+
+		SubscribersDropped: t.subscribersDropped.Load(),
 	}
+}
+
+// SetLogger sets where the transport logs (nil: slog.Default()).
+func (t *Transport) SetLogger(l *slog.Logger) { t.log.Store(l) }
+
+func (t *Transport) logger() *slog.Logger {
+	if l := t.log.Load(); l != nil {
+		return l
+	}
+	return slog.Default()
 }
 
 // Addr implements transport.Transport: host:port as for tcp://.

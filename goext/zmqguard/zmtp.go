@@ -113,7 +113,11 @@ func (t *Transport) handshake(c net.Conn, accepted bool) (*Conn, error) {
 	if err := c.SetDeadline(time.Time{}); err != nil {
 		return nil, err
 	}
-	return newConn(t, c, buf, false), nil
+	gc := newConn(t, c, buf, false)
+	if peerIsSubscriber(buf[len(buf)-int(size):]) {
+		gc.sub = &subscriberFilter{max: min(uint64(maxSubscriberFrame), gc.scan.max)}
+	}
+	return gc, nil
 }
 
 // frameScanner follows the ZMTP frame headers of a stream, one chunk at a

@@ -21,8 +21,9 @@ import (
 // plan that copies one engine block over another). The in-process
 // transport needs none of this.
 //
-// Messages are not encrypted (the side channel carries block ids, never
-// KV bytes or tokens) and not protected against replay by someone who can
+// Messages are not encrypted (the side channel carries block ids and
+// opaque tag ids, never KV bytes, tokens, sequence hashes or request ids:
+// see plan.TagRef) and not protected against replay by someone who can
 // capture loopback traffic.
 
 const macSize = sha256.Size

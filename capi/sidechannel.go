@@ -118,6 +118,10 @@ type leaderSideChannelInfo struct {
 	Committed       uint64 `json:"committed"`
 	Failed          uint64 `json:"failed"`
 	LastError       string `json:"last_error"`
+
+	// UnauthenticatedPeersDropped: connections to the ack port closed for
+	// sending more than a few KiB before authenticating (goext/wire gate.go).
+	UnauthenticatedPeersDropped uint64 `json:"unauthenticated_peers_dropped"`
 }
 
 func sideChannelInfo(co *wire.Coordinator, hs wire.Handshake, l *leader.Leader) *leaderSideChannelInfo {
@@ -128,6 +132,7 @@ func sideChannelInfo(co *wire.Coordinator, hs wire.Handshake, l *leader.Leader) 
 		Healthy: co.Healthy(), DeadRanks: nonNil(co.DeadRanks()), SuspectRanks: nonNil(co.SuspectRanks()),
 		ForgedMessages: co.Forged(), NumDeviceBlocks: hs.NumDeviceBlocks, BytesPerBlock: hs.BytesPerBlock,
 		Committed: st.Committed, Failed: st.Failed, LastError: st.LastError,
+		UnauthenticatedPeersDropped: co.UnauthenticatedPeers().Dropped,
 	}
 }
 

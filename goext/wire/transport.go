@@ -161,7 +161,9 @@ func bindError(sock, envVar string, ep Endpoint, url string, port int, err error
 		sock, url, config.EnvLeaderZMQHost, ep.host(), envVar, port, err)
 }
 
-func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
+// listenTCP binds the leader's sockets; gate (may be nil) holds the ack
+// socket's peers to a byte budget until they authenticate.
+func listenTCP(ep Endpoint, log *slog.Logger, gate *zmqguard.Gate) (*tcpLeader, error) {
 	if ep.PubPort != 0 && ep.PubPort == ep.AckPort {
 		return nil, fmt.Errorf("wire: %s and %s are both %d; they must differ (both sockets bind on the leader)",
 			config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort, ep.PubPort)
@@ -174,7 +176,11 @@ func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
 		cancel()
 		return nil, bindError("PUB", config.EnvLeaderZMQPubPort, ep, ep.PubURL(), ep.PubPort, err)
 	}
-	t.pull = zmq4.NewPull(ctx, zmqLogger(log))
+	pullCtx := ctx
+	if gate != nil {
+		pullCtx = zmqguard.WithGate(ctx, gate)
+	}
+	t.pull = zmq4.NewPull(pullCtx, zmqLogger(log))
 	if err := t.pull.Listen(zmqguard.Endpoint(ep.AckURL())); err != nil {
 		_ = t.pull.Close()
 		_ = t.pub.Close()

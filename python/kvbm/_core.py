@@ -123,6 +123,7 @@ class LeaderSideChannelInfo(TypedDict):
     committed: int  # background operations every rank acked (their disk blocks registered)
     failed: int  # background operations failed (blocks freed, moves retried)
     last_error: str  # "" if none
+    unauthenticated_peers_dropped: int  # ack-port connections closed: too many bytes before authenticating
 
 
 class LeaderInfo(_LeaderInfoRequired, total=False):

@@ -1,0 +1,78 @@
+package wire
+
+import (
+	"encoding/binary"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// rawPush connects to addr and completes a ZMTP 3.0 NULL handshake by hand
+// as a PUSH socket: a local process that knows the protocol, not the secret.
+func rawPush(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(10*time.Second)))
+	greeting := make([]byte, 64)
+	greeting[0], greeting[9], greeting[10] = 0xFF, 0x7F, 3
+	copy(greeting[12:], "NULL")
+	_, err = c.Write(greeting)
+	require.NoError(t, err)
+	_, err = io.ReadFull(c, make([]byte, 64))
+	require.NoError(t, err)
+	md := append([]byte{11}, "Socket-Type"...)
+	md = binary.BigEndian.AppendUint32(md, 4)
+	md = append(md, "PUSH"...)
+	body := append(append([]byte{5}, "READY"...), md...)
+	_, err = c.Write(append([]byte{0x04, byte(len(body))}, body...))
+	require.NoError(t, err)
+	hdr := make([]byte, 2)
+	_, err = io.ReadFull(c, hdr)
+	require.NoError(t, err)
+	_, err = io.CopyN(io.Discard, c, int64(hdr[1]))
+	require.NoError(t, err)
+	require.NoError(t, c.SetDeadline(time.Time{}))
+	return c
+}
+
+// TestUnauthenticatedPeerIsCapped: a process without the secret connects
+// to the leader's ack port and sends one 48 MiB frame (under the 64 MiB
+// message limit, so only the authentication cap stops it). The leader
+// disconnects it before the frame's body, having taken at most
+// maxUnauthenticatedBytes from it, and logs and counts the drop; the real
+// workers still complete the handshake.
+func TestUnauthenticatedPeerIsCapped(t *testing.T) {
+	c := newCluster(t, TransportTCP, 2)
+	l := c.listen(t, nil)
+	peer := rawPush(t, l.Endpoint().AckURL()[len("tcp://"):])
+	frame := make([]byte, 9+48<<20)
+	frame[0] = 0x02 // a long frame, last of its message
+	binary.BigEndian.PutUint64(frame[1:9], 48<<20)
+	n, err := peer.Write(frame)
+	require.Error(t, err, "the leader must close the connection rather than take the whole frame")
+	t.Logf("the peer wrote %d of %d bytes (kernel socket buffers included) before the leader closed it", n, len(frame))
+	require.NoError(t, peer.SetReadDeadline(time.Now().Add(10*time.Second)))
+	if _, err := io.Copy(io.Discard, peer); err != nil {
+		require.ErrorIs(t, err, syscall.ECONNRESET)
+	}
+
+	st := l.UnauthenticatedPeers()
+	require.Equal(t, uint64(1), st.Dropped)
+	require.LessOrEqual(t, st.MaxUnauthenticatedBytes, uint64(maxUnauthenticatedBytes))
+	t.Logf("bytes the leader took from the peer before dropping it: %d (cap %d)", st.MaxUnauthenticatedBytes, maxUnauthenticatedBytes)
+	require.Contains(t, c.logs.String(), "sent too much before authenticating")
+
+	c.connect(t, 0, nil)
+	c.connect(t, 1, nil)
+	_, err = l.Handshake(ctxTimeout(t, 20*time.Second))
+	require.NoError(t, err)
+	require.Equal(t, uint64(2), l.UnauthenticatedPeers().Authenticated, "each worker's first message authenticates it")
+	require.Less(t, l.UnauthenticatedPeers().MaxUnauthenticatedBytes, uint64(maxUnauthenticatedBytes),
+		"a worker's first message fits under the cap")
+}

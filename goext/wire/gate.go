@@ -30,7 +30,7 @@ func authGate(s *sealer, log *slog.Logger) *zmqguard.Gate {
 		// Logged like forged messages: the first few, then every 1000th.
 		if n := g.Stats().Dropped; n <= 5 || n%1000 == 0 {
 			log.Warn("kvbm leader side channel: disconnected a peer that sent too much before authenticating "+
-				"(a process without the engine's secret)", "peer", remote, "bytes", sent,
+				"(a process without the engine's secret, or a worker given another one)", "peer", remote, "bytes", sent,
 				"limit", maxUnauthenticatedBytes, "dropped_total", n)
 		}
 	}

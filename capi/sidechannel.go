@@ -143,11 +143,15 @@ type workerSideChannelInfo struct {
 	Error          string `json:"error"` // "" while healthy
 	ForgedMessages uint64 `json:"forged_messages"`
 	Reconnects     uint64 `json:"reconnects"` // subscriptions redialed after the leader's side channel dropped or went silent
+
+	// UnauthenticatedPeersDropped: subscriptions closed because the other
+	// end sent too much before authenticating as the leader (goext/wire gate.go).
+	UnauthenticatedPeersDropped uint64 `json:"unauthenticated_peers_dropped"`
 }
 
 func memberInfo(m *wire.Member) *workerSideChannelInfo {
 	info := &workerSideChannelInfo{Ready: isClosed(m.Ready()), Stopped: isClosed(m.Done()),
-		ForgedMessages: m.Forged(), Reconnects: m.Reconnects()}
+		ForgedMessages: m.Forged(), Reconnects: m.Reconnects(), UnauthenticatedPeersDropped: m.UnauthenticatedPeers().Dropped}
 	if e := m.Err(); e != nil {
 		info.Error = e.Error()
 	}

@@ -258,7 +258,7 @@ func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 		l.t = t
 	default:
 		s := newSealer(opts.Secret, labelToWorkers, labelToLeader)
-		l.gate = authGate(s, l.log)
+		l.gate = authGate(s, l.log, maxUnauthenticatedBytes, "leader")
 		t, err := listenTCP(opts.Endpoint, l.log, l.gate)
 		if err != nil {
 			return nil, err

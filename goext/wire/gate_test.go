@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -75,4 +76,52 @@ func TestUnauthenticatedPeerIsCapped(t *testing.T) {
 	require.Equal(t, uint64(2), l.UnauthenticatedPeers().Authenticated, "each worker's first message authenticates it")
 	require.Less(t, l.UnauthenticatedPeers().MaxUnauthenticatedBytes, uint64(maxUnauthenticatedBytes),
 		"a worker's first message fits under the cap")
+}
+
+// TestSquattedLeaderPortIsCapped: a process that took the leader's PUB port
+// before it (and does not know the secret) sends a worker's subscription a
+// 48 MiB frame. The worker disconnects it having taken at most
+// maxUnauthenticatedLeaderBytes, and counts the drop.
+func TestSquattedLeaderPortIsCapped(t *testing.T) {
+	c := newCluster(t, TransportTCP, 1)
+	ln, err := net.Listen("tcp", net.JoinHostPort(c.ep.Host, strconv.Itoa(c.ep.PubPort)))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	type result struct {
+		n   int
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		conn, err := ln.Accept()
+		if err != nil {
+			done <- result{err: err}
+			return
+		}
+		defer conn.Close()
+		greeting := make([]byte, 64)
+		greeting[0], greeting[9], greeting[10] = 0xFF, 0x7F, 3
+		copy(greeting[12:], "NULL")
+		md := append([]byte{11}, "Socket-Type"...)
+		md = binary.BigEndian.AppendUint32(md, 3)
+		md = append(md, "PUB"...)
+		body := append(append([]byte{5}, "READY"...), md...)
+		frame := make([]byte, 9+48<<20)
+		frame[0] = 0x02
+		binary.BigEndian.PutUint64(frame[1:9], 48<<20)
+		_, _ = conn.Write(append(greeting, append([]byte{0x04, byte(len(body))}, body...)...))
+		_, _ = io.ReadFull(conn, make([]byte, 64)) // the worker's greeting
+		n, err := conn.Write(frame)
+		done <- result{n, err}
+	}()
+
+	m := c.connect(t, 0, nil)
+	r := <-done
+	require.Error(t, r.err, "the worker must close the connection rather than take the whole frame")
+	checkFor(t, 10*time.Second, func() bool { return m.UnauthenticatedPeers().Dropped >= 1 }, "the worker counts the drop")
+	st := m.UnauthenticatedPeers()
+	require.LessOrEqual(t, st.MaxUnauthenticatedBytes, uint64(maxUnauthenticatedLeaderBytes))
+	t.Logf("the squatter wrote %d of %d bytes (kernel socket buffers included); the worker took %d (cap %d)",
+		r.n, 9+48<<20, st.MaxUnauthenticatedBytes, maxUnauthenticatedLeaderBytes)
+	require.Contains(t, c.logs.String(), "sent too much before authenticating")
 }

@@ -232,6 +232,7 @@ func quietClose(s zmq4.Socket) error {
 
 type tcpWorker struct {
 	ctx    context.Context
+	subCtx context.Context // ctx, with the gate of the SUB's connections
 	cancel context.CancelFunc
 	push   zmq4.Socket
 	mu     sync.Mutex // serialises sends
@@ -254,8 +255,9 @@ func newSub(ctx context.Context, log *slog.Logger) (zmq4.Socket, error) {
 }
 
 // dialTCP connects SUB and PUSH, retrying every retry until it succeeds or
-// stop is closed (the leader may start after its workers).
-func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.Logger) (*tcpWorker, error) {
+// stop is closed (the leader may start after its workers). gate (may be nil)
+// holds each SUB connection to a byte budget until the leader authenticates.
+func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.Logger, gate *zmqguard.Gate) (*tcpWorker, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
 		select {
@@ -264,11 +266,14 @@ func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.L
 		case <-ctx.Done():
 		}
 	}()
-	t := &tcpWorker{ctx: ctx, cancel: cancel, pubURL: ep.PubURL(), log: log}
+	t := &tcpWorker{ctx: ctx, subCtx: ctx, cancel: cancel, pubURL: ep.PubURL(), log: log}
+	if gate != nil {
+		t.subCtx = zmqguard.WithGate(ctx, gate)
+	}
 	// WithDialerMaxRetries(0): one attempt per Dial; the loop below is the
 	// retry policy and stops on Close.
 	t.push = zmq4.NewPush(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
-	sub, err := newSub(ctx, log)
+	sub, err := newSub(t.subCtx, log)
 	if err != nil {
 		_ = t.close()
 		return nil, err
@@ -346,7 +351,7 @@ func (t *tcpWorker) redialSub(installed func()) error {
 	if t.closed.Load() {
 		return errTransportClosed
 	}
-	sub, err := newSub(t.ctx, t.log)
+	sub, err := newSub(t.subCtx, t.log)
 	if err != nil {
 		return err
 	}

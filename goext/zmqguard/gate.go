@@ -19,7 +19,7 @@ import (
 // Conn again.
 //
 // A gate applies to the sockets created with a context from WithGate, on
-// the connections they accept (Listen); dialed connections are not gated.
+// the connections they accept (Listen) and dial (Dial).
 type Gate struct {
 	// Limit is how many bytes a peer may send after its ZMTP greeting (its
 	// READY command included) until one of its messages verifies.
@@ -74,7 +74,9 @@ func gateFrom(ctx context.Context) *Gate {
 	return g
 }
 
-// maxCommand bounds the peer's READY command under g: it counts toward Limit.
+// maxCommand bounds the READY command of a peer that connects to a gated
+// listener: it counts toward Limit. (A dialed connection reads the peer's
+// READY through its gate.)
 func (g *Gate) maxCommand() uint64 {
 	if g == nil {
 		return maxHandshakeCommand

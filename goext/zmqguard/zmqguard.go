@@ -211,5 +211,8 @@ func (t *Transport) Dial(ctx context.Context, dialer transport.Dialer, addr stri
 		_ = c.Close()
 		return nil, err
 	}
+	if g := gateFrom(ctx); g != nil {
+		gc.gate = newConnGate(g, addr, 0) // the peer's READY comes through the gate
+	}
 	return gc, nil
 }

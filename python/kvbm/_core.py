@@ -146,6 +146,7 @@ class WorkerSideChannelInfo(TypedDict):
     error: str  # "" while healthy
     forged_messages: int
     reconnects: int  # subscriptions redialed after the leader's PUB dropped or went silent
+    unauthenticated_peers_dropped: int  # subscriptions closed: too many bytes before the leader authenticated
 
 
 class _WorkerInfoRequired(TypedDict):

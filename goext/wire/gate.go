@@ -24,12 +24,14 @@ const (
 	// maxUnauthenticatedLeaderBytes caps each of a worker's subscriptions
 	// to the leader's PUB socket: a process that took the leader's port
 	// could otherwise make every worker buffer its messages. The first
-	// message a subscription gets is whatever the leader broadcasts next,
-	// at most a background operation: 34 bytes per move, 9 KB for the
-	// default 256 moves; 1 MiB covers about 30,000. A subscription whose
-	// first message is larger is dropped and redialed, and the operation is
+	// message a subscription gets is whatever the leader broadcasts next
+	// (the handshake's messages, then pings), at most a background
+	// operation: 34 bytes per move, under 9 KB for the 256 moves an
+	// operation holds when leader.Options.MaxMovesPerStep is 0, as the C
+	// API leaves it; 64 KiB covers about 1,900. A subscription whose first
+	// message is larger is dropped and redialed, and that operation is
 	// retried after its timeout.
-	maxUnauthenticatedLeaderBytes = 1 << 20
+	maxUnauthenticatedLeaderBytes = 64 << 10
 )
 
 // authGate holds every connection to limit bytes until a message of its

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/plan"
 )
 
 // rawPush connects to addr and completes a ZMTP 3.0 NULL handshake by hand
@@ -124,4 +126,24 @@ func TestSquattedLeaderPortIsCapped(t *testing.T) {
 	t.Logf("the squatter wrote %d of %d bytes (kernel socket buffers included); the worker took %d (cap %d)",
 		r.n, 9+48<<20, st.MaxUnauthenticatedBytes, maxUnauthenticatedLeaderBytes)
 	require.Contains(t, c.logs.String(), "sent too much before authenticating")
+}
+
+// The largest message a leader sends a worker that has not heard it yet, a
+// background operation of 256 moves (the leader's default) with their tag
+// references, fits under the worker's cap with room to spare.
+func TestLargestBackgroundOperationFitsTheWorkersCap(t *testing.T) {
+	st := plan.Step{Seq: 1 << 40}
+	for i := range 256 {
+		st.Moves = append(st.Moves, plan.Copy{Src: plan.G2, SrcBlock: int64(i) << 30, Dst: plan.G3, DstBlock: int64(i) << 30})
+		st.TagRefs = append(st.TagRefs, plan.TagRef{Block: int64(i) << 30, ID: 1<<64 - 1})
+	}
+	b, err := st.Encode()
+	require.NoError(t, err)
+	frames := newSealer("s", labelToWorkers, labelToLeader).seal(encodeLeader(1<<40, fnStep, b))
+	size := 0
+	for _, f := range frames {
+		size += 9 + len(f) // a long frame header each
+	}
+	t.Logf("largest background operation: %d bytes on the wire (cap %d)", size, maxUnauthenticatedLeaderBytes)
+	require.Less(t, 4*size, maxUnauthenticatedLeaderBytes)
 }

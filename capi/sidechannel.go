@@ -118,6 +118,10 @@ type leaderSideChannelInfo struct {
 	Committed       uint64 `json:"committed"`
 	Failed          uint64 `json:"failed"`
 	LastError       string `json:"last_error"`
+
+	// UnauthenticatedPeersDropped: connections to the ack port closed for
+	// sending more than a few KiB before authenticating (goext/wire gate.go).
+	UnauthenticatedPeersDropped uint64 `json:"unauthenticated_peers_dropped"`
 }
 
 func sideChannelInfo(co *wire.Coordinator, hs wire.Handshake, l *leader.Leader) *leaderSideChannelInfo {
@@ -128,6 +132,7 @@ func sideChannelInfo(co *wire.Coordinator, hs wire.Handshake, l *leader.Leader) 
 		Healthy: co.Healthy(), DeadRanks: nonNil(co.DeadRanks()), SuspectRanks: nonNil(co.SuspectRanks()),
 		ForgedMessages: co.Forged(), NumDeviceBlocks: hs.NumDeviceBlocks, BytesPerBlock: hs.BytesPerBlock,
 		Committed: st.Committed, Failed: st.Failed, LastError: st.LastError,
+		UnauthenticatedPeersDropped: co.UnauthenticatedPeers().Dropped,
 	}
 }
 
@@ -138,11 +143,15 @@ type workerSideChannelInfo struct {
 	Error          string `json:"error"` // "" while healthy
 	ForgedMessages uint64 `json:"forged_messages"`
 	Reconnects     uint64 `json:"reconnects"` // subscriptions redialed after the leader's side channel dropped or went silent
+
+	// UnauthenticatedPeersDropped: subscriptions closed because the other
+	// end sent too much before authenticating as the leader (goext/wire gate.go).
+	UnauthenticatedPeersDropped uint64 `json:"unauthenticated_peers_dropped"`
 }
 
 func memberInfo(m *wire.Member) *workerSideChannelInfo {
 	info := &workerSideChannelInfo{Ready: isClosed(m.Ready()), Stopped: isClosed(m.Done()),
-		ForgedMessages: m.Forged(), Reconnects: m.Reconnects()}
+		ForgedMessages: m.Forged(), Reconnects: m.Reconnects(), UnauthenticatedPeersDropped: m.UnauthenticatedPeers().Dropped}
 	if e := m.Err(); e != nil {
 		info.Error = e.Error()
 	}

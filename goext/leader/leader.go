@@ -135,6 +135,8 @@ type Leader struct {
 	bgNext    uint64              // last ticket handed out
 	bgOps     map[uint64]*bgOp    // open tickets
 	bgHashes  map[uint64]struct{} // hashes with an open ticket's G3 copy
+	hostTags  []uint64            // persistent disk tier: HostTag id of each G2 block's registration, 0: none (recover.go)
+	tagSeq    uint64              // last HostTag id handed out
 	gen       uint64              // bumped by ResetCache
 	degraded  bool
 	deadRanks []int

@@ -44,7 +44,9 @@ func (l *Leader) tagSteps() bool { return l.persist && l.disk != nil }
 func (l *Leader) dropPinned(p *pool.Pool) bool { return l.persist && p == l.disk }
 
 // tagStep attaches the tags of st's G3 writes planned by Step: their
-// destinations are registered when planned.
+// destinations are registered when planned. In background mode it also
+// attaches the tags of st's G2 saves (plan.HostTag), which the workers keep
+// for the side-channel operation that later moves those blocks to G3.
 func (l *Leader) tagStep(st *plan.Step) {
 	if !l.tagSteps() {
 		return
@@ -58,25 +60,58 @@ func (l *Leader) tagStep(st *plan.Step) {
 			if info.State != pool.Registered {
 				continue // untagged: the worker keeps it for this process only
 			}
-			st.Tags = append(st.Tags, plan.BlockTag{
-				Block: c.DstBlock, SeqHash: info.SeqHash, Parent: info.Parent, HasParent: info.HasParent,
-				Priority: int32(info.Priority), Tokens: info.Tokens,
-			})
+			st.Tags = append(st.Tags, blockTag(c.DstBlock, info))
 		}
+	}
+	if !l.bgMode || l.host == nil {
+		return
+	}
+	if l.hostTags == nil {
+		l.hostTags = make([]uint64, l.host.Capacity())
+	}
+	// Any other G2 write (a G4 download or G3 staging into a bounce block)
+	// ends the block's tag.
+	for _, ld := range st.Loads {
+		for _, c := range ld.Copies {
+			if c.Dst == plan.G2 {
+				l.hostTags[c.DstBlock] = 0
+			}
+		}
+	}
+	for _, c := range st.Saves {
+		if c.Dst != plan.G2 {
+			continue
+		}
+		l.hostTags[c.DstBlock] = 0
+		info := l.host.Info(int(c.DstBlock))
+		if info.State != pool.Registered {
+			continue
+		}
+		l.tagSeq++
+		l.hostTags[c.DstBlock] = l.tagSeq
+		st.HostTags = append(st.HostTags, plan.HostTag{ID: l.tagSeq, BlockTag: blockTag(c.DstBlock, info)})
 	}
 }
 
-// tagBackground attaches the tags of a background operation's moves, whose
-// destinations are registered only at commit.
+func blockTag(block int64, info pool.BlockInfo) plan.BlockTag {
+	return plan.BlockTag{Block: block, SeqHash: info.SeqHash, Parent: info.Parent, HasParent: info.HasParent,
+		Priority: int32(info.Priority), Tokens: info.Tokens}
+}
+
+// tagBackground tags a background operation's moves, whose destinations are
+// registered only at commit. The operation travels over the side channel,
+// which must carry no request contents (any local process may subscribe):
+// each G3 destination names, by its opaque id, the HostTag its G2 source got
+// from the engine step that saved it. A source without one (saved before
+// persistence could tag it) leaves its copy untagged.
 func (l *Leader) tagBackground(st *plan.Step, op *bgOp) {
-	if !l.tagSteps() {
+	if !l.tagSteps() || l.hostTags == nil {
 		return
 	}
 	for _, mv := range op.moves {
-		st.Tags = append(st.Tags, plan.BlockTag{
-			Block: int64(mv.dst), SeqHash: mv.entry.hash, Parent: mv.parent, HasParent: mv.hasParent,
-			Priority: int32(mv.entry.prio), Tokens: mv.tokens,
-		})
+		if id := l.hostTags[mv.entry.idx]; id != 0 {
+			st.TagRefs = append(st.TagRefs, plan.TagRef{Block: int64(mv.dst), ID: id})
+		}
 	}
 }
 

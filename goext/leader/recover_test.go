@@ -130,26 +130,46 @@ func TestRestoreIntersectsRanks(t *testing.T) {
 	require.Equal(t, 8, n)
 }
 
-// TestBackgroundTags: background G2→G3 operations carry tags too.
+// TestBackgroundTags: with persistence on in background mode, the engine
+// step that saves a G2 block carries its tag (a HostTag with an opaque id);
+// the background operation that moves it to G3 names that tag by id only
+// (it goes over the side channel: no tokens, no hashes).
 func TestBackgroundTags(t *testing.T) {
 	cfg := func(c *config.Config) { persistOn(c); c.DisableDiskOffloadFilter = true }
 	e := newEnv(t, 8, 8, cfg)
 	e.l.bgMode = true
 	prompt := toks(50, 8)
 	hs := seqHashes(prompt)
-	e.step(t, RequestUpdate{ReqID: "r", NewTokens: prompt, NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8})
+	saved := e.step(t, RequestUpdate{ReqID: "r", NewTokens: prompt, NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8})
+	require.Len(t, saved.HostTags, 2)
+	ids := map[int64]uint64{} // G2 block → id
+	for k, ht := range saved.HostTags {
+		require.Equal(t, saved.Saves[k].DstBlock, ht.Block)
+		require.Equal(t, hs[k], ht.SeqHash)
+		require.Equal(t, prompt[k*bs:(k+1)*bs], ht.Tokens)
+		require.NotZero(t, ht.ID)
+		ids[ht.Block] = ht.ID
+	}
+	require.NotEqual(t, saved.HostTags[0].ID, saved.HostTags[1].ID)
+
 	b, ticket, err := e.l.PlanBackground()
 	require.NoError(t, err)
 	require.NotZero(t, ticket)
 	st, err := plan.Decode(b)
 	require.NoError(t, err)
 	require.Len(t, st.Moves, 2)
-	require.Len(t, st.Tags, 2)
-	for k, tg := range st.Tags {
-		require.Equal(t, st.Moves[k].DstBlock, tg.Block)
-		require.Equal(t, hs[k], tg.SeqHash)
+	require.Empty(t, st.Tags)
+	require.Empty(t, st.HostTags)
+	require.Len(t, st.TagRefs, 2)
+	for k, r := range st.TagRefs {
+		require.Equal(t, st.Moves[k].DstBlock, r.Block)
+		require.Equal(t, ids[st.Moves[k].SrcBlock], r.ID)
 	}
 	require.NoError(t, e.l.CommitBackground(ticket, true))
+
+	// Without background mode, engine steps carry no HostTags.
+	plain := newEnv(t, 8, 8, cfg)
+	require.Empty(t, plain.step(t, RequestUpdate{ReqID: "r", NewTokens: prompt, NewBlockIDs: []int64{1, 2}, NumScheduledTokens: 8}).HostTags)
 }
 
 // TestResetDropsPinnedPersistentBlocks: a cache reset drops every G3 block

@@ -85,6 +85,12 @@ type Step struct {
 	Drops []Copy `msgpack:"x,omitempty"`
 	// Tags describe the blocks this step's G3 writes store (tags.go).
 	Tags []BlockTag `msgpack:"t,omitempty"`
+	// HostTags describe the blocks this step's G2 writes store, for a later
+	// side-channel G2→G3 move; TagRefs are how that move names them
+	// (tags.go). A step sent over the side channel carries no Tags or
+	// HostTags, only TagRefs.
+	HostTags []HostTag `msgpack:"ht,omitempty"`
+	TagRefs  []TagRef  `msgpack:"tr,omitempty"`
 	// Uploads are G2 blocks to upload to G4 after the step's Saves (the
 	// worker copies each into its upload queue at once; the network part
 	// runs in the background).
@@ -108,7 +114,7 @@ func (s *Step) Empty() bool {
 }
 
 // Wire format: a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
-// "m": copies, "v": copies, "x": copies, "u": uploads} where copies is a msgpack bin of
+// "m": copies, "v": copies, "x": copies, "u": uploads, "t", "ht", "tr": tags (tags.go)} where copies is a msgpack bin of
 // copyBytes-sized little-endian records (src tier u8, src block i64, dst tier
 // u8, dst block i64). A 2,048-block onboard decodes in microseconds instead of
 // a map per copy. Python reads it too (kvbm.vllm_integration.connector).
@@ -165,7 +171,7 @@ func parseCopies(b []byte) ([]Copy, error) {
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
 	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0,
-		len(s.Tags) > 0, len(s.Uploads) > 0} {
+		len(s.Tags) > 0, len(s.Uploads) > 0, len(s.HostTags) > 0, len(s.TagRefs) > 0} {
 		if present {
 			n++
 		}
@@ -214,6 +220,24 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 			return err
 		}
 		if err := enc.EncodeBytes(AppendTags(buf[:0], s.Tags)); err != nil {
+			return err
+		}
+	}
+	for _, f := range []struct {
+		key string
+		b   func([]byte) []byte
+		n   int
+	}{
+		{"ht", func(b []byte) []byte { return appendHostTags(b, s.HostTags) }, len(s.HostTags)},
+		{"tr", func(b []byte) []byte { return appendTagRefs(b, s.TagRefs) }, len(s.TagRefs)},
+	} {
+		if f.n == 0 {
+			continue
+		}
+		if err := enc.EncodeString(f.key); err != nil {
+			return err
+		}
+		if err := enc.EncodeBytes(f.b(buf[:0])); err != nil {
 			return err
 		}
 	}
@@ -328,6 +352,19 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				return err
 			}
 			if s.Tags, err = parseTags(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
+			}
+		case "ht", "tr":
+			b, err := dec.DecodeBytes()
+			if err != nil {
+				return err
+			}
+			if key == "ht" {
+				s.HostTags, err = parseHostTags(b)
+			} else {
+				s.TagRefs, err = parseTagRefs(b)
+			}
+			if err != nil {
 				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
 		case "u":

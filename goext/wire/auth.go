@@ -21,8 +21,14 @@ import (
 // plan that copies one engine block over another). The in-process
 // transport needs none of this.
 //
-// Messages are not encrypted (the side channel carries block ids, never
-// KV bytes or tokens) and not protected against replay by someone who can
+// zmq4 reads a whole message before it can be checked, so a peer of the
+// leader's ack socket may send at most maxUnauthenticatedBytes (a few KiB)
+// before one of its messages verifies; one that tries to send more is
+// disconnected, counted and logged (gate.go).
+//
+// Messages are not encrypted (the side channel carries block ids and
+// opaque tag ids, never KV bytes, tokens, sequence hashes or request ids:
+// see plan.TagRef) and not protected against replay by someone who can
 // capture loopback traffic.
 
 const macSize = sha256.Size

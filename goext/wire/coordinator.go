@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // Defaults of CoordinatorOptions.
@@ -193,6 +194,10 @@ type Coordinator struct {
 	nextID    atomic.Uint64
 	forged    forgeries // unauthenticated messages dropped
 
+	// gate caps what the ack socket's peers send unauthenticated (gate.go);
+	// nil in process.
+	gate *zmqguard.Gate
+
 	mu        sync.Mutex // guards everything below
 	ranks     []rankState
 	conflict  error // a handshake-breaking report seen by the receive loop
@@ -252,11 +257,13 @@ func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 		}
 		l.t = t
 	default:
-		t, err := listenTCP(opts.Endpoint, l.log)
+		s := newSealer(opts.Secret, labelToWorkers, labelToLeader)
+		l.gate = authGate(s, l.log, maxUnauthenticatedBytes, "leader")
+		t, err := listenTCP(opts.Endpoint, l.log, l.gate)
 		if err != nil {
 			return nil, err
 		}
-		l.t = sealedLeader{t, newSealer(opts.Secret, labelToWorkers, labelToLeader)}
+		l.t = sealedLeader{t, s}
 		l.ep.PubPort, l.ep.AckPort = t.pubP, t.ackP
 		if opts.Secret == "" {
 			l.log.Warn("kvbm leader side channel is not authenticated: no secret given; any local process can " +

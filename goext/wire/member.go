@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/kvbm/kvbm/goext/zmqguard"
 )
 
 // MemberOptions configure one rank's end of the side channel.
@@ -72,6 +74,10 @@ type Member struct {
 	instance uint64
 	forged   forgeries // unauthenticated messages dropped
 
+	// gate caps what a SUB connection takes before the leader authenticates
+	// (gate.go); nil in process.
+	gate *zmqguard.Gate
+
 	lastHeard  atomic.Int64  // UnixNano of the last authentic leader message (or of the last redial)
 	reconnects atomic.Uint64 // subscriptions redialed after leader silence
 
@@ -124,6 +130,9 @@ func Connect(opts MemberOptions) (*Member, error) {
 	w.execCtx, w.execCancel = context.WithCancel(context.Background())
 	if w.log == nil {
 		w.log = slog.Default()
+	}
+	if opts.Transport.resolve(opts.WorldSize) != TransportInProc {
+		w.gate = authGate(newSealer(opts.Secret, labelToLeader, labelToWorkers), w.log, maxUnauthenticatedLeaderBytes, "worker")
 	}
 	w.log = w.log.With("rank", opts.Rank)
 	w.wg.Add(2)
@@ -207,7 +216,7 @@ func (w *Member) run() {
 	if tr == TransportInProc {
 		t = dialInProc(w.opts.Endpoint)
 	} else {
-		tt, err := dialTCP(w.opts.Endpoint, w.opts.RetryInterval, w.stop, w.log)
+		tt, err := dialTCP(w.opts.Endpoint, w.opts.RetryInterval, w.stop, w.log, w.gate)
 		if err != nil {
 			w.finish(ErrClosed)
 			return

@@ -161,7 +161,9 @@ func bindError(sock, envVar string, ep Endpoint, url string, port int, err error
 		sock, url, config.EnvLeaderZMQHost, ep.host(), envVar, port, err)
 }
 
-func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
+// listenTCP binds the leader's sockets; gate (may be nil) holds the ack
+// socket's peers to a byte budget until they authenticate.
+func listenTCP(ep Endpoint, log *slog.Logger, gate *zmqguard.Gate) (*tcpLeader, error) {
 	if ep.PubPort != 0 && ep.PubPort == ep.AckPort {
 		return nil, fmt.Errorf("wire: %s and %s are both %d; they must differ (both sockets bind on the leader)",
 			config.EnvLeaderZMQPubPort, config.EnvLeaderZMQAckPort, ep.PubPort)
@@ -174,7 +176,11 @@ func listenTCP(ep Endpoint, log *slog.Logger) (*tcpLeader, error) {
 		cancel()
 		return nil, bindError("PUB", config.EnvLeaderZMQPubPort, ep, ep.PubURL(), ep.PubPort, err)
 	}
-	t.pull = zmq4.NewPull(ctx, zmqLogger(log))
+	pullCtx := ctx
+	if gate != nil {
+		pullCtx = zmqguard.WithGate(ctx, gate)
+	}
+	t.pull = zmq4.NewPull(pullCtx, zmqLogger(log))
 	if err := t.pull.Listen(zmqguard.Endpoint(ep.AckURL())); err != nil {
 		_ = t.pull.Close()
 		_ = t.pub.Close()
@@ -226,6 +232,7 @@ func quietClose(s zmq4.Socket) error {
 
 type tcpWorker struct {
 	ctx    context.Context
+	subCtx context.Context // ctx, with the gate of the SUB's connections
 	cancel context.CancelFunc
 	push   zmq4.Socket
 	mu     sync.Mutex // serialises sends
@@ -248,8 +255,9 @@ func newSub(ctx context.Context, log *slog.Logger) (zmq4.Socket, error) {
 }
 
 // dialTCP connects SUB and PUSH, retrying every retry until it succeeds or
-// stop is closed (the leader may start after its workers).
-func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.Logger) (*tcpWorker, error) {
+// stop is closed (the leader may start after its workers). gate (may be nil)
+// holds each SUB connection to a byte budget until the leader authenticates.
+func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.Logger, gate *zmqguard.Gate) (*tcpWorker, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
 		select {
@@ -258,11 +266,14 @@ func dialTCP(ep Endpoint, retry time.Duration, stop <-chan struct{}, log *slog.L
 		case <-ctx.Done():
 		}
 	}()
-	t := &tcpWorker{ctx: ctx, cancel: cancel, pubURL: ep.PubURL(), log: log}
+	t := &tcpWorker{ctx: ctx, subCtx: ctx, cancel: cancel, pubURL: ep.PubURL(), log: log}
+	if gate != nil {
+		t.subCtx = zmqguard.WithGate(ctx, gate)
+	}
 	// WithDialerMaxRetries(0): one attempt per Dial; the loop below is the
 	// retry policy and stops on Close.
 	t.push = zmq4.NewPush(ctx, zmq4.WithDialerMaxRetries(0), zmqLogger(log))
-	sub, err := newSub(ctx, log)
+	sub, err := newSub(t.subCtx, log)
 	if err != nil {
 		_ = t.close()
 		return nil, err
@@ -340,7 +351,7 @@ func (t *tcpWorker) redialSub(installed func()) error {
 	if t.closed.Load() {
 		return errTransportClosed
 	}
-	sub, err := newSub(t.ctx, t.log)
+	sub, err := newSub(t.subCtx, t.log)
 	if err != nil {
 		return err
 	}

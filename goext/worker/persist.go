@@ -17,6 +17,12 @@ import (
 // the block's header on disk. At start the worker adopts the blocks whose
 // headers verified: they are valid, with the checksum from their header, so
 // a load verifies the payload as for any block written by this process.
+//
+// G2→G3 moves sent over the side channel (the leader's background mode)
+// carry no tags: the side channel must not carry request contents. The
+// engine step that saves a G2 block carries its tag instead (Step.HostTags);
+// the worker keeps it with the block until the block is written again or
+// dropped, and a move's TagRef hands it to the G3 copy when the ids match.
 
 // persistDisk is the disk tier's header API; tests substitute the disk.
 type persistDisk interface {
@@ -31,6 +37,7 @@ func (w *Worker) adoptRecovered() {
 		return
 	}
 	w.tags = make([]atomic.Pointer[plan.BlockTag], w.opts.DiskBlocks)
+	w.hostTags = make([]atomic.Pointer[plan.HostTag], w.opts.HostBlocks)
 	rec := w.diskFile.Recovery()
 	for _, b := range rec.Blocks {
 		w.diskSum[b.Index].Store(b.PayloadSum)
@@ -69,6 +76,72 @@ func (w *Worker) stageTags(s *plan.Step) {
 		if t.Block >= 0 && t.Block < int64(len(w.tags)) && w.writesG3(s, t.Block) {
 			w.tags[t.Block].Store(t)
 		}
+	}
+	for _, r := range s.TagRefs {
+		if t := w.refTag(s, r); t != nil {
+			w.tags[r.Block].Store(t)
+		}
+	}
+	w.stageHostTags(s)
+}
+
+// refTag resolves r: the tag of the G2 block that s moves to G3 block
+// r.Block, if its id is r.ID; nil otherwise (the copy stays untagged).
+func (w *Worker) refTag(s *plan.Step, r plan.TagRef) *plan.BlockTag {
+	if r.Block < 0 || r.Block >= int64(len(w.tags)) {
+		return nil
+	}
+	for _, c := range s.Moves {
+		if c.Src != plan.G2 || c.Dst != plan.G3 || c.DstBlock != r.Block || c.SrcBlock < 0 || c.SrcBlock >= int64(len(w.hostTags)) {
+			continue
+		}
+		ht := w.hostTags[c.SrcBlock].Load()
+		if ht == nil || ht.ID != r.ID {
+			return nil
+		}
+		t := ht.BlockTag
+		t.Block = r.Block
+		return &t
+	}
+	return nil
+}
+
+// stageHostTags records the tags of s's G2 writes: every G2 destination
+// loses its old tag, and takes s's HostTag for it, if any.
+func (w *Worker) stageHostTags(s *plan.Step) {
+	if len(w.hostTags) == 0 {
+		return
+	}
+	clearTag := func(cs []plan.Copy) {
+		for _, c := range cs {
+			if c.Dst == plan.G2 && c.DstBlock >= 0 && c.DstBlock < int64(len(w.hostTags)) {
+				w.hostTags[c.DstBlock].Store(nil)
+			}
+		}
+	}
+	for _, ld := range s.Loads {
+		clearTag(ld.Copies)
+	}
+	clearTag(s.Moves)
+	clearTag(s.Saves)
+	for i := range s.HostTags {
+		t := &s.HostTags[i]
+		if t.Block < 0 || t.Block >= int64(len(w.hostTags)) {
+			continue
+		}
+		for _, c := range s.Saves {
+			if c.Dst == plan.G2 && c.DstBlock == t.Block {
+				w.hostTags[t.Block].Store(t)
+				break
+			}
+		}
+	}
+}
+
+// forgetHostTag drops G2 block b's tag (the leader dropped the block).
+func (w *Worker) forgetHostTag(b int64) {
+	if b >= 0 && b < int64(len(w.hostTags)) {
+		w.hostTags[b].Store(nil)
 	}
 }
 

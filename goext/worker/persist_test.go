@@ -125,3 +125,39 @@ func TestPersistOtherFingerprint(t *testing.T) {
 	require.Equal(t, []int64{9}, failed)
 	require.FileExists(t, w.DiskPath())
 }
+
+// TestPersistSideChannelMoveTakesHostTag: a G2→G3 move sent over the side
+// channel carries only TagRefs; the G3 copy takes the tag the engine step
+// that saved its G2 source carried, when the ids match. A wrong id, or a G2
+// block rewritten without a tag, leaves the copy untagged; a dropped G2
+// block loses its tag.
+func TestPersistSideChannelMoveTakesHostTag(t *testing.T) {
+	dir := t.TempDir()
+	g := newG1(t, layout.CPU)
+	w := newWorker(t, g, persistOpts(g, dir, 4))
+	host := func(block int64, id uint64, hash uint64) plan.HostTag {
+		tg := tag(block, hash)
+		tg.Tokens = []uint32{uint32(hash), 7, 8, 9}
+		return plan.HostTag{ID: id, BlockTag: tg}
+	}
+	run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1, 2, 3, 4}, plan.G2, []int64{0, 1, 2, 3}),
+		HostTags: []plan.HostTag{host(0, 10, 100), host(1, 11, 101), host(2, 12, 102), host(3, 13, 103)}})
+	// Block 2 is saved again without a tag; block 3 is dropped.
+	run(t, w, &plan.Step{Seq: 2, Saves: copies(plan.G1, []int64{5}, plan.G2, []int64{2}),
+		Drops: []plan.Copy{{Src: plan.G2, SrcBlock: 3}}})
+	_, err := w.Run(t.Context(), &plan.Step{Seq: 2,
+		Moves:   copies(plan.G2, []int64{0, 1, 2}, plan.G3, []int64{5, 4, 3}),
+		TagRefs: []plan.TagRef{{Block: 5, ID: 10}, {Block: 4, ID: 99}, {Block: 3, ID: 12}}})
+	require.NoError(t, err)
+	require.Nil(t, w.hostTags[3].Load(), "a dropped G2 block keeps no tag")
+	require.NotNil(t, w.hostTags[1].Load())
+	require.NoError(t, w.Close())
+
+	w2 := newWorker(t, g, persistOpts(g, dir, 4))
+	rec := w2.Recovered()
+	require.Len(t, rec.Blocks, 1, "only the move whose id matched its source's tag is kept")
+	b := rec.Blocks[0]
+	require.Equal(t, 5, b.Index)
+	require.Equal(t, uint64(100), b.SeqHash)
+	require.Equal(t, []uint32{100, 7, 8, 9}, b.Tokens)
+}

@@ -75,6 +75,7 @@ func (w *Worker) applyDrops(drops []plan.Copy) {
 		switch {
 		case d.Src == plan.G2 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.hostValid)):
 			w.hostValid[d.SrcBlock].Store(false)
+			w.forgetHostTag(d.SrcBlock)
 		case d.Src == plan.G3 && d.SrcBlock >= 0 && d.SrcBlock < int64(len(w.diskValid)):
 			w.diskValid[d.SrcBlock].Store(false)
 			w.diskSum[d.SrcBlock].Store(0)

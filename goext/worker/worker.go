@@ -169,6 +169,7 @@ type Worker struct {
 	diskValid []atomic.Bool                   // G3 block holds the bytes of a completed write
 	diskSum   []atomic.Uint64                 // XXH3 of each G3 block's payload as written
 	tags      []atomic.Pointer[plan.BlockTag] // persistent tier: staged tag per G3 block (persist.go)
+	hostTags  []atomic.Pointer[plan.HostTag]  // persistent tier: tag of each G2 block's contents, for a side-channel move (persist.go)
 	degraded  atomic.Bool
 
 	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)

@@ -47,6 +47,8 @@ type Conn struct {
 
 	dropped atomic.Bool // the guard closed the connection
 
+	gate *connGate // until the peer authenticates (gate.go); nil without a Gate
+
 	// w is the write side; its mutex guards its fields.
 	w struct {
 		sync.Mutex
@@ -88,6 +90,15 @@ func (c *Conn) Read(p []byte) (int, error) {
 				c.t.oversized.Add(1)
 			}
 			return 0, c.drop(serr.Error())
+		}
+		if c.gate != nil {
+			authenticated, gerr := c.gate.scan(p[:n])
+			if gerr != nil {
+				return 0, c.drop(gerr.Error())
+			}
+			if authenticated {
+				c.gate = nil
+			}
 		}
 		if c.readDeadline && !c.scan.handshake {
 			c.readDeadline = false

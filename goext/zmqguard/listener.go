@@ -13,6 +13,7 @@ import (
 type listener struct {
 	net.Listener
 	t     *Transport
+	gate  *Gate         // nil: connections are not gated (gate.go)
 	ready chan *Conn    // handshakes done, waiting for zmq4's Accept
 	done  chan struct{} // closed by Close
 	slots chan struct{} // one token per handshake in progress
@@ -26,10 +27,11 @@ type listener struct {
 	wg sync.WaitGroup // the accept goroutine and the handshakes
 }
 
-func newListener(t *Transport, inner net.Listener) *listener {
+func newListener(t *Transport, inner net.Listener, g *Gate) *listener {
 	l := &listener{
 		Listener: inner,
 		t:        t,
+		gate:     g,
 		ready:    make(chan *Conn),
 		done:     make(chan struct{}),
 		slots:    make(chan struct{}, t.limits.MaxPendingHandshakes),
@@ -121,13 +123,16 @@ func (l *listener) untrack(c net.Conn) {
 
 func (l *listener) handshake(c net.Conn) {
 	defer l.wg.Done()
-	gc, err := l.t.handshake(c, true)
+	gc, err := l.t.handshake(c, true, l.gate.maxCommand())
 	l.untrack(c)
 	<-l.slots
 	if err != nil {
 		l.t.handshakeFailures.Add(1)
 		_ = c.Close()
 		return
+	}
+	if l.gate != nil {
+		gc.gate = newConnGate(l.gate, c.RemoteAddr().String(), uint64(len(gc.replay)-greetingLen))
 	}
 	select {
 	case l.ready <- gc:

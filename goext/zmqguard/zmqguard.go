@@ -220,7 +220,7 @@ func (t *Transport) Listen(ctx context.Context, addr string) (net.Listener, erro
 	if err != nil {
 		return nil, err
 	}
-	return newListener(t, inner), nil
+	return newListener(t, inner, gateFrom(ctx)), nil
 }
 
 // Dial implements transport.Transport. The handshake runs here, bounded by
@@ -232,13 +232,16 @@ func (t *Transport) Dial(ctx context.Context, dialer transport.Dialer, addr stri
 		return nil, err
 	}
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
-	gc, err := t.handshake(c, false)
+	gc, err := t.handshake(c, false, maxHandshakeCommand)
 	if !stop() && err == nil {
 		err = ctx.Err()
 	}
 	if err != nil {
 		_ = c.Close()
 		return nil, err
+	}
+	if g := gateFrom(ctx); g != nil {
+		gc.gate = newConnGate(g, addr, 0) // the peer's READY comes through the gate
 	}
 	return gc, nil
 }

@@ -65,7 +65,10 @@ func checkGreeting(g []byte) error {
 // this side's READY): zmq4 reads it, under the scanner's handshake rules and
 // the remaining deadline. The returned connection replays what was read and
 // drops zmq4's own greeting.
-func (t *Transport) handshake(c net.Conn, accepted bool) (*Conn, error) {
+//
+// maxCommand bounds the READY command (maxHandshakeCommand, or less under a
+// Gate).
+func (t *Transport) handshake(c net.Conn, accepted bool, maxCommand uint64) (*Conn, error) {
 	deadline := time.Now().Add(t.limits.HandshakeTimeout)
 	if err := c.SetDeadline(deadline); err != nil {
 		return nil, err
@@ -102,8 +105,8 @@ func (t *Transport) handshake(c net.Conn, accepted bool) (*Conn, error) {
 		}
 		size, n = binary.BigEndian.Uint64(hdr[1:9]), 9
 	}
-	if size > maxHandshakeCommand {
-		return nil, fmt.Errorf("zmqguard: handshake command of %d bytes (limit %d)", size, maxHandshakeCommand)
+	if size > maxCommand {
+		return nil, fmt.Errorf("zmqguard: handshake command of %d bytes (limit %d)", size, maxCommand)
 	}
 	buf = append(buf, hdr[:n]...)
 	buf = append(buf, make([]byte, size)...)

@@ -123,6 +123,7 @@ class LeaderSideChannelInfo(TypedDict):
     committed: int  # background operations every rank acked (their disk blocks registered)
     failed: int  # background operations failed (blocks freed, moves retried)
     last_error: str  # "" if none
+    unauthenticated_peers_dropped: int  # ack-port connections closed: too many bytes before authenticating
 
 
 class LeaderInfo(_LeaderInfoRequired, total=False):
@@ -145,6 +146,7 @@ class WorkerSideChannelInfo(TypedDict):
     error: str  # "" while healthy
     forged_messages: int
     reconnects: int  # subscriptions redialed after the leader's PUB dropped or went silent
+    unauthenticated_peers_dropped: int  # subscriptions closed: too many bytes before the leader authenticated
 
 
 class _WorkerInfoRequired(TypedDict):

@@ -90,8 +90,13 @@ func TestPubSubscriptionFloodAndStall(t *testing.T) {
 	before := slowTransport.Stats()
 	pub, addr := listenPub(t, slowTransport, slowNetwork)
 	honest := dialSub(t, slowNetwork, addr)
-	stalled := rawSubscriber(t, addr)
-	_ = stalled // never read
+	// The stalled peer subscribes to "t" (the messages' topic), so the
+	// Pub's topics show when its subscription is registered: publishing must
+	// not start before, or nothing is ever queued for it.
+	stalled := rawPeer(t, addr, "SUB")
+	_, err := stalled.Write(append(frameHeader(0, 2), 1, 't'))
+	require.NoError(t, err) // never read
+	require.Eventually(t, func() bool { return len(pub.Topics()) == 2 }, 5*time.Second, 5*time.Millisecond)
 
 	flood := rawPeer(t, addr, "SUB")
 	var batch []byte
@@ -101,12 +106,15 @@ func TestPubSubscriptionFloodAndStall(t *testing.T) {
 	_, _ = flood.Write(batch)
 	requireClosedByPeer(t, flood)
 	require.Equal(t, uint64(1), slowTransport.Stats().SubscribersDropped-before.SubscribersDropped)
-	require.Eventually(t, func() bool { return len(pub.Topics()) == 1 }, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return len(pub.Topics()) == 2 }, 5*time.Second, 5*time.Millisecond)
 
 	payload := bytes.Repeat([]byte{'x'}, 512<<10)
 	const n = 128 // 64 MiB, far more than loopback socket buffers hold
 	require.Equal(t, n, receiveWhilePublishing(t, pub, honest, n, payload, 60*time.Second))
-	require.Greater(t, slowTransport.Stats().SlowPeersDropped, before.SlowPeersDropped)
+	// Send never blocks, so the honest subscriber may have everything before
+	// the stalled one's write times out; the drop follows within WriteTimeout.
+	require.Eventually(t, func() bool { return slowTransport.Stats().SlowPeersDropped > before.SlowPeersDropped },
+		30*time.Second, 10*time.Millisecond)
 }
 
 // A peer that is not a subscriber is refused, as zmq4's PUB refuses it.

@@ -59,8 +59,8 @@ var abiExports = map[string]any{
 	"kvbm_consolidator_free":  kvbm_consolidator_free,
 }
 
-// abiTagged: exports of kvbm.h that only builds with a tag have (their test
-// files add them to abiExports).
+// abiTagged: exports of kvbm.h that only builds with a tag have; they take
+// no buffer and no output (the test checks that on the header).
 var abiTagged = map[string]string{
 	"kvbm_worker_set_cuda_stream": "cuda",
 	"kvbm_debug_panic":            "kvbm_debug",

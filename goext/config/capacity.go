@@ -103,9 +103,13 @@ func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 				"gives %d blocks of %d bytes; a tier holds at most %d blocks", n, bytesPerBlockAllWorkers, MaxBlocks)})
 			return
 		}
-		// n ≤ MaxBlocks < 2³¹, so the product fits in a uint64.
-		bytes := uint64(n) * uint64(bytesPerBlockAllWorkers)
-		if reason := checkCapacity(bytes, what, avail); reason != "" {
+		bytes, ok := mulSizes(n, bytesPerBlockAllWorkers)
+		if !ok {
+			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
+				"%d blocks × %d bytes per block overflows a 64-bit size", n, bytesPerBlockAllWorkers)})
+			return
+		}
+		if reason := checkCapacity(uint64(bytes), what, avail); reason != "" {
 			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
 				"%d blocks of %d bytes %s", n, bytesPerBlockAllWorkers, reason)})
 		}

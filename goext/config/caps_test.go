@@ -156,3 +156,18 @@ func TestMulSizes(t *testing.T) {
 		}
 	}
 }
+
+// TestDiskTierBookkeeping: a disk tier whose file fits on disk but whose
+// blocks are so many that their bookkeeping alone exceeds memory (4 TB of
+// 4 KiB blocks: 976562500 blocks, 125 GB of bookkeeping on a 16 GB machine)
+// fails by name before anything is allocated; the same tier of 1 MiB blocks
+// fits.
+func TestDiskTierBookkeeping(t *testing.T) {
+	machine(t, 16e9, 10e12)
+	c, err := FromEnv(map[string]string{EnvDiskCacheGB: "4000", EnvDiskCacheDir: t.TempDir()})
+	require.NoError(t, err)
+	requireVarError(t, c.CheckBlocks(4096), EnvDiskCacheGB,
+		"976562500 blocks of 4096 bytes: their bookkeeping (128 bytes a block) needs 125000000000 bytes, "+
+			"more than the 16000000000 bytes of memory available")
+	require.NoError(t, c.CheckBlocks(1<<20))
+}

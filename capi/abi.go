@@ -11,6 +11,9 @@
 //   - Go objects reach C only as opaque handles (runtime/cgo.Handle); C never
 //     holds a Go pointer. Buffers returned to C are C.malloc'ed and released
 //     with kvbm_free_buffer.
+//   - Every buffer and output pointer is checked (checkIn, checkOut) before
+//     it is used; every export with a handle holds it for the whole call,
+//     and its _free waits for those calls (lifetime.go).
 package main
 
 /*

@@ -11,6 +11,9 @@
 //   - Go objects reach C only as opaque handles (runtime/cgo.Handle); C never
 //     holds a Go pointer. Buffers returned to C are C.malloc'ed and released
 //     with kvbm_free_buffer.
+//   - Every buffer and output pointer is checked (checkIn, checkOut) before
+//     it is used; every export with a handle holds it for the whole call,
+//     and its _free waits for those calls (lifetime.go).
 package main
 
 /*
@@ -176,13 +179,22 @@ func deleteHandle(h C.uint64_t) {
 // slice over it: a slice that long panics, or reads far past the array.
 const maxABILen = 1 << 31
 
-// checkIn checks an input pointer/length pair: 0 ≤ n ≤ maxABILen, and a
-// non-NULL pointer when n > 0.
+// checkIn checks a pointer/length pair (an input buffer, or an output
+// array and its capacity): 0 ≤ n ≤ maxABILen, and a non-NULL pointer when
+// n > 0. The error names the export, the buffer and the length.
 func checkIn(fn, what string, p unsafe.Pointer, n C.int64_t) error {
-	if n < 0 || n > maxABILen || (n > 0 && p == nil) {
-		return errorf(statusInvalid, "%s: invalid %s (n=%d, null=%t; at most %d)", fn, what, int64(n), p == nil, maxABILen)
+	var why string
+	switch {
+	case n < 0:
+		why = "negative length"
+	case n > maxABILen:
+		why = fmt.Sprintf("longer than %d", maxABILen)
+	case n > 0 && p == nil:
+		why = "null pointer"
+	default:
+		return nil
 	}
-	return nil
+	return errorf(statusInvalid, "%s: invalid %s (n=%d: %s)", fn, what, int64(n), why)
 }
 
 // checkOut checks that no output pointer is NULL.

@@ -82,6 +82,7 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 }
 
 type consolidatorHandle struct {
+	lifetime
 	c *consolidator.Consolidator
 	m *metrics.Metrics
 }
@@ -138,7 +139,8 @@ type consolidatorStats struct {
 //export kvbm_consolidator_stats
 func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := live[*consolidatorHandle](hd)
+	h, done, err := acquire[*consolidatorHandle](hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -161,8 +163,5 @@ func kvbm_consolidator_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 func kvbm_consolidator_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
-	if h, err := handle[*consolidatorHandle](hd); err == nil {
-		_ = h.c.Close()
-		deleteHandle(hd)
-	}
+	freeHandle(hd, nil, func(h *consolidatorHandle) { _ = h.c.Close() })
 }

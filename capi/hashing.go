@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"errors"
 	"unsafe"
 
 	"github.com/kvbm/kvbm/goext/hashing"
@@ -37,8 +38,8 @@ func kvbm_salt_hash(salt *C.char, hasSalt C.int, lora *C.char, hasLora C.int, ou
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
-	if out == nil {
-		return finish(errorf(statusInvalid, "kvbm_salt_hash: null output"), errOut)
+	if err := checkOut("kvbm_salt_hash", ptr(out)); err != nil {
+		return finish(err, errOut)
 	}
 	var s, l string
 	if hasSalt != 0 && salt != nil {
@@ -61,19 +62,10 @@ func kvbm_sequence_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, 
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
-	if blockSize <= 0 {
-		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
-	}
-	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
-		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
+	if err := hashArgs("kvbm_sequence_hashes", tokens, n, blockSize, out, outCap, outN); err != nil {
+		return finish(err, errOut)
 	}
 	full := int64(n) / int64(blockSize)
-	if int64(outCap) < full || (full > 0 && out == nil) {
-		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
-	}
-	if outN == nil {
-		return finish(errorf(statusInvalid, "null output count"), errOut)
-	}
 	dst := unsafe.Slice((*uint64)(unsafe.Pointer(out)), int(full))[:0]
 	res := hashing.SequenceHashes(tokensView(tokens, n), int(blockSize), uint64(salt), dst)
 	*outN = C.int64_t(len(res))
@@ -90,19 +82,10 @@ func kvbm_router_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, lo
 	if err := healthy(); err != nil {
 		return finish(err, errOut)
 	}
-	if blockSize <= 0 {
-		return finish(errorf(statusInvalid, "block_size must be positive, got %d", int64(blockSize)), errOut)
-	}
-	if n < 0 || n > maxABILen || (n > 0 && tokens == nil) {
-		return finish(errorf(statusInvalid, "invalid token array (n=%d)", int64(n)), errOut)
+	if err := hashArgs("kvbm_router_hashes", tokens, n, blockSize, out, outCap, outN); err != nil {
+		return finish(err, errOut)
 	}
 	full := int64(n) / int64(blockSize)
-	if int64(outCap) < full || (full > 0 && out == nil) {
-		return finish(errorf(statusInvalid, "output capacity %d < %d blocks", int64(outCap), full), errOut)
-	}
-	if outN == nil {
-		return finish(errorf(statusInvalid, "null output count"), errOut)
-	}
 	var l string
 	if lora != nil {
 		l = C.GoString(lora)
@@ -111,4 +94,24 @@ func kvbm_router_hashes(tokens *C.uint32_t, n C.int64_t, blockSize C.int64_t, lo
 	copy(unsafe.Slice((*uint64)(unsafe.Pointer(out)), int(full)), res)
 	*outN = C.int64_t(len(res))
 	return statusOK
+}
+
+// hashArgs checks the arguments of the sequence-hash exports: the token
+// array, the block size, the output array (large enough for the full
+// blocks) and the count.
+func hashArgs(fn string, tokens *C.uint32_t, n, blockSize C.int64_t, out *C.uint64_t, outCap C.int64_t, outN *C.int64_t) error {
+	if blockSize <= 0 {
+		return errorf(statusInvalid, "%s: block_size must be positive, got %d", fn, int64(blockSize))
+	}
+	if err := errors.Join(checkIn(fn, "token array", unsafe.Pointer(tokens), n),
+		checkIn(fn, "output array", unsafe.Pointer(out), outCap)); err != nil {
+		return withCode(statusInvalid, err)
+	}
+	if full := int64(n) / int64(blockSize); int64(outCap) < full {
+		return errorf(statusInvalid, "%s: output capacity %d < %d blocks", fn, int64(outCap), full)
+	}
+	if outN == nil {
+		return errorf(statusInvalid, "%s: null output count", fn)
+	}
+	return nil
 }

@@ -58,6 +58,7 @@ type leaderOptions struct {
 }
 
 type leaderHandle struct {
+	lifetime
 	// l is set once, by kvbm_leader_new or (with a side channel) the
 	// kvbm_leader_wait_ready that completed the handshake, before ready.
 	l       *leader.Leader
@@ -248,7 +249,8 @@ func kvbm_leader_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, outReady *C.int3
 		return finish(err, errOut)
 	}
 	*outReady = 0
-	h, err := live[*leaderHandle](hd)
+	h, done, err := acquire[*leaderHandle](hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -293,9 +295,20 @@ var workerMetrics = sync.OnceValue(metrics.New)
 func kvbm_leader_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
-	if h, err := handle[*leaderHandle](hd); err == nil {
-		h.close()
-		deleteHandle(hd)
+	freeHandle(hd, (*leaderHandle).interrupt, (*leaderHandle).close)
+}
+
+// interrupt runs when a free begins, before it waits for the calls in
+// progress: a kvbm_leader_wait_ready still in the side channel's handshake
+// returns (closing the channel ends it), and one that completed it does not
+// start the leader.
+func (h *leaderHandle) interrupt() {
+	h.startMu.Lock()
+	h.closed = true
+	started := h.l != nil
+	h.startMu.Unlock()
+	if !started && h.co != nil {
+		_ = h.co.Close()
 	}
 }
 
@@ -351,7 +364,8 @@ type leaderG4Info struct {
 //export kvbm_leader_info
 func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -398,29 +412,31 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
-// leaderOf resolves a live, ready leader handle (kvbm_leader_free deletes
-// the handle, so a freed leader is an unknown handle).
-func leaderOf(hd C.uint64_t) (*leaderHandle, error) {
-	h, err := live[*leaderHandle](hd)
+// leaderOf resolves a live, ready leader handle and holds it until done
+// (a free waits for the call; later calls fail as freed).
+func leaderOf(hd C.uint64_t) (*leaderHandle, func(), error) {
+	h, done, err := acquire[*leaderHandle](hd)
 	if err != nil {
-		return nil, err
+		return nil, done, err
 	}
 	if !h.ready.Load() {
-		return nil, errorf(statusState, "leader not ready: the side-channel handshake has not completed (kvbm_leader_wait_ready)")
+		done()
+		return nil, nop, errorf(statusState, "leader not ready: the side-channel handshake has not completed (kvbm_leader_wait_ready)")
 	}
-	return h, nil
+	return h, done, nil
 }
 
 //export kvbm_leader_match
 func kvbm_leader_match(hd C.uint64_t, reqID *C.char, tokens *C.uint32_t, n C.int64_t, salt C.uint64_t,
 	numComputed C.int64_t, outTokens *C.int64_t, outAsync *C.int32_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
-	if n < 0 || numComputed < 0 {
-		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length"), errOut)
+	if numComputed < 0 {
+		return finish(errorf(statusInvalid, "kvbm_leader_match: negative length: num_computed=%d", int64(numComputed)), errOut)
 	}
 	if err := errors.Join(checkReqID("kvbm_leader_match", reqID),
 		checkIn("kvbm_leader_match", "token array", unsafe.Pointer(tokens), n),
@@ -447,7 +463,8 @@ func int64View(p *C.int64_t, n C.int64_t) []int64 {
 func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.int64_t, n C.int64_t,
 	numExternal C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -472,7 +489,8 @@ func kvbm_leader_update_after_alloc(hd C.uint64_t, reqID *C.char, blockIDs *C.in
 func kvbm_leader_load_sources(hd C.uint64_t, reqID *C.char, numTokens C.int64_t, outHost, outDisk, outRemote *C.int64_t,
 	errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -557,7 +575,8 @@ type stepInput struct {
 //export kvbm_leader_step
 func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -594,7 +613,8 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 //export kvbm_leader_request_finished
 func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.int32_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -612,7 +632,8 @@ func kvbm_leader_request_finished(hd C.uint64_t, reqID *C.char, outPending *C.in
 //export kvbm_leader_reset
 func kvbm_leader_reset(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -156,7 +156,8 @@ func leaderG4(o *leaderOptions, cfg *config.Config, h *leaderHandle, log *slog.L
 //export kvbm_leader_set_g4_fingerprint
 func kvbm_leader_set_g4_fingerprint(hd C.uint64_t, fpHex *C.char, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -197,8 +198,12 @@ type g4Report struct {
 //export kvbm_worker_g4_report
 func kvbm_worker_g4_report(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_g4_report", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	*out, *outLen = nil, 0
@@ -221,8 +226,12 @@ func kvbm_worker_g4_report(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 //export kvbm_leader_g4_report
 func kvbm_leader_g4_report(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_leader_g4_report", "report buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
 	var r g4Report

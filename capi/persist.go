@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -150,8 +151,12 @@ func restoreRanks(l *leader.Leader, ranks []recoveredRank, m *metrics.Metrics, l
 //export kvbm_worker_recovered
 func kvbm_worker_recovered(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_recovered", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
 	cBuffer(h.recovered, out, outLen)
@@ -165,9 +170,14 @@ func kvbm_worker_recovered(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, er
 //export kvbm_leader_restore_disk
 func kvbm_leader_restore_disk(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, registered *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
+	}
+	if err := errors.Join(checkIn("kvbm_leader_restore_disk", "recovered-index buffer", buf, n),
+		checkOut("kvbm_leader_restore_disk", ptr(registered))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
 	}
 	// The input comes from the engine's own adapter (what its workers
 	// returned), not from the network.

@@ -59,6 +59,7 @@ type tensorOption struct {
 var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error)
 
 type workerHandle struct {
+	lifetime
 	g1      worker.G1Copier // nil: G1 is host memory
 	g4Close func()          // releases the G4 store; nil without one
 	g4      *object.Store
@@ -184,24 +185,23 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	return statusOK
 }
 
-func workerOf(hd C.uint64_t) (*workerHandle, error) {
-	h, err := live[*workerHandle](hd)
-	if err != nil {
-		return nil, err
-	}
-	if h.w == nil {
-		return nil, errorf(statusState, "worker is closed")
-	}
-	return h, nil
+func workerOf(hd C.uint64_t) (*workerHandle, func(), error) {
+	return acquire[*workerHandle](hd)
 }
 
 //export kvbm_worker_free
 func kvbm_worker_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
-	if h, err := handle[*workerHandle](hd); err == nil && h.w != nil {
-		h.free()
-		deleteHandle(hd)
+	freeHandle(hd, (*workerHandle).interrupt, (*workerHandle).free)
+}
+
+// interrupt runs when a free begins, before it waits for the calls in
+// progress: an operation of the side channel waiting for the engine's
+// step gives up, and no new one arrives.
+func (h *workerHandle) interrupt() {
+	if h.member != nil {
+		_ = h.member.Close()
 	}
 }
 
@@ -240,7 +240,8 @@ type workerInfo struct {
 //export kvbm_worker_info
 func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -263,7 +264,8 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 //export kvbm_worker_bind
 func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -279,7 +281,8 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 //export kvbm_worker_start_load
 func kvbm_worker_start_load(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -293,7 +296,8 @@ func kvbm_worker_start_load(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_worker_wait_loads
 func kvbm_worker_wait_loads(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -304,7 +308,8 @@ func kvbm_worker_wait_loads(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_worker_wait_for_save
 func kvbm_worker_wait_for_save(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -317,7 +322,8 @@ func kvbm_worker_wait_for_save(hd C.uint64_t, errOut **C.char) (rc C.int) {
 //export kvbm_worker_finished
 func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -51,7 +51,8 @@ func init() {
 //export kvbm_worker_set_cuda_stream
 func kvbm_worker_set_cuda_stream(hd C.uint64_t, stream C.uint64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -139,6 +139,21 @@ CASES = {
         for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
             expect_error("kvbm_worker_bind", w._h, b, n, match="invalid plan buffer")
     """,
+    "G4 reports and the recovered index: bad buffers and NULL outputs": """
+        leader = Leader(block_size=4, bytes_per_block=64)
+        report, index = bytes([0x80]), bytes([0x90])  # msgpack {} and []
+        for n, b in ((8, None), (-1, report), (HUGE, report)):
+            expect_error("kvbm_leader_g4_report", leader._h, b, n, match="invalid report buffer")
+        for n, b in ((8, None), (-1, index), (HUGE, index)):
+            expect_error("kvbm_leader_restore_disk", leader._h, b, n, byref(c_int64()),
+                         match="invalid recovered-index buffer")
+        expect_error("kvbm_leader_restore_disk", leader._h, index, 1, None, match="null output pointer")
+        w = make_worker()
+        for name in ("kvbm_worker_recovered", "kvbm_worker_g4_report"):
+            expect_error(name, w._h, None, byref(c_int64()), match="null output pointer")
+            expect_error(name, w._h, byref(POINTER(c_uint8)()), None, match="null output pointer")
+        assert leader.match("r", list(range(16)), 0, 0) == (0, False)  # still serving
+    """,
     "side channel: a leader not ready refuses calls; bad transport": """
         from ctypes import c_int32
         leader = Leader(block_size=4, side_channel={"transport": "inproc"})

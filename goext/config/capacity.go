@@ -82,7 +82,8 @@ func checkCapacity(bytes uint64, what string, avail func() (uint64, bool)) strin
 // CheckBlocks checks the tier sizes for one block of bytesPerBlockAllWorkers
 // (summed over all workers, as for HostBlocks) before anything is allocated:
 // each tier holds at most MaxBlocks blocks and fits in the memory (host tier)
-// or the disk space of DiskCacheDir (disk tier) available now. The error
+// or the disk space of DiskCacheDir (disk tier, whose blocks' bookkeeping
+// must also fit in memory) available now. The error
 // joins one *VarError per tier, naming the variable that sized it.
 func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 	if bytesPerBlockAllWorkers <= 0 {
@@ -103,18 +104,58 @@ func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 				"gives %d blocks of %d bytes; a tier holds at most %d blocks", n, bytesPerBlockAllWorkers, MaxBlocks)})
 			return
 		}
-		// n ≤ MaxBlocks < 2³¹, so the product fits in a uint64.
-		bytes := uint64(n) * uint64(bytesPerBlockAllWorkers)
-		if reason := checkCapacity(bytes, what, avail); reason != "" {
+		bytes, ok := mulSizes(n, bytesPerBlockAllWorkers)
+		if !ok {
+			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
+				"%d blocks × %d bytes per block overflows a 64-bit size", n, bytesPerBlockAllWorkers)})
+			return
+		}
+		if reason := checkCapacity(uint64(bytes), what, avail); reason != "" {
 			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
 				"%d blocks of %d bytes %s", n, bytesPerBlockAllWorkers, reason)})
 		}
 	}
 	check(c.HostEnabled(), c.CPUCacheOverrideBlocks, c.CPUCacheGB, EnvCPUCacheGB, EnvCPUCacheOverrideBlocks,
 		"memory", availableMemory)
+	before := len(errs)
 	check(c.DiskEnabled(), c.DiskCacheOverrideBlocks, c.DiskCacheGB, EnvDiskCacheGB, EnvDiskCacheOverrideBlocks,
 		"disk space in "+c.DiskCacheDir, func() (uint64, bool) { return availableDisk(c.DiskCacheDir) })
+	if len(errs) == before { // one error per tier
+		if err := c.checkDiskBookkeeping(bytesPerBlockAllWorkers); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
+}
+
+// BlockBookkeepingBytes bounds the memory each block of a tier costs
+// besides its payload: the leader's pool entry (about 80 bytes) and the
+// workers' per-block state (up to 17 bytes a rank), rounded up.
+const BlockBookkeepingBytes = 128
+
+// checkDiskBookkeeping: a disk tier's payload is on disk, but every block
+// has bookkeeping in memory, so a tier of many small blocks whose file fits
+// on disk could still need more memory than the machine has.
+func (c *Config) checkDiskBookkeeping(bytesPerBlockAllWorkers int64) error {
+	if !c.DiskEnabled() {
+		return nil
+	}
+	n := blocks(c.DiskCacheOverrideBlocks, c.DiskCacheGB, bytesPerBlockAllWorkers)
+	if n > MaxBlocks {
+		return nil // CheckBlocks' own error
+	}
+	// n ≤ MaxBlocks < 2^31: the product fits.
+	reason := checkCapacity(uint64(n)*BlockBookkeepingBytes, "memory", availableMemory)
+	if reason == "" {
+		return nil
+	}
+	name, value := EnvDiskCacheGB, strconv.FormatFloat(c.DiskCacheGB, 'g', -1, 64)
+	if c.DiskCacheOverrideBlocks > 0 {
+		name, value = EnvDiskCacheOverrideBlocks, strconv.Itoa(c.DiskCacheOverrideBlocks)
+	}
+	return &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
+		"%d blocks of %d bytes: their bookkeeping (%d bytes a block) %s", n, bytesPerBlockAllWorkers,
+		BlockBookkeepingBytes, reason)}
 }
 
 // TierBlocks sizes the host (G2) and disk (G3) tiers, in blocks, for

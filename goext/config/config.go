@@ -233,11 +233,11 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 	p := parser{lookup: lookup}
 	c := &Config{
 		CPUCacheGB:             p.gigabytes(EnvCPUCacheGB),
-		CPUCacheOverrideBlocks: p.count(EnvCPUCacheOverrideBlocks, 0, 0),
+		CPUCacheOverrideBlocks: p.capped(EnvCPUCacheOverrideBlocks, 0, 0),
 		EnableNUMA:             p.boolean(EnvEnableNUMA, false),
 
 		DiskCacheGB:             p.gigabytes(EnvDiskCacheGB),
-		DiskCacheOverrideBlocks: p.count(EnvDiskCacheOverrideBlocks, 0, 0),
+		DiskCacheOverrideBlocks: p.capped(EnvDiskCacheOverrideBlocks, 0, 0),
 		DiskCacheDir:            p.path(EnvDiskCacheDir, DefaultDiskCacheDir),
 		DiskDisableODirect:      p.boolean(EnvDiskDisableODirect, false),
 		DiskZerofillFallback:    p.present(EnvDiskZerofillFallback),
@@ -254,8 +254,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
 		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),
 
-		MaxConcurrentTransfers: p.count(EnvMaxConcurrentTransfers, DefaultMaxConcurrentTransfers, 1),
-		MaxTransferBatchSize:   p.count(EnvMaxTransferBatchSize, DefaultMaxTransferBatchSize, 1),
+		MaxConcurrentTransfers: p.capped(EnvMaxConcurrentTransfers, DefaultMaxConcurrentTransfers, 1),
+		MaxTransferBatchSize:   p.capped(EnvMaxTransferBatchSize, DefaultMaxTransferBatchSize, 1),
 
 		Metrics:     p.boolean(EnvMetrics, false),
 		MetricsPort: p.port(EnvMetricsPort, DefaultMetricsPort),
@@ -267,16 +267,16 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		MetricsWriteTimeout:      p.seconds(EnvMetricsWriteTimeoutSecs, DefaultMetricsWriteTimeout),
 		MetricsIdleTimeout:       p.seconds(EnvMetricsIdleTimeoutSecs, DefaultMetricsIdleTimeout),
 
-		CacheStatsMaxRequests: p.count(EnvCacheStatsMaxRequests, DefaultCacheStatsMaxRequests, 1),
+		CacheStatsMaxRequests: p.capped(EnvCacheStatsMaxRequests, DefaultCacheStatsMaxRequests, 1),
 		CacheStatsLogInterval: p.seconds(EnvCacheStatsLogIntervalSecs, DefaultCacheStatsLogInterval),
 
 		EnableConsolidator:    p.boolean(EnvEnableConsolidator, true),
-		ConsolidatorMaxBlocks: p.count(EnvConsolidatorMaxBlocks, 0, 1),
+		ConsolidatorMaxBlocks: p.capped(EnvConsolidatorMaxBlocks, 0, 1),
 		ConsolidatorMode:      p.choice(EnvConsolidatorMode, "dedup", "passthrough"),
 		TrtllmZMQPort:         p.port(EnvTrtllmZMQPort, 0),
 		NatsServer:            p.natsURLs(EnvNatsServer, DefaultNatsServer),
 
-		ZMQMaxMessageMB: p.count(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
+		ZMQMaxMessageMB: p.capped(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 
 		Object: p.object(),
 

@@ -73,7 +73,7 @@ func (p *parser) object() Object {
 		AccessKey:    p.str(EnvObjectAccessKey, ""),
 		SecretKey:    p.str(EnvObjectSecretKey, ""),
 		WriteThrough: p.boolean(EnvObjectWriteThrough, true),
-		NumBlocks:    p.count(EnvObjectNumBlocks, DefaultObjectNumBlocks, 1),
+		NumBlocks:    p.capped(EnvObjectNumBlocks, DefaultObjectNumBlocks, 1),
 	}
 	// Credentials: both DYN_KVBM_OBJECT_* or both from AWS_*; none at all
 	// means anonymous requests.

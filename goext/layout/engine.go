@@ -199,6 +199,14 @@ func NewEngine(s Spec) (*Engine, error) {
 		e.NumLayers = int(shape[r.layer])
 		e.layerStride = strides[r.layer] * db
 	}
+	// The layers of a per-layer layout are as many as the tensors given, so
+	// a block's bytes can exceed 64 bits: a wrapped size would pass every
+	// later check.
+	if _, ok := mulChecked(int64(e.NumLayers), int64(outerDim), e.ChunkBytes); !ok {
+		return nil, fmt.Errorf("%w: %v shape %v: %d layers × %d (K/V) × %d-byte chunks per block overflows 64 bits",
+			ErrLayout, kind, shape, e.NumLayers, outerDim, e.ChunkBytes)
+	}
+	// checkNoOverlap bounded the extent to 2^40 elements.
 	span := chunkElems
 	for _, d := range outerDims {
 		span += (shape[d] - 1) * strides[d]
@@ -314,8 +322,9 @@ func checkNoOverlap(kind Kind, shape, strides []int64, dims []int, chunkElems in
 			return fmt.Errorf("%w: %v shape %v strides %v: dimension %d steps %d elements but one step must cover %d; chunks would overlap",
 				ErrLayout, kind, shape, strides, d.idx, d.stride, extent)
 		}
-		extent = d.stride * d.size
-		if extent > maxDim {
+		// Both are at most 2^40: the product is checked, not wrapped.
+		var ok bool
+		if extent, ok = mulChecked(d.stride, d.size); !ok || extent > maxDim {
 			return fmt.Errorf("%w: %v shape %v strides %v span more than 2^40 elements", ErrLayout, kind, shape, strides)
 		}
 	}

@@ -134,7 +134,9 @@ func TestG4ForgedObjectsNeverReachG1(t *testing.T) {
 	evil := func(h uint64) []byte { return bytes.Repeat([]byte{0x66, byte(h)}, bpb/2) }
 	f.OnGet(func(key string, _ []byte, _ int) s3test.Reply {
 		h, err := strconv.ParseUint(path.Base(key), 16, 64)
-		require.NoError(t, err)
+		if err != nil { // the server's goroutine: fail, but do not stop it
+			t.Errorf("object key %q: %v", key, err)
+		}
 		payload := evil(h)
 		b := make([]byte, object.HeaderSize+len(payload))
 		copy(b, tmpl[:object.HeaderSize])

@@ -355,6 +355,7 @@ type leaderG4Info struct {
 	UploadDrops        uint64 `json:"upload_drops"`
 	Errors             uint64 `json:"errors"`
 	Corrupt            uint64 `json:"corrupt"`
+	VerifyFailures     uint64 `json:"verify_failures"`
 	QueueDepth         int64  `json:"queue_depth"`
 	BreakersOpen       int64  `json:"breakers_open"`
 }
@@ -388,7 +389,7 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 		info.G4 = &leaderG4Info{
 			OffloadBlocksH2Obj: s.Uploaded, OnboardBlocksObj2H: s.Downloaded,
 			LookupHits: s.LookupHits, LookupMisses: s.LookupMisses, AlreadyStored: s.AlreadyStored,
-			UploadDrops: s.Dropped, Errors: s.Errors, Corrupt: s.Corrupt,
+			UploadDrops: s.Dropped, Errors: s.Errors, Corrupt: s.Corrupt, VerifyFailures: s.VerifyFailures,
 			QueueDepth: s.QueueDepth, BreakersOpen: s.BreakersOpen,
 		}
 	}

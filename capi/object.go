@@ -40,7 +40,8 @@ type g4Ref struct {
 // upload queue); release drops the reference and closes the store with the
 // last one. The store being unreachable at start is not an error: the tier
 // degrades (circuit breaker) and comes back by itself.
-func openG4(o *config.Object, fp fingerprint.Fingerprint, blockBytes int64, workerID uint64, log *slog.Logger) (*object.Store, func(), error) {
+func openG4(cfg *config.Config, fp fingerprint.Fingerprint, blockBytes int64, workerID uint64, log *slog.Logger) (*object.Store, func(), error) {
+	o := &cfg.Object
 	g4.mu.Lock()
 	defer g4.mu.Unlock()
 	if r, ok := g4.stores[fp]; ok {
@@ -53,8 +54,9 @@ func openG4(o *config.Object, fp fingerprint.Fingerprint, blockBytes int64, work
 	if err != nil {
 		return nil, nil, withCode(statusConfig, fmt.Errorf("%s=%q: %w", config.EnvObjectEndpoint, o.Endpoint, err))
 	}
+	key := c.ObjectKey(cfg.StorageSecret)
 	s, err := object.NewStore(object.StoreOptions{Client: c, Fingerprint: fp, BlockBytes: int(blockBytes),
-		Registry: object.NewRegistry(o.NumBlocks), Logger: log})
+		Registry: object.NewRegistry(o.NumBlocks), Key: key, Logger: log})
 	if err != nil {
 		return nil, nil, withCode(statusConfig, err)
 	}
@@ -66,7 +68,7 @@ func openG4(o *config.Object, fp fingerprint.Fingerprint, blockBytes int64, work
 	}
 	log.Info("kvbm G4 tier", "endpoint", o.Endpoint, "bucket", bucket, "region", o.Region,
 		"fingerprint", fp.String(), "write_through", o.WriteThrough, "registry_blocks", o.NumBlocks,
-		"block_bytes", blockBytes)
+		"block_bytes", blockBytes, "mac_key_from", key.Source())
 	if g4.stores == nil {
 		g4.stores = make(map[fingerprint.Fingerprint]*g4Ref)
 	}
@@ -141,7 +143,7 @@ func leaderG4(o *leaderOptions, cfg *config.Config, h *leaderHandle, log *slog.L
 		log.Info("kvbm G4: waiting for rank 0's block fingerprint from its worker before matching in G4")
 		return opts, nil
 	}
-	s, closeFn, err := openG4(&cfg.Object, fp, o.BytesPerBlock, o.WorkerID, log)
+	s, closeFn, err := openG4(cfg, fp, o.BytesPerBlock, o.WorkerID, log)
 	if err != nil {
 		return nil, err
 	}
@@ -170,7 +172,7 @@ func kvbm_leader_set_g4_fingerprint(hd C.uint64_t, fpHex *C.char, errOut **C.cha
 	if !h.l.G4Enabled() || h.l.G4Store() != nil {
 		return statusOK
 	}
-	s, closeFn, err := openG4(&h.cfg.Object, fp, h.bytesPerBlock, h.workerID, kvbmLogger())
+	s, closeFn, err := openG4(h.cfg, fp, h.bytesPerBlock, h.workerID, kvbmLogger())
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -121,7 +121,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	var g4s *object.Store
 	var g4Close func()
 	if cfg.Object.Enabled {
-		if g4s, g4Close, err = openG4(&cfg.Object, fp.Sum(), eng.BytesPerBlock(), o.WorkerID, log); err != nil {
+		if g4s, g4Close, err = openG4(cfg, fp.Sum(), eng.BytesPerBlock(), o.WorkerID, log); err != nil {
 			return finish(err, errOut)
 		}
 	}

@@ -11,6 +11,8 @@ import (
 
 	"github.com/minio/minio-go/v7"
 	"github.com/minio/minio-go/v7/pkg/credentials"
+
+	"github.com/kvbm/kvbm/goext/integrity"
 )
 
 // ClientOptions locate one bucket.
@@ -36,6 +38,7 @@ var ErrNotFound = errors.New("object: G4 object not found")
 type Client struct {
 	mc     *minio.Client
 	bucket string
+	secret string // the S3 secret key: a Store's MAC key derives from it by default
 }
 
 // NewClient creates the client; it does not contact the server.
@@ -68,7 +71,7 @@ func NewClient(o ClientOptions) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("object: client for %s: %w", o.Host, err)
 	}
-	return &Client{mc: mc, bucket: o.Bucket}, nil
+	return &Client{mc: mc, bucket: o.Bucket, secret: o.SecretKey}, nil
 }
 
 // Bucket is the bucket's name.
@@ -113,22 +116,41 @@ func (c *Client) PutIfAbsent(ctx context.Context, key string, body []byte) (crea
 
 // Get reads the object under key into buf when it fits (else a new slice)
 // and returns the bytes. ErrNotFound when there is none; an object larger
-// than limit is an error.
+// than limit is an error (ErrCorrupt). A body that ends early (a connection
+// cut, a declared length not met) is a transport error, never a short body.
 func (c *Client) Get(ctx context.Context, key string, buf []byte, limit int) ([]byte, error) {
+	b, err := c.get(ctx, key, buf, limit)
+	if err == nil && len(b) > limit {
+		return nil, fmt.Errorf("%w: object %s is larger than %d bytes", ErrCorrupt, key, limit)
+	}
+	return b, err
+}
+
+// get reads at most limit+1 bytes of the object under key into buf (its
+// capacity; a new slice when it is too small), so that a caller sees an
+// oversized object's first bytes.
+func (c *Client) get(ctx context.Context, key string, buf []byte, limit int) ([]byte, error) {
 	obj, err := c.mc.GetObject(ctx, c.bucket, key, minio.GetObjectOptions{})
 	if err != nil {
 		return nil, notFound(err)
 	}
 	defer obj.Close()
-	r := io.LimitReader(obj, int64(limit)+1)
-	b := bytes.NewBuffer(buf[:0])
-	if _, err := b.ReadFrom(r); err != nil {
-		return nil, notFound(err)
+	if cap(buf) < limit+1 {
+		buf = make([]byte, limit+1)
 	}
-	if b.Len() > limit {
-		return nil, fmt.Errorf("%w: object %s is larger than %d bytes", ErrCorrupt, key, limit)
+	buf = buf[:limit+1]
+	n := 0
+	for n < len(buf) {
+		m, err := obj.Read(buf[n:])
+		n += m
+		if errors.Is(err, io.EOF) {
+			return buf[:n], nil
+		}
+		if err != nil {
+			return nil, notFound(err)
+		}
 	}
-	return b.Bytes(), nil
+	return buf, nil
 }
 
 // Head reports whether an object exists under key.
@@ -141,6 +163,13 @@ func (c *Client) Head(ctx context.Context, key string) (bool, error) {
 		return false, nil
 	}
 	return false, err
+}
+
+// ObjectKey is the MAC key of this bucket's objects derived from the
+// client's own credentials, overridden by override when it is set
+// (DYN_KVBM_STORAGE_SECRET): see integrity.ObjectKey.
+func (c *Client) ObjectKey(override []byte) integrity.Key {
+	return integrity.ObjectKey(override, c.secret, c.bucket)
 }
 
 // Delete removes the object under key (no error when absent).

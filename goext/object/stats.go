@@ -10,18 +10,19 @@ import (
 // Counters of this process's G4 activity (leader and workers together;
 // Dynamo's names where Dynamo has one).
 type counters struct {
-	uploaded      atomic.Uint64 // kvbm_offload_blocks_h2obj
-	alreadyStored atomic.Uint64 // conditional PUT found the object (another writer)
-	downloaded    atomic.Uint64 // downloads that verified
-	onboarded     atomic.Uint64 // kvbm_onboard_blocks_obj2h: G4 loads planned by a leader
-	lookupHits    atomic.Uint64 // kvbm_g4_lookup_hits
-	lookupMisses  atomic.Uint64 // kvbm_g4_lookup_misses
-	heads         atomic.Uint64 // HEAD requests sent by lookups
-	dropped       atomic.Uint64 // uploads dropped: queue full or breaker open
-	errors        atomic.Uint64 // failed requests (PUT, GET, HEAD)
-	corrupt       atomic.Uint64 // downloads that did not verify
-	queued        atomic.Int64  // uploads waiting or running
-	breakerOpen   atomic.Int64  // stores whose breaker is open
+	uploaded       atomic.Uint64 // kvbm_offload_blocks_h2obj
+	alreadyStored  atomic.Uint64 // conditional PUT found the object (another writer)
+	downloaded     atomic.Uint64 // downloads that verified
+	onboarded      atomic.Uint64 // kvbm_onboard_blocks_obj2h: G4 loads planned by a leader
+	lookupHits     atomic.Uint64 // kvbm_g4_lookup_hits
+	lookupMisses   atomic.Uint64 // kvbm_g4_lookup_misses
+	heads          atomic.Uint64 // HEAD requests sent by lookups
+	dropped        atomic.Uint64 // uploads dropped: queue full or breaker open
+	errors         atomic.Uint64 // failed requests (PUT, GET, HEAD)
+	verifyFailures atomic.Uint64 // downloads that did not verify (damaged, forged, another key)
+	corrupt        atomic.Uint64 // objects proven damaged (the same wrong bytes twice) and deleted
+	queued         atomic.Int64  // uploads waiting or running
+	breakerOpen    atomic.Int64  // stores whose breaker is open
 }
 
 var stats counters
@@ -30,6 +31,7 @@ var stats counters
 type Stats struct {
 	Uploaded, AlreadyStored, Downloaded, Onboarded, LookupHits, LookupMisses, Heads uint64
 	Dropped, Errors, Corrupt                                                        uint64
+	VerifyFailures                                                                  uint64
 	QueueDepth, BreakersOpen                                                        int64
 }
 
@@ -44,6 +46,7 @@ func (s *Stats) add(o Stats) {
 	s.Dropped += o.Dropped
 	s.Errors += o.Errors
 	s.Corrupt += o.Corrupt
+	s.VerifyFailures += o.VerifyFailures
 	s.QueueDepth += o.QueueDepth
 	s.BreakersOpen += o.BreakersOpen
 }
@@ -54,7 +57,7 @@ func Local() Stats {
 		Uploaded: stats.uploaded.Load(), AlreadyStored: stats.alreadyStored.Load(),
 		Downloaded: stats.downloaded.Load(), Onboarded: stats.onboarded.Load(), LookupHits: stats.lookupHits.Load(),
 		LookupMisses: stats.lookupMisses.Load(), Heads: stats.heads.Load(), Dropped: stats.dropped.Load(), Errors: stats.errors.Load(),
-		Corrupt: stats.corrupt.Load(), QueueDepth: stats.queued.Load(), BreakersOpen: stats.breakerOpen.Load(),
+		Corrupt: stats.corrupt.Load(), VerifyFailures: stats.verifyFailures.Load(), QueueDepth: stats.queued.Load(), BreakersOpen: stats.breakerOpen.Load(),
 	}
 }
 
@@ -113,7 +116,8 @@ func RegisterMetrics(r prometheus.Registerer) error {
 		{"kvbm_g4_already_stored", "Uploads skipped: the object was already stored (another instance)", func(s Stats) float64 { return float64(s.AlreadyStored) }, false},
 		{"kvbm_g4_upload_drops", "Uploads dropped: queue full or store unavailable (circuit breaker open)", func(s Stats) float64 { return float64(s.Dropped) }, false},
 		{"kvbm_g4_errors", "Failed object storage requests", func(s Stats) float64 { return float64(s.Errors) }, false},
-		{"kvbm_g4_corrupt_objects", "Downloaded objects that did not verify (deleted, recomputed)", func(s Stats) float64 { return float64(s.Corrupt) }, false},
+		{"kvbm_g4_verify_failures", "Downloaded objects that did not verify (damaged, forged, or written under another key): misses, recomputed", func(s Stats) float64 { return float64(s.VerifyFailures) }, false},
+		{"kvbm_g4_corrupt_objects", "Objects proven damaged (the same wrong bytes read twice) and deleted from the bucket", func(s Stats) float64 { return float64(s.Corrupt) }, false},
 		{"kvbm_g4_upload_queue_depth", "Uploads queued or in flight", func(s Stats) float64 { return float64(s.QueueDepth) }, true},
 		{"kvbm_g4_breaker_open", "Object stores currently refused by their circuit breaker", func(s Stats) float64 { return float64(s.BreakersOpen) }, true},
 	} {

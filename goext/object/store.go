@@ -1,15 +1,44 @@
 package object
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 )
+
+// warnedKeyNotSecret: the warning about a key that is no secret is logged
+// once per process.
+var warnedKeyNotSecret atomic.Bool
+
+// rateLog lets one message through per interval and counts the others.
+type rateLog struct {
+	mu         sync.Mutex // guards the fields below
+	last       time.Time
+	suppressed int
+}
+
+// allow reports whether to log now, with how many were held back since the
+// last one logged.
+func (r *rateLog) allow(now time.Time, every time.Duration) (suppressed int, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.last.IsZero() && now.Sub(r.last) < every {
+		r.suppressed++
+		return 0, false
+	}
+	n := r.suppressed
+	r.last, r.suppressed = now, 0
+	return n, true
+}
 
 // ErrUnavailable: the circuit breaker refused the request (the store failed
 // repeatedly; it is tried again after the cool-down).
@@ -45,20 +74,28 @@ type StoreOptions struct {
 	BreakerCooldown  time.Duration
 	// RequestTimeout bounds one PUT or GET.
 	RequestTimeout time.Duration
-	Logger         *slog.Logger
-	Now            func() time.Time // nil: time.Now
+	// Key authenticates the objects (integrity.ObjectKey); the zero Key:
+	// derived from Client's S3 secret key and bucket (Client.ObjectKey).
+	// Every instance sharing the bucket must use the same key.
+	Key    integrity.Key
+	Logger *slog.Logger
+	Now    func() time.Time // nil: time.Now
 }
 
 // Store is one rank's view of G4: uploads in the background, verified
 // downloads, lookups. Safe for concurrent use.
 type Store struct {
-	c       *Client
-	fp      fingerprint.Fingerprint
-	bpb     int
-	reg     *Registry
-	br      *breaker
-	log     *slog.Logger
-	timeout time.Duration
+	c   *Client
+	fp  fingerprint.Fingerprint
+	bpb int
+	reg *Registry
+	br  *breaker
+	key integrity.Key
+	now func() time.Time
+	log *slog.Logger
+	// verifyLog rate-limits the warnings of objects that do not verify.
+	verifyLog rateLog
+	timeout   time.Duration
 	// lookupSem bounds the HEAD requests of all lookups together.
 	lookupSem chan struct{}
 
@@ -77,8 +114,8 @@ type Store struct {
 }
 
 type upload struct {
-	hash uint64
-	body *[]byte
+	hash, parent uint64
+	body         *[]byte // payload in place; the uploader seals the header
 }
 
 // NewStore starts the upload goroutines.
@@ -116,10 +153,22 @@ func NewStore(o StoreOptions) (*Store, error) {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	s := &Store{c: o.Client, fp: o.Fingerprint, bpb: o.BlockBytes, reg: o.Registry,
+	if !o.Key.Valid() {
+		o.Key = o.Client.ObjectKey(nil)
+	}
+	if !o.Key.Secret() && !warnedKeyNotSecret.Swap(true) {
+		o.Logger.Warn("kvbm G4: anonymous access and no "+config.EnvStorageSecret+": G4 objects are only "+
+			"checksummed, not authenticated (their MAC key derives from the bucket's name alone, which is no "+
+			"secret), so whoever can write to the bucket or sits on the way to an http:// endpoint can forge "+
+			"KV; set "+config.EnvStorageSecret+" (the same on every instance) to authenticate them",
+			"bucket", o.Client.Bucket())
+	}
+	s := &Store{c: o.Client, fp: o.Fingerprint, bpb: o.BlockBytes, reg: o.Registry, key: o.Key, now: o.Now,
 		br: newBreaker(o.BreakerThreshold, o.BreakerCooldown, o.Now), log: o.Logger,
 		timeout: o.RequestTimeout, lookupSem: make(chan struct{}, o.Lookups), queue: make(chan upload, o.QueueBlocks)}
-	s.bufs.New = func() any { b := make([]byte, HeaderSize+s.bpb); return &b }
+	// One byte of spare capacity: a download reads one byte past the
+	// largest valid object to see an oversized one, into the same buffer.
+	s.bufs.New = func() any { b := make([]byte, HeaderSize+s.bpb, HeaderSize+s.bpb+1); return &b }
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	for range o.Uploads {
 		s.wg.Add(1)
@@ -196,11 +245,13 @@ func (s *Store) Enqueue(seqHash, parent uint64, payload []byte) bool {
 		stats.dropped.Add(1)
 		return false
 	}
+	// Only the copy happens here, on the engine's step: checksums and MAC
+	// are computed by the uploader.
 	b := s.bufs.Get().(*[]byte)
-	encodeInto(*b, s.fp, seqHash, parent, payload)
+	copy((*b)[HeaderSize:], payload)
 	s.pending.Add(1)
 	select {
-	case s.queue <- upload{hash: seqHash, body: b}:
+	case s.queue <- upload{hash: seqHash, parent: parent, body: b}:
 		stats.queued.Add(1)
 		return true
 	default:
@@ -229,6 +280,7 @@ func (s *Store) put(u upload) {
 		stats.dropped.Add(1)
 		return
 	}
+	seal(*u.body, s.key, s.fp, u.hash, u.parent)
 	ctx, cancel := context.WithTimeout(s.ctx, s.timeout)
 	created, err := s.c.PutIfAbsent(ctx, s.Key(u.hash), *u.body)
 	cancel()
@@ -297,9 +349,14 @@ func (s *Store) Flush(ctx context.Context) error {
 }
 
 // Download fetches seqHash's object into dst (len(dst) must be the block
-// size) and verifies it. A missing object or one that does not verify is
-// forgotten by the registry; a corrupt one is also deleted (it would fail
-// every instance). dst's contents are undefined after an error.
+// size) and verifies it. Any failure is a miss that the registry forgets
+// (the engine recomputes the block). An object that does not verify is
+// counted and logged; it is deleted from the shared bucket only when this
+// instance proves it damaged (confirmDamaged): a failed request, a cut
+// body, or wrong bytes seen once may be the network's doing, and a MAC
+// mismatch of intact bytes may be another key's valid object, so none of
+// them costs the other instances their copy. dst's contents are undefined
+// after an error.
 func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error {
 	if len(dst) != s.bpb {
 		return fmt.Errorf("object: G4 download into %d bytes, want %d", len(dst), s.bpb)
@@ -312,37 +369,86 @@ func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error 
 	defer cancel()
 	b := s.bufs.Get().(*[]byte)
 	defer s.bufs.Put(b)
-	body, err := s.c.Get(ctx, key, *b, HeaderSize+s.bpb)
+	body, err := s.fetch(ctx, key, *b)
 	if err == nil {
-		_, payload, verr := Verify(body, s.fp, seqHash, s.bpb)
-		if verr == nil {
+		var payload []byte
+		if _, payload, err = Verify(body, s.key, s.fp, seqHash, s.bpb); err == nil {
 			copy(dst, payload)
 		}
-		err = verr
 	}
 	s.done(err)
-	switch {
-	case err == nil:
+	if err == nil {
 		stats.downloaded.Add(1)
 		return nil
+	}
+	s.reg.Remove(seqHash)
+	switch {
 	case errors.Is(err, ErrCorrupt):
-		stats.corrupt.Add(1)
-		s.reg.Remove(seqHash)
-		s.log.Warn("kvbm G4: object does not verify; deleting it (the engine recomputes the block)", "key", key, "err", err)
-		dctx, dcancel := context.WithTimeout(s.ctx, s.timeout)
-		if derr := s.c.Delete(dctx, key); derr != nil {
-			s.log.Debug("kvbm G4: could not delete a corrupt object", "key", key, "err", derr)
-		}
-		dcancel()
+		stats.verifyFailures.Add(1)
+		deleted := damaged(err) && s.confirmDamaged(ctx, key, body)
+		s.logVerifyFailure(key, err, deleted)
+		return fmt.Errorf("%w (G4 block %s)", err, key) // errprefix: err, of this package, carries it
 	case errors.Is(err, ErrNotFound):
-		s.reg.Remove(seqHash)
+		return fmt.Errorf("%w (G4 block %s)", err, key) // errprefix: err, of this package, carries it
 	default:
 		stats.errors.Add(1)
+		return fmt.Errorf("object: G4 block %s: %w", key, err)
 	}
-	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrNotFound) {
-		return fmt.Errorf("%w (G4 block %s)", err, key) // errprefix: err, of this package, carries it
+}
+
+// fetch reads the object under key into buf, at most one byte past the
+// largest valid object (Verify rejects the length).
+func (s *Store) fetch(ctx context.Context, key string, buf []byte) ([]byte, error) {
+	return s.c.get(ctx, key, buf, HeaderSize+s.bpb)
+}
+
+// confirmDamaged reads key again and deletes the object when the second
+// read, without a transport error, returns exactly the damaged bytes of the
+// first: the stored object itself is wrong, for every instance, and would
+// block its key (uploads are conditional). It reports whether it deleted.
+func (s *Store) confirmDamaged(ctx context.Context, key string, first []byte) bool {
+	b := s.bufs.Get().(*[]byte)
+	defer s.bufs.Put(b)
+	second, err := s.fetch(ctx, key, *b)
+	if err != nil {
+		if !errors.Is(err, ErrNotFound) {
+			stats.errors.Add(1)
+		}
+		return false
 	}
-	return fmt.Errorf("object: G4 block %s: %w", key, err)
+	if !bytes.Equal(first, second) {
+		return false
+	}
+	stats.corrupt.Add(1)
+	dctx, dcancel := context.WithTimeout(s.ctx, s.timeout)
+	defer dcancel()
+	if err := s.c.Delete(dctx, key); err != nil {
+		stats.errors.Add(1)
+		s.log.Debug("kvbm G4: could not delete a damaged object", "key", key, "err", err)
+		return false
+	}
+	return true
+}
+
+// verifyLogEvery spaces the warnings about objects that do not verify.
+const verifyLogEvery = 10 * time.Second
+
+// logVerifyFailure warns about an object that did not verify, at most once
+// per verifyLogEvery (the counter has them all).
+func (s *Store) logVerifyFailure(key string, err error, deleted bool) {
+	n, ok := s.verifyLog.allow(s.now(), verifyLogEvery)
+	if !ok {
+		return
+	}
+	msg := "kvbm G4: object does not verify; served as a miss (the engine recomputes the block)"
+	switch {
+	case deleted:
+		msg = "kvbm G4: object damaged (the same wrong bytes read twice); deleted, served as a miss"
+	case errors.Is(err, ErrUnauthenticated):
+		msg += "; every instance sharing the bucket must use the same key (" + config.EnvStorageSecret +
+			", or the same S3 secret key)"
+	}
+	s.log.Warn(msg, "key", key, "err", err, "not_logged_since_last", n)
 }
 
 // Lookup returns how many leading hashes are stored: hashes the registry

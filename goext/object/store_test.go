@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/object/s3test"
 )
@@ -54,10 +55,14 @@ func flush(t *testing.T, s *object.Store) {
 	require.NoError(t, s.Flush(ctx))
 }
 
+// testKey is the MAC key of the tests' stores (s3test's credentials, bucket
+// "kv-test").
+var testKey = integrity.ObjectKey(nil, s3test.SecretKey, "kv-test")
+
 func TestHeaderRejectsDamage(t *testing.T) {
 	f := fp("m")
-	body := object.Encode(f, 7, 3, block(1))
-	_, payload, err := object.Verify(body, f, 7, blockBytes)
+	body := object.Encode(testKey, f, 7, 3, block(1))
+	_, payload, err := object.Verify(body, testKey, f, 7, blockBytes)
 	require.NoError(t, err)
 	require.Equal(t, block(1), payload)
 	for name, mut := range map[string]func([]byte) []byte{
@@ -67,12 +72,13 @@ func TestHeaderRejectsDamage(t *testing.T) {
 		"short":       func(b []byte) []byte { return b[:10] },
 	} {
 		b := mut(bytes.Clone(body))
-		_, _, err := object.Verify(b, f, 7, blockBytes)
+		_, _, err := object.Verify(b, testKey, f, 7, blockBytes)
 		require.ErrorIs(t, err, object.ErrCorrupt, name)
+		require.NotErrorIs(t, err, object.ErrUnauthenticated, name)
 	}
-	_, _, err = object.Verify(body, fp("other"), 7, blockBytes)
+	_, _, err = object.Verify(body, testKey, fp("other"), 7, blockBytes)
 	require.ErrorIs(t, err, object.ErrCorrupt, "another fingerprint")
-	_, _, err = object.Verify(body, f, 8, blockBytes)
+	_, _, err = object.Verify(body, testKey, f, 8, blockBytes)
 	require.ErrorIs(t, err, object.ErrCorrupt, "another hash")
 }
 
@@ -131,7 +137,7 @@ func TestCorruptObjectNeverServed(t *testing.T) {
 		AccessKey: s3test.AccessKey, SecretKey: s3test.SecretKey})
 	require.NoError(t, err)
 	ctx := context.Background()
-	bad := object.Encode(fp("m"), 5, 0, block(5))
+	bad := object.Encode(testKey, fp("m"), 5, 0, block(5))
 	bad[object.HeaderSize+7] ^= 0x40
 	_, err = c.PutIfAbsent(ctx, s.Key(5), bad)
 	require.NoError(t, err)

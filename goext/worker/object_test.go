@@ -1,11 +1,16 @@
 package worker
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
+	"path"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/zeebo/xxh3"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
@@ -62,7 +67,7 @@ func TestG4UploadThenLoadElsewhere(t *testing.T) {
 		AccessKey: s3test.AccessKey, SecretKey: s3test.SecretKey})
 	require.NoError(t, err)
 	require.NoError(t, cl.Delete(ctx, sb.Key(hashes[2])))
-	bad := object.Encode(fp, hashes[2], hashes[1], want[2])
+	bad := object.Encode(cl.ObjectKey(nil), fp, hashes[2], hashes[1], want[2])
 	bad[len(bad)-1] ^= 1
 	_, err = cl.PutIfAbsent(ctx, sb.Key(hashes[2]), bad)
 	require.NoError(t, err)
@@ -87,6 +92,83 @@ func TestG4UploadThenLoadElsewhere(t *testing.T) {
 	after := object.Snapshot()
 	require.Equal(t, uint64(2), after.Downloaded-before.Downloaded)
 	require.Equal(t, uint64(1), after.Corrupt-before.Corrupt)
+	require.Equal(t, uint64(1), after.VerifyFailures-before.VerifyFailures)
+}
+
+// TestG4ForgedObjectsNeverReachG1: a hostile server (or a writer to the
+// bucket, or a man in the middle on http://) answers each GET with an
+// object it built for that key from a genuine header, attacker bytes and
+// recomputed checksums. Every G1 block of the load fails (the engine
+// recomputes it), none holds the attacker's bytes, the failures are
+// counted, and nothing is deleted.
+func TestG4ForgedObjectsNeverReachG1(t *testing.T) {
+	f := s3test.StartFake(t)
+	fp := fingerprint.Inputs{Model: "m", DType: "bf16", BlockSize: bs, TPSize: 1}.Sum()
+	ga := newG1(t, layout.FlashAttn)
+	bpb := int(ga.e.BytesPerBlock())
+	fakeStore := func() *object.Store {
+		c, err := object.NewClient(object.ClientOptions{Host: f.Addr, Bucket: "kv-worker", Region: "us-east-1",
+			AccessKey: s3test.AccessKey, SecretKey: s3test.SecretKey})
+		require.NoError(t, err)
+		require.NoError(t, c.EnsureBucket(context.Background(), "us-east-1"))
+		s, err := object.NewStore(object.StoreOptions{Client: c, Fingerprint: fp, BlockBytes: bpb,
+			BreakerCooldown: 50 * time.Millisecond})
+		require.NoError(t, err)
+		t.Cleanup(s.Close)
+		return s
+	}
+	sa := fakeStore()
+	wa := newWorker(t, ga, Options{HostBlocks: 8, G4: sa})
+	hashes := []uint64{0xb1, 0xb2, 0xb3, 0xb4}
+	_, failed := run(t, wa, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1, 2, 3, 4}, plan.G2, []int64{0, 1, 2, 3}),
+		Uploads: []plan.Upload{{Block: 0, Hash: hashes[0]}, {Block: 1, Hash: hashes[1], Parent: hashes[0]},
+			{Block: 2, Hash: hashes[2], Parent: hashes[1]}, {Block: 3, Hash: hashes[3], Parent: hashes[2]}}})
+	require.Empty(t, failed)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, sa.Flush(ctx))
+	keys := f.Keys("kv-worker")
+	require.Len(t, keys, 4)
+	tmpl, _ := f.Object("kv-worker", keys[0])
+
+	evil := func(h uint64) []byte { return bytes.Repeat([]byte{0x66, byte(h)}, bpb/2) }
+	f.OnGet(func(key string, _ []byte, _ int) s3test.Reply {
+		h, err := strconv.ParseUint(path.Base(key), 16, 64)
+		if err != nil { // the server's goroutine: fail, but do not stop it
+			t.Errorf("object key %q: %v", key, err)
+		}
+		payload := evil(h)
+		b := make([]byte, object.HeaderSize+len(payload))
+		copy(b, tmpl[:object.HeaderSize])
+		copy(b[object.HeaderSize:], payload)
+		binary.LittleEndian.PutUint64(b[24:32], h)
+		binary.LittleEndian.PutUint64(b[48:56], xxh3.Hash(payload))
+		binary.LittleEndian.PutUint64(b[56:64], xxh3.Hash(b[:56]))
+		return s3test.Reply{Body: b}
+	})
+
+	gb := newG1(t, layout.FlashAttn)
+	sb := fakeStore()
+	wb := newWorker(t, gb, Options{HostBlocks: 8, G4: sb})
+	g1dst := []int64{20, 21, 22, 23}
+	ld := plan.Load{ReqID: "r"}
+	for i, h := range hashes {
+		ld.Copies = append(ld.Copies, plan.Copy{Src: plan.G4, SrcBlock: int64(h), Dst: plan.G2, DstBlock: int64(4 + i)})
+	}
+	for i := range hashes {
+		ld.Copies = append(ld.Copies, plan.Copy{Src: plan.G2, SrcBlock: int64(4 + i), Dst: plan.G1, DstBlock: g1dst[i]})
+	}
+	before := object.Snapshot()
+	loaded, failed := run(t, wb, &plan.Step{Seq: 1, Loads: []plan.Load{ld}})
+	require.Equal(t, []string{"r"}, loaded)
+	require.Equal(t, g1dst, failed, "every forged block fails its G1 block")
+	for i, h := range hashes {
+		require.NotEqual(t, evil(h), gb.block(g1dst[i]), "the attacker's bytes reached G1 block %d", g1dst[i])
+	}
+	after := object.Snapshot()
+	require.Zero(t, after.Downloaded-before.Downloaded)
+	require.Equal(t, uint64(len(hashes)), after.VerifyFailures-before.VerifyFailures)
+	require.Empty(t, f.Requests("DELETE"))
 }
 
 // TestG4UploadNeverBlocksWithoutStore: with the store down, a step with

@@ -84,7 +84,8 @@ class LeaderG4Info(TypedDict):
     already_stored: int
     upload_drops: int
     errors: int
-    corrupt: int
+    corrupt: int  # objects proven damaged and deleted
+    verify_failures: int  # downloads that did not verify (damaged, forged, another key)
     queue_depth: int
     breakers_open: int
 

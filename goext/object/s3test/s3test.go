@@ -1,5 +1,6 @@
-// Package s3test starts a real S3-compatible server for tests and
-// benchmarks: versitygw serving a directory (installed by .ci/s3-server.sh).
+// Package s3test starts S3-compatible servers for tests and benchmarks: a
+// real one, versitygw serving a directory (installed by .ci/s3-server.sh),
+// and Fake, an in-memory one that can play hostile or flaky (fake.go).
 package s3test
 
 import (

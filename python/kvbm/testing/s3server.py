@@ -61,7 +61,7 @@ _KEY = re.compile(r"^[0-9a-f]{16}$")
 
 
 def count_objects(state_dir: str, bucket: str) -> int:
-    """kvbm G4 objects (<fingerprint>/<sequence hash>) stored in bucket."""
+    """kvbm G4 objects (g4v2-<fingerprint>/<sequence hash>) stored in bucket."""
     root = os.path.join(state_dir, "data", bucket)
     n = 0
     if os.path.isdir(root):

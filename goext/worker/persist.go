@@ -16,12 +16,25 @@ import (
 // tag never outlives the step it came with — and the write records it in
 // the block's header on disk. At start the worker adopts the blocks whose
 // headers verified: they are valid, with the checksum from their header, so
-// a load verifies the payload as for any block written by this process.
+// a load verifies the payload as for any block written by this process, and
+// also against the payload MAC the header records until the block is
+// rewritten (storage.DiskRegion.VerifyRecovered): one that does not verify
+// is a failed load (the leader frees the block), counted in
+// kvbm_g3_load_unauthenticated_blocks.
 
 // persistDisk is the disk tier's header API; tests substitute the disk.
 type persistDisk interface {
 	WriteBlockHeader(i int, buf []byte, h *storage.BlockHeader) error
 	InvalidateHeader(i int) error
+}
+
+// ErrUnauthenticated: a recovered G3 block's payload does not verify
+// against the MAC its header records.
+var ErrUnauthenticated = storage.ErrUnauthenticated
+
+// recoveredDisk checks a recovered block's payload against its MAC.
+type recoveredDisk interface {
+	VerifyRecovered(i int, payload []byte) error
 }
 
 // adoptRecovered marks the recovered blocks valid. Called by RegisterG1
@@ -31,6 +44,7 @@ func (w *Worker) adoptRecovered() {
 		return
 	}
 	w.tags = make([]atomic.Pointer[plan.BlockTag], w.opts.DiskBlocks)
+	w.m.G3LoadUnauthenticated() // exported from the start, at 0
 	rec := w.diskFile.Recovery()
 	for _, b := range rec.Blocks {
 		w.diskSum[b.Index].Store(b.PayloadSum)

@@ -14,8 +14,8 @@ package storage
 // regular file of this user with one link, not writable by group or others
 // (openPersistentFile). Even so only authenticated blocks are recovered: a
 // header whose MAC does not verify under the tier's key is discarded, and a
-// recovered block's payload MAC is checked when it is first loaded
-// (VerifyRecovered).
+// recovered block's payload is checked against its MAC when it is first
+// loaded (VerifyRecovered).
 //
 // Write order for one block (WriteBlockHeader):
 //
@@ -468,9 +468,10 @@ var ErrUnauthenticated = errors.New("storage: disk block payload does not verify
 
 // VerifyRecovered checks payload (at least BlockBytes) read from block i
 // against the MAC recorded in its header at recovery. It returns nil for a
-// block written by this process (its payload checksum, kept in memory, is
-// what a load checks) and ErrUnauthenticated for a recovered payload that
-// does not verify.
+// block written by this process, or recovered and verified already: from
+// then on the payload checksum in memory (authenticated with the header) is
+// what a load checks, as for the blocks this process wrote. It returns
+// ErrUnauthenticated for a recovered payload that does not verify.
 func (d *DiskRegion) VerifyRecovered(i int, payload []byte) error {
 	if !d.persistent || i < 0 || i >= len(d.claims) {
 		return nil
@@ -486,6 +487,7 @@ func (d *DiskRegion) VerifyRecovered(i int, payload []byte) error {
 	if !integrity.Equal(got[:], c.mac[:]) {
 		return fmt.Errorf("%w: block %d of %s", ErrUnauthenticated, i, d.path)
 	}
+	d.claims[i].CompareAndSwap(c, nil)
 	return nil
 }
 
@@ -528,9 +530,10 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 	}
 	d.hw.wait(i)
 	d.claims[i].Store(nil) // what it recorded of the old payload no longer holds
-	// The payload's MAC is computed while its write is in flight (the CPU
-	// is otherwise idle during an O_DIRECT write): a block then costs the
-	// longer of the two rather than their sum. buf is only read by both.
+	// The payload's MAC is computed while its write is in flight (an
+	// O_DIRECT write leaves this CPU idle): with few writes in flight a
+	// block then takes the longer of the two rather than their sum. buf is
+	// only read by both.
 	var macc chan [integrity.Size]byte
 	if h != nil {
 		macc = make(chan [integrity.Size]byte, 1)

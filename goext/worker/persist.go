@@ -17,8 +17,8 @@ import (
 // the block's header on disk. At start the worker adopts the blocks whose
 // headers verified: they are valid, with the checksum from their header, so
 // a load verifies the payload as for any block written by this process, and
-// also against the payload MAC the header records until the block is
-// rewritten (storage.DiskRegion.VerifyRecovered): one that does not verify
+// at its first load also against the payload MAC the header records
+// (storage.DiskRegion.VerifyRecovered): one that does not verify
 // is a failed load (the leader frees the block), counted in
 // kvbm_g3_load_unauthenticated_blocks.
 

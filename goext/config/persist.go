@@ -86,7 +86,7 @@ func (p *parser) defaultPersistentDir() (string, error) {
 	if v, set := p.get("HOME"); set && filepath.IsAbs(strings.TrimSpace(v)) {
 		return filepath.Join(strings.TrimSpace(v), ".cache", "kvbm"), nil
 	}
-	return "", errors.New("neither $XDG_CACHE_HOME nor $HOME is set: set " + EnvDiskCacheDir + " to a private directory")
+	return "", errors.New("neither $XDG_CACHE_HOME nor $HOME is set: set DYN_KVBM_DISK_CACHE_DIR to a private directory") // errprefix: wrapped: the reason of a VarError
 }
 
 // userName names this user for a suggested directory.

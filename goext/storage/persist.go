@@ -656,15 +656,15 @@ func CheckPersistDir(dir string) error {
 		return fmt.Errorf("storage: persistent disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q is not a directory", dir)
 	}
 	if fi.Mode().Perm()&0o022 != 0 {
-		return fmt.Errorf("%w: DYN_KVBM_DISK_CACHE_DIR=%q has mode %v: other users can write there, so a persistent "+
-			"tier (DYN_KVBM_DISK_PERSIST) could recover their files; use a private subdirectory "+
-			"(mkdir -m 700 %s), or unset DYN_KVBM_DISK_CACHE_DIR for the default $XDG_CACHE_HOME/kvbm",
-			integrity.ErrUnsafe, dir, fi.Mode().Perm(), filepath.Join(dir, "kvbm-"+userName()))
+		return fmt.Errorf("storage: DYN_KVBM_DISK_CACHE_DIR=%q has mode %v: other users can write there, so a "+
+			"persistent tier (DYN_KVBM_DISK_PERSIST) could recover their files; use a private subdirectory "+
+			"(mkdir -m 700 %s), or unset DYN_KVBM_DISK_CACHE_DIR for the default $XDG_CACHE_HOME/kvbm (%w)",
+			dir, fi.Mode(), filepath.Join(dir, "kvbm-"+userName()), integrity.ErrUnsafe)
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() && st.Uid != 0 {
-		return fmt.Errorf("%w: DYN_KVBM_DISK_CACHE_DIR=%q belongs to uid %d, not this user (uid %d) nor root; "+
-			"a persistent tier (DYN_KVBM_DISK_PERSIST) needs a directory of its own", integrity.ErrUnsafe, dir,
-			st.Uid, os.Geteuid())
+		return fmt.Errorf("storage: DYN_KVBM_DISK_CACHE_DIR=%q belongs to uid %d, not this user (uid %d) nor root; "+
+			"a persistent tier (DYN_KVBM_DISK_PERSIST) needs a directory of its own (%w)", dir,
+			st.Uid, os.Geteuid(), integrity.ErrUnsafe)
 	}
 	return nil
 }

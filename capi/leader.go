@@ -210,7 +210,8 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).
-		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds")
+		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds",
+			"kvbm_g3_load_unauthenticated_blocks")
 		srv, err := h.m.ServeWith(cfg.MetricsAddr(), metrics.ServerOptionsFrom(cfg))
 		if err != nil {
 			// The cache works without its metrics endpoint; say why it is missing.

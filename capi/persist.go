@@ -15,6 +15,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/plan"
@@ -28,6 +29,30 @@ import (
 // in its process, or from the engine: the adapter reads each worker's
 // kvbm_worker_recovered and hands them all to kvbm_leader_restore_disk
 // (vLLM's connector handshake metadata carries them between processes).
+
+// g3Key is the key that authenticates the persistent disk tier's blocks:
+// from DYN_KVBM_STORAGE_SECRET(_FILE) when set, else from the per-user
+// secret kvbm creates once in $XDG_CONFIG_HOME/kvbm (or ~/.config/kvbm).
+// The zero Key without persistence.
+func g3Key(cfg *config.Config) (integrity.Key, error) {
+	if !cfg.DiskPersist {
+		return integrity.Key{}, nil
+	}
+	dir := ""
+	if len(cfg.StorageSecret) == 0 {
+		d, err := integrity.DefaultSecretDir()
+		if err != nil {
+			return integrity.Key{}, fmt.Errorf("DYN_KVBM_DISK_PERSIST: %w", err)
+		}
+		dir = d
+	}
+	k, err := integrity.LocalKey(cfg.StorageSecret, dir)
+	if err != nil {
+		return integrity.Key{}, fmt.Errorf("DYN_KVBM_DISK_PERSIST: the key of the tier's MACs (or set "+
+			"DYN_KVBM_STORAGE_SECRET): %w", err)
+	}
+	return k, nil
+}
 
 // recoveredRank is one rank's recovered index, in the form that crosses
 // processes (msgpack).

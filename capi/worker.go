@@ -125,11 +125,18 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 			return finish(err, errOut)
 		}
 	}
+	diskKey, err := g3Key(cfg)
+	if err != nil {
+		if g4Close != nil {
+			g4Close()
+		}
+		return finish(withCode(statusConfig, err), errOut)
+	}
 	w, err := worker.New(worker.Options{
 		G4:          g4s,
 		Fingerprint: fp,
 		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
-		DiskPersist: cfg.DiskPersist, DiskZeroFill: cfg.DiskZerofillFallback,
+		DiskPersist: cfg.DiskPersist, DiskKey: diskKey, DiskZeroFill: cfg.DiskZerofillFallback,
 		DiskOpenDirect: cfg.DiskAllocatorType == config.DiskAllocatorOpenDirect, NUMA: cfg.EnableNUMA,
 		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
 		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,

@@ -291,6 +291,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		p.fail(EnvLeaderZMQAckPort, fmt.Sprint(c.LeaderZMQAckPort),
 			"must differ from "+EnvLeaderZMQPubPort+" (both sockets bind on the leader)")
 	}
+	p.persistentDir(c) // before the write check creates the directory (persist.go)
 	if p.ok(EnvDiskCacheGB, EnvDiskCacheOverrideBlocks, EnvDiskCacheDir) && c.DiskEnabled() {
 		if err := checkWritableDir(c.DiskCacheDir); err != nil {
 			p.fail(EnvDiskCacheDir, c.DiskCacheDir, err.Error())

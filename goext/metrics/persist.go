@@ -41,3 +41,14 @@ func register[C prometheus.Collector](r *prometheus.Registry, c C) C {
 	}
 	return c
 }
+
+// G3LoadUnauthenticated counts the recovered disk tier blocks whose payload
+// did not verify against the MAC in their header when loaded: not served,
+// the load fails (the engine recomputes) and the block is freed. Registered
+// on first use (by a worker with a persistent tier).
+func (m *Metrics) G3LoadUnauthenticated() prometheus.Counter {
+	return register(m.Registry, prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvbm_g3_load_unauthenticated_blocks",
+		Help: "Recovered disk tier blocks whose payload did not verify against their MAC at load (not served, freed)",
+	}))
+}

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/layout"
 )
 
@@ -39,7 +40,10 @@ type DiskOptions struct {
 	// Fingerprint and Rank, with a header per block (persist.go).
 	Persist     bool
 	Fingerprint fingerprint.Fingerprint
-	Logger      *slog.Logger
+	// Key authenticates a persistent tier's blocks (integrity.LocalKey):
+	// blocks whose MACs do not verify under it are not recovered.
+	Key    integrity.Key
+	Logger *slog.Logger
 }
 
 // DiskRegion is the disk tier: one preallocated file, block i at offset
@@ -58,8 +62,10 @@ type DiskRegion struct {
 	// Persistent tiers only (persist.go).
 	persistent bool
 	fp         fingerprint.Fingerprint
+	key        integrity.Key
 	recovery   Recovery
-	live       []atomic.Bool // block's header may verify on disk: invalidate before rewriting
+	live       []atomic.Bool                  // block's header may verify on disk: invalidate before rewriting
+	claims     []atomic.Pointer[payloadClaim] // recovered blocks not rewritten since: payload MAC to check
 	hw         *headerWriter
 }
 
@@ -88,11 +94,18 @@ func NewDiskRegion(o DiskOptions) (*DiskRegion, error) {
 		return nil, fmt.Errorf("storage: disk tier: %d blocks of %d bytes: both must be > 0", o.NumBlocks, o.BlockBytes)
 	}
 	dir := o.Dir
-	if dir == "" {
-		dir = "/tmp/"
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, fmt.Errorf("storage: disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
+	if o.Persist {
+		// A file in a directory others can write could be theirs.
+		if err := CheckPersistDir(dir); err != nil {
+			return nil, err
+		}
+	} else {
+		if dir == "" {
+			dir = "/tmp/"
+		}
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, fmt.Errorf("storage: disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", dir, err)
+		}
 	}
 	removeStaleFiles(dir, log)
 	if o.Persist {
@@ -263,7 +276,7 @@ func (d *DiskRegion) create(dir string, rank int, direct, atOpen bool, log *slog
 		var rnd [4]byte
 		_, _ = rand.Read(rnd[:])
 		path := filepath.Join(dir, fmt.Sprintf(diskFilePrefix+"%d-rank%d-%s", os.Getpid(), rank, hex.EncodeToString(rnd[:])))
-		fd, odirect, err := openTierFile(path, unix.O_EXCL, direct, atOpen, log)
+		fd, odirect, err := openTierFile(path, unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW, direct, atOpen, log)
 		if err != nil {
 			return fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be created: %w", path, dir, err)
 		}
@@ -287,8 +300,9 @@ var errLostToCleanup = errors.New("new file removed by a concurrent cleanup befo
 // openFile is unix.Open; a variable so tests can see the flags.
 var openFile = unix.Open
 
-// openTierFile opens path read-write, creating it, with the extra open
-// flags (O_EXCL for a fresh file, O_NOFOLLOW to reopen a persistent one).
+// openTierFile opens path read-write with the extra open flags
+// (O_CREAT|O_EXCL|O_NOFOLLOW for a fresh file, O_NOFOLLOW to reopen a
+// persistent one).
 // With direct, it turns O_DIRECT on: as Dynamo does, with fcntl once the
 // file is open, or with atOpen in the open call itself. A filesystem that
 // refuses O_DIRECT (EINVAL) leaves the file buffered, with a warning; the
@@ -296,7 +310,7 @@ var openFile = unix.Open
 //
 // errprefix: its errors are wrapped by create and openPersistent.
 func openTierFile(path string, extra int, direct, atOpen bool, log *slog.Logger) (fd int, odirect bool, err error) {
-	baseFlags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC | extra
+	baseFlags := unix.O_RDWR | unix.O_CLOEXEC | extra
 	if direct && atOpen {
 		fd, err = openFile(path, baseFlags|unix.O_DIRECT, 0o600)
 		if err == nil {
@@ -514,13 +528,18 @@ func removeStaleFiles(dir string, log *slog.Logger) {
 }
 
 // removeIfUnlocked removes path if its lock can be taken, holding the lock
-// while it removes it. A file it cannot open (another user's) is kept.
+// while it removes it. Another user's file is kept (in a shared directory
+// such as /tmp it is not ours to judge).
 func removeIfUnlocked(path string) bool {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return false
 	}
 	defer func() { _ = unix.Close(fd) }()
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || int(st.Uid) != os.Geteuid() {
+		return false
+	}
 	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		return false
 	}

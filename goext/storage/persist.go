@@ -6,7 +6,16 @@ package storage
 // slot = HeaderBytes + Stride: one HeaderBytes sector describing the block,
 // then its payload (aligned up). The header names the fingerprint, the
 // block's index, its sequence hash, parent, priority and tokens, the payload
-// length and XXH3, and ends with the XXH3 of the header itself.
+// length, XXH3 and MAC, and ends with its own MAC and XXH3
+// (persist_headers.go).
+//
+// Trust: the directory must not be writable by group or others, the file is
+// created with O_EXCL|O_NOFOLLOW and an existing one is used only if it is a
+// regular file of this user with one link, not writable by group or others
+// (openPersistentFile). Even so only authenticated blocks are recovered: a
+// header whose MAC does not verify under the tier's key is discarded, and a
+// recovered block's payload is checked against its MAC when it is first
+// loaded (VerifyRecovered).
 //
 // Write order for one block (WriteBlockHeader):
 //
@@ -29,24 +38,27 @@ package storage
 // never served. Close does fdatasync, so a clean shutdown persists everything.
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
+	"os/user"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
-	"github.com/zeebo/xxh3"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/layout"
 )
 
@@ -57,16 +69,15 @@ const (
 	persistPrefix = "kvbm-g3-"
 	persistSuffix = ".tier"
 	headerMagic   = "KVBMG3H\x01"
-	headerVersion = 1
-	// Fixed fields: magic 8, version 4, flags 4, fingerprint 16, index 8,
-	// seq hash 8, parent 8, priority 4, token count 4, payload length 8,
-	// payload xxh3 8, written-at 8.
-	headerFixed = 88
+	// headerVersion 2 added the MACs; a file of version 1 is reinitialised.
+	headerVersion = 2
+	// Fixed fields (headerFields in persist_headers.go), tokens follow.
+	headerFixed = 120
 	// headerSumAt is where the header's own XXH3 (over bytes [0, headerSumAt)) sits.
 	headerSumAt = HeaderBytes - 8
 	// MaxHeaderTokens is how many tokens a header carries; a block with
 	// more is persisted without its tokens.
-	MaxHeaderTokens = (headerSumAt - headerFixed) / 4
+	MaxHeaderTokens = (headerMACAt - headerFixed) / 4
 
 	flagHasParent = 1 << 0
 	flagTokens    = 1 << 1
@@ -84,6 +95,9 @@ type BlockHeader struct {
 	PayloadSum uint64
 	// WrittenAt (Unix nanoseconds) orders recovered blocks for eviction.
 	WrittenAt int64
+
+	// payloadMAC is the recorded MAC of a recovered block's payload.
+	payloadMAC [integrity.Size]byte
 }
 
 // RecoveredBlock is one block whose header verified at start.
@@ -94,13 +108,16 @@ type RecoveredBlock struct {
 
 // Discard reasons in Recovery.Discarded.
 const (
-	DiscardTorn        = "torn_header"     // bad magic or header checksum: a write was interrupted
-	DiscardVersion     = "header_version"  // written by another format version
-	DiscardFingerprint = "fingerprint"     // header of another fingerprint (copied file)
-	DiscardMisplaced   = "misplaced"       // header names another block index
-	DiscardLength      = "payload_length"  // header for another payload size
-	DiscardReadError   = "read_error"      // the header could not be read
-	DiscardBeyondSize  = "beyond_new_size" // blocks cut off by a smaller DYN_KVBM_DISK_CACHE_GB
+	DiscardTorn    = "torn_header"    // bad magic or header checksum: a write was interrupted
+	DiscardVersion = "header_version" // written by another format version (the file is reinitialised)
+	// DiscardUnauthenticated: the header's MAC does not verify under this
+	// tier's key: written by someone without the key, or under another
+	// secret (DYN_KVBM_STORAGE_SECRET changed).
+	DiscardUnauthenticated = "unauthenticated"
+	DiscardFingerprint     = "fingerprint"    // header of another fingerprint (copied file)
+	DiscardMisplaced       = "misplaced"      // header names another block index
+	DiscardLength          = "payload_length" // header for another payload size
+	DiscardReadError       = "read_error"     // the header could not be read
 )
 
 // Recovery is what opening a persistent tier found.
@@ -111,7 +128,13 @@ type Recovery struct {
 	Blocks    []RecoveredBlock
 	Empty     int            // slots never written (or invalidated)
 	Discarded map[string]int // reason → blocks
-	Duration  time.Duration
+	// HeadersRead is how many slot headers were read: never more than the
+	// configured block count, whatever the file's size.
+	HeadersRead int
+	// Reinitialised: the file was of an older format version and was
+	// emptied (its blocks are not recovered).
+	Reinitialised bool
+	Duration      time.Duration
 }
 
 // NumDiscarded is the total of Discarded.
@@ -137,6 +160,9 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	if o.Fingerprint.IsZero() {
 		return nil, errors.New("storage: persistent disk tier (DYN_KVBM_DISK_PERSIST): no fingerprint of the KV layout and model")
 	}
+	if !o.Key.Valid() {
+		return nil, errors.New("storage: persistent disk tier (DYN_KVBM_DISK_PERSIST): no key to authenticate its blocks")
+	}
 	stride := layout.AlignUp(o.BlockBytes, Alignment)
 	slot := stride + HeaderBytes
 	size := slot * int64(o.NumBlocks)
@@ -145,7 +171,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	}
 	path := PersistentPath(dir, o.Fingerprint, o.Rank)
 	listForeignTiers(dir, path, log)
-	fd, odirect, err := openTierFile(path, unix.O_NOFOLLOW, !o.DisableODirect, o.OpenDirect, log)
+	fd, odirect, err := openPersistentFile(path, !o.DisableODirect, o.OpenDirect, log)
 	if err != nil {
 		return nil, fmt.Errorf("storage: disk tier file %s in DYN_KVBM_DISK_CACHE_DIR=%q cannot be opened: %w", path, dir, err)
 	}
@@ -157,7 +183,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		return nil, fmt.Errorf("storage: disk tier file %s: flock: %w", path, err)
 	}
 	d := &DiskRegion{fd: fd, path: path, direct: odirect, numBlocks: o.NumBlocks, blockBytes: o.BlockBytes,
-		stride: stride, slot: slot, payloadAt: HeaderBytes, persistent: true, fp: o.Fingerprint}
+		stride: stride, slot: slot, payloadAt: HeaderBytes, persistent: true, fp: o.Fingerprint, key: o.Key}
 	fail := func(err error) (*DiskRegion, error) {
 		_ = unix.Close(fd) // the file stays: it may hold blocks worth keeping
 		return nil, err
@@ -166,7 +192,7 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	if err := unix.Fstat(fd, &st); err != nil {
 		return fail(fmt.Errorf("storage: disk tier file %s: fstat: %w", path, err))
 	}
-	rec := Recovery{Path: path, Reused: st.Size > 0, OldBlocks: int(st.Size / slot), Discarded: map[string]int{}}
+	rec := Recovery{Path: path, Reused: st.Size > 0, OldBlocks: int(min(st.Size/slot, math.MaxInt32)), Discarded: map[string]int{}}
 	if d.direct && rec.Reused {
 		// Read-only probe: a write would destroy block 0.
 		if err := d.probeDirectRead(); err != nil {
@@ -177,11 +203,12 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		}
 	}
 	if st.Size > size {
-		// Blocks past the new end are lost (counted if their header
-		// verifies); the rest keep their offsets.
-		if n := d.countValid(o.NumBlocks, int((st.Size+slot-1)/slot)); n > 0 {
-			rec.Discarded[DiscardBeyondSize] = n
-		}
+		// The blocks past the new end are dropped unread: what start-up
+		// reads is bounded by the configured tier, not by the file (a huge
+		// sparse file would otherwise take hours to scan).
+		log.Info("kvbm disk tier: the persistent tier file is larger than the configured tier; it is cut to size "+
+			"and the blocks past the new end are dropped", "path", path, "file_bytes", st.Size, "bytes", size,
+			"blocks", o.NumBlocks)
 		if err := unix.Ftruncate(fd, size); err != nil {
 			return fail(fmt.Errorf("storage: disk tier file %s: shrink to %d bytes: %w", path, size, err))
 		}
@@ -202,16 +229,22 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 		}
 	}
 	d.live = make([]atomic.Bool, o.NumBlocks)
+	d.claims = make([]atomic.Pointer[payloadClaim], o.NumBlocks)
 	start := time.Now()
 	scanned := 0
 	if rec.Reused {
 		// A trailing partial slot (a file cut short by something else) is
 		// scanned too: its header may still verify, and a slot whose header
 		// verifies must be invalidated before it is rewritten.
-		scanned = min(int((st.Size+slot-1)/slot), o.NumBlocks)
+		scanned = min(int((min(st.Size, size)+slot-1)/slot), o.NumBlocks)
 		d.scan(scanned, &rec)
 	}
 	rec.Empty += o.NumBlocks - scanned // grown or new: never written
+	if rec.Discarded[DiscardVersion] > 0 {
+		if err := d.reinitialise(size, o.ZeroFill, &rec, log); err != nil {
+			return fail(err)
+		}
+	}
 	rec.Duration = time.Since(start)
 	d.recovery = rec
 	d.hw = newHeaderWriter(d, log)
@@ -227,8 +260,82 @@ func openPersistent(o DiskOptions, dir string, log *slog.Logger) (*DiskRegion, e
 	log.Info("kvbm disk tier ready (persistent)", "path", path, "blocks", o.NumBlocks, "block_bytes", stride,
 		"o_direct", d.direct, "size", resize, "recovered_blocks", len(rec.Blocks), "empty_blocks", rec.Empty,
 		"discarded_blocks", rec.NumDiscarded(), "discarded_by_reason", fmt.Sprint(rec.Discarded),
-		"recovery_seconds", rec.Duration.Seconds())
+		"mac_key", o.Key.Source(), "recovery_seconds", rec.Duration.Seconds())
+	if n := rec.Discarded[DiscardUnauthenticated]; n > 0 {
+		log.Warn("kvbm disk tier: blocks whose MAC does not verify under this tier's key were not recovered "+
+			"(written without the key, or under another DYN_KVBM_STORAGE_SECRET)", "path", path, "blocks", n,
+			"mac_key", o.Key.Source())
+	}
 	return d, nil
+}
+
+// reinitialise empties a file written by an older format version: its
+// blocks cannot be authenticated, so none is recovered (those of the
+// current version found with them are dropped too: such a mix is not
+// something kvbm writes).
+func (d *DiskRegion) reinitialise(size int64, zeroFill bool, rec *Recovery, log *slog.Logger) error {
+	log.Warn("kvbm disk tier: the persistent tier file was written by an older format version (no MACs); "+
+		"its blocks are not recovered and the file is reinitialised", "path", d.path,
+		"old_version_blocks", rec.Discarded[DiscardVersion])
+	rec.Discarded[DiscardVersion] += len(rec.Blocks)
+	rec.Blocks = nil
+	rec.Empty = d.numBlocks
+	rec.Reinitialised = true
+	for i := range d.live {
+		d.live[i].Store(false)
+		d.claims[i].Store(nil)
+	}
+	if err := unix.Ftruncate(d.fd, 0); err != nil {
+		return fmt.Errorf("storage: disk tier file %s: reinitialise: %w", d.path, err)
+	}
+	if err := d.preallocate(size, zeroFill, log); err != nil {
+		return fmt.Errorf("storage: disk tier file %s: reinitialise: %w", d.path, err)
+	}
+	return nil
+}
+
+// openPersistentFile opens the tier file at path, or creates it (O_EXCL).
+// Neither follows a symlink, and an existing file is used only if it is a
+// regular file of this user with one link that group and others cannot
+// write (integrity.CheckOwnFile): a file planted by someone else is refused.
+//
+// errprefix: its errors are wrapped by openPersistent.
+func openPersistentFile(path string, direct, atOpen bool, log *slog.Logger) (fd int, odirect bool, err error) {
+	for range 2 {
+		fd, odirect, err = openTierFile(path, unix.O_NOFOLLOW, direct, atOpen, log)
+		if errors.Is(err, unix.ENOENT) {
+			fd, odirect, err = openTierFile(path, unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW, direct, atOpen, log)
+			if errors.Is(err, unix.EEXIST) {
+				continue // created by another process in between: check it as an existing file
+			}
+		}
+		if err != nil {
+			if errors.Is(err, unix.ELOOP) {
+				return -1, false, fmt.Errorf("%w: %s is a symlink", integrity.ErrUnsafe, path)
+			}
+			return -1, false, err
+		}
+		if err := checkOwnFD(fd, path); err != nil {
+			_ = unix.Close(fd)
+			return -1, false, err
+		}
+		return fd, odirect, nil
+	}
+	return -1, false, err
+}
+
+// checkOwnFD is integrity.CheckOwnFile on a descriptor (through a
+// duplicate: an *os.File closes its descriptor).
+//
+// errprefix: integrity's errors, wrapped by openPersistent.
+func checkOwnFD(fd int, path string) error {
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("dup: %w", err)
+	}
+	f := os.NewFile(uintptr(dup), path)
+	defer f.Close()
+	return integrity.CheckOwnFile(f)
 }
 
 // listForeignTiers logs the persistent tier files in dir other than ours
@@ -282,84 +389,6 @@ func (d *DiskRegion) Persistent() bool { return d.persistent }
 // Recovery is what opening a persistent tier found (zero for other tiers).
 func (d *DiskRegion) Recovery() Recovery { return d.recovery }
 
-// encodeHeader fills buf (HeaderBytes) with block i's header.
-func (d *DiskRegion) encodeHeader(buf []byte, i int, h *BlockHeader) {
-	clear(buf)
-	le := binary.LittleEndian
-	copy(buf[0:8], headerMagic)
-	le.PutUint32(buf[8:], headerVersion)
-	var flags uint32
-	if h.HasParent {
-		flags |= flagHasParent
-	}
-	toks := h.Tokens
-	if len(toks) > MaxHeaderTokens {
-		toks = nil
-	}
-	if toks != nil {
-		flags |= flagTokens
-	}
-	le.PutUint32(buf[12:], flags)
-	copy(buf[16:32], d.fp[:])
-	le.PutUint64(buf[32:], uint64(i))
-	le.PutUint64(buf[40:], h.SeqHash)
-	le.PutUint64(buf[48:], h.Parent)
-	le.PutUint32(buf[56:], uint32(h.Priority))
-	le.PutUint32(buf[60:], uint32(len(toks)))
-	le.PutUint64(buf[64:], uint64(d.blockBytes))
-	le.PutUint64(buf[72:], h.PayloadSum)
-	le.PutUint64(buf[80:], uint64(h.WrittenAt))
-	for k, t := range toks {
-		le.PutUint32(buf[headerFixed+4*k:], t)
-	}
-	le.PutUint64(buf[headerSumAt:], xxh3.Hash(buf[:headerSumAt]))
-}
-
-// decodeHeader parses block i's header; reason is "" for a valid header,
-// "empty" for a slot never written (or invalidated), else a Discard reason.
-func (d *DiskRegion) decodeHeader(buf []byte, i int) (h BlockHeader, reason string) {
-	le := binary.LittleEndian
-	if string(buf[0:8]) != headerMagic {
-		for _, c := range buf[:headerFixed] {
-			if c != 0 {
-				return h, DiscardTorn
-			}
-		}
-		return h, "empty"
-	}
-	if xxh3.Hash(buf[:headerSumAt]) != le.Uint64(buf[headerSumAt:]) {
-		return h, DiscardTorn
-	}
-	if le.Uint32(buf[8:]) != headerVersion {
-		return h, DiscardVersion
-	}
-	if string(buf[16:32]) != string(d.fp[:]) {
-		return h, DiscardFingerprint
-	}
-	if le.Uint64(buf[32:]) != uint64(i) {
-		return h, DiscardMisplaced
-	}
-	if le.Uint64(buf[64:]) != uint64(d.blockBytes) {
-		return h, DiscardLength
-	}
-	flags := le.Uint32(buf[12:])
-	n := int(le.Uint32(buf[60:]))
-	if n > MaxHeaderTokens {
-		return h, DiscardTorn
-	}
-	h = BlockHeader{
-		SeqHash: le.Uint64(buf[40:]), Parent: le.Uint64(buf[48:]), HasParent: flags&flagHasParent != 0,
-		Priority: int32(le.Uint32(buf[56:])), PayloadSum: le.Uint64(buf[72:]), WrittenAt: int64(le.Uint64(buf[80:])),
-	}
-	if flags&flagTokens != 0 {
-		h.Tokens = make([]uint32, n)
-		for k := range h.Tokens {
-			h.Tokens[k] = le.Uint32(buf[headerFixed+4*k:])
-		}
-	}
-	return h, ""
-}
-
 // scanWorkers reads headers in parallel: on NVMe one 4 KiB read at a time
 // leaves the device mostly idle.
 const scanWorkers = 8
@@ -373,6 +402,7 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 	type result struct {
 		blocks    []RecoveredBlock
 		empty     int
+		read      int
 		discarded map[string]int
 	}
 	parts := make([]result, scanWorkers)
@@ -385,17 +415,26 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 			r.discarded = map[string]int{}
 			buf := alignedBuf(HeaderBytes)
 			for i := w; i < n; i += scanWorkers {
+				r.read++
 				if err := d.readHeader(i, buf); err != nil {
 					r.discarded[DiscardReadError]++
 					continue
 				}
-				h, reason := d.decodeHeader(buf, i)
+				h, mac, reason := d.decodeHeader(buf, i)
 				switch reason {
 				case "":
+					h.payloadMAC = mac
 					r.blocks = append(r.blocks, RecoveredBlock{Index: i, BlockHeader: h})
+					d.claims[i].Store(&payloadClaim{seq: h.SeqHash, parent: h.Parent, hasParent: h.HasParent, mac: mac})
 					d.live[i].Store(true)
 				case "empty":
 					r.empty++
+				case DiscardUnauthenticated:
+					// Whole, but not ours: it might verify under another
+					// key (a secret restored later), so it is zeroed
+					// before the slot is rewritten, like a valid one.
+					d.live[i].Store(true)
+					r.discarded[reason]++
 				default:
 					r.discarded[reason]++
 				}
@@ -406,6 +445,7 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 	for _, p := range parts {
 		rec.Blocks = append(rec.Blocks, p.blocks...)
 		rec.Empty += p.empty
+		rec.HeadersRead += p.read
 		for k, v := range p.discarded {
 			rec.Discarded[k] += v
 		}
@@ -414,18 +454,41 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 	slices.SortFunc(rec.Blocks, func(a, b RecoveredBlock) int { return a.Index - b.Index })
 }
 
-// countValid is how many of slots [lo, hi) hold a header that verifies.
-func (d *DiskRegion) countValid(lo, hi int) int {
-	buf := alignedBuf(HeaderBytes)
-	n := 0
-	for i := lo; i < hi; i++ {
-		if d.readHeader(i, buf) == nil {
-			if _, reason := d.decodeHeader(buf, i); reason == "" {
-				n++
-			}
-		}
+// payloadClaim is what a recovered block's authenticated header says of
+// its payload, kept until the block is first rewritten or invalidated.
+type payloadClaim struct {
+	seq, parent uint64
+	hasParent   bool
+	mac         [integrity.Size]byte
+}
+
+// ErrUnauthenticated: a recovered block's payload does not match the MAC
+// its header records (changed on disk, or moved from another block).
+var ErrUnauthenticated = errors.New("storage: disk block payload does not verify against its MAC")
+
+// VerifyRecovered checks payload (at least BlockBytes) read from block i
+// against the MAC recorded in its header at recovery. It returns nil for a
+// block written by this process, or recovered and verified already: from
+// then on the payload checksum in memory (authenticated with the header) is
+// what a load checks, as for the blocks this process wrote. It returns
+// ErrUnauthenticated for a recovered payload that does not verify.
+func (d *DiskRegion) VerifyRecovered(i int, payload []byte) error {
+	if !d.persistent || i < 0 || i >= len(d.claims) {
+		return nil
 	}
-	return n
+	c := d.claims[i].Load()
+	if c == nil {
+		return nil
+	}
+	if int64(len(payload)) < d.blockBytes {
+		return fmt.Errorf("storage: disk block %d: %d bytes to verify, want %d", i, len(payload), d.blockBytes)
+	}
+	got := d.payloadMAC(i, &BlockHeader{SeqHash: c.seq, Parent: c.parent, HasParent: c.hasParent}, payload)
+	if !integrity.Equal(got[:], c.mac[:]) {
+		return fmt.Errorf("%w: block %d of %s", ErrUnauthenticated, i, d.path)
+	}
+	d.claims[i].CompareAndSwap(c, nil)
+	return nil
 }
 
 func (d *DiskRegion) readHeader(i int, buf []byte) error {
@@ -466,23 +529,28 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 		return err
 	}
 	d.hw.wait(i)
-	if d.live[i].Load() {
-		// One pwritev: the zeroed header, then the payload that follows it
-		// in the slot. The kernel copies (or, with O_DIRECT, completes)
-		// it in order before the call returns, so no payload byte changes
-		// while the old header is still there.
-		if err := d.pwritev([][]byte{zeroHeader, buf}, int64(i)*d.slot); err != nil {
-			return fmt.Errorf("storage: disk tier %s: write block %d: %w", d.path, i, err)
+	d.claims[i].Store(nil) // what it recorded of the old payload no longer holds
+	// The payload's MAC is computed while its write is in flight (an
+	// O_DIRECT write leaves this CPU idle): with few writes in flight a
+	// block then takes the longer of the two rather than their sum. buf is
+	// only read by both.
+	var macc chan [integrity.Size]byte
+	if h != nil {
+		macc = make(chan [integrity.Size]byte, 1)
+		go func() { macc <- d.payloadMAC(i, h, buf) }() // received below on every path
+	}
+	if err := d.writePayload(i, buf); err != nil {
+		if macc != nil {
+			<-macc // buf is the caller's again once this returns
 		}
-		d.live[i].Store(false)
-	} else if err := d.WriteBlock(i, buf); err != nil {
 		return err
 	}
 	if h == nil {
 		return nil
 	}
+	mac := <-macc
 	bp := headerBufs.Get().(*[]byte)
-	d.encodeHeader(*bp, i, h)
+	d.encodeHeader(*bp, i, h, &mac)
 	if d.hw.enqueue(i, bp) {
 		return nil
 	}
@@ -491,6 +559,23 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 		return err
 	}
 	d.live[i].Store(true)
+	return nil
+}
+
+// writePayload writes block i's payload, zeroing its header in the same
+// pwritev when that header may be valid on disk.
+func (d *DiskRegion) writePayload(i int, buf []byte) error {
+	if !d.live[i].Load() {
+		return d.WriteBlock(i, buf)
+	}
+	// One pwritev: the zeroed header, then the payload that follows it in
+	// the slot. The kernel copies (or, with O_DIRECT, completes) it in
+	// order before the call returns, so no payload byte changes while the
+	// old header is still there.
+	if err := d.pwritev([][]byte{zeroHeader, buf}, int64(i)*d.slot); err != nil {
+		return fmt.Errorf("storage: disk tier %s: write block %d: %w", d.path, i, err)
+	}
+	d.live[i].Store(false)
 	return nil
 }
 
@@ -533,6 +618,7 @@ func (d *DiskRegion) InvalidateHeader(i int) error {
 		return nil
 	}
 	d.hw.wait(i)
+	d.claims[i].Store(nil)
 	if !d.live[i].Load() {
 		return nil
 	}
@@ -544,4 +630,49 @@ func (d *DiskRegion) InvalidateHeader(i int) error {
 	}
 	d.live[i].Store(false)
 	return nil
+}
+
+// CheckPersistDir prepares dir for a persistent tier: a directory that
+// does not exist is created private to this user (0700); an existing one
+// must belong to this user (or root) and must not be writable by group or
+// others. A shared directory is refused even with the sticky bit (/tmp):
+// another user there can create the tier file first, or the directory
+// kvbm would make inside it.
+func CheckPersistDir(dir string) error {
+	if dir == "" {
+		return errors.New("storage: persistent disk tier (DYN_KVBM_DISK_PERSIST): no directory (DYN_KVBM_DISK_CACHE_DIR)")
+	}
+	fi, err := os.Stat(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		if err := integrity.PrivateDir(dir); err != nil {
+			return fmt.Errorf("storage: persistent disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q: %w", dir, err)
+		}
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("storage: persistent disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q: %w", dir, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("storage: persistent disk tier directory DYN_KVBM_DISK_CACHE_DIR=%q is not a directory", dir)
+	}
+	if fi.Mode().Perm()&0o022 != 0 {
+		return fmt.Errorf("storage: DYN_KVBM_DISK_CACHE_DIR=%q has mode %v: other users can write there, so a "+
+			"persistent tier (DYN_KVBM_DISK_PERSIST) could recover their files; use a private subdirectory "+
+			"(mkdir -m 700 %s), or unset DYN_KVBM_DISK_CACHE_DIR for the default $XDG_CACHE_HOME/kvbm (%w)",
+			dir, fi.Mode(), filepath.Join(dir, "kvbm-"+userName()), integrity.ErrUnsafe)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() && st.Uid != 0 {
+		return fmt.Errorf("storage: DYN_KVBM_DISK_CACHE_DIR=%q belongs to uid %d, not this user (uid %d) nor root; "+
+			"a persistent tier (DYN_KVBM_DISK_PERSIST) needs a directory of its own (%w)", dir,
+			st.Uid, os.Geteuid(), integrity.ErrUnsafe)
+	}
+	return nil
+}
+
+// userName names this user for a suggested directory.
+func userName() string {
+	if u, err := user.Current(); err == nil && u.Username != "" {
+		return u.Username
+	}
+	return strconv.Itoa(os.Geteuid())
 }

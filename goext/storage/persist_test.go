@@ -12,6 +12,7 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 )
 
 const pBlockBytes = 6000 // not a multiple of Alignment: the padding must not matter
@@ -19,10 +20,21 @@ const pBlockBytes = 6000 // not a multiple of Alignment: the padding must not ma
 var fpA = fingerprint.Inputs{Model: "model-a", DType: "torch.bfloat16", BlockSize: 4, TPSize: 1}.Sum()
 var fpB = fingerprint.Inputs{Model: "model-b", DType: "torch.bfloat16", BlockSize: 4, TPSize: 1}.Sum()
 
+// testKey keys the tiers of these tests (an override: no secret file).
+var testKey = mustKey("storage test secret 0123456789")
+
+func mustKey(secret string) integrity.Key {
+	k, err := integrity.LocalKey([]byte(secret), "")
+	if err != nil {
+		panic(err)
+	}
+	return k
+}
+
 func openP(t *testing.T, dir string, fp fingerprint.Fingerprint, n int) *DiskRegion {
 	t.Helper()
 	d, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: n, BlockBytes: pBlockBytes, Persist: true,
-		Fingerprint: fp, Logger: slog.New(slog.NewTextHandler(t.Output(), nil))})
+		Fingerprint: fp, Key: testKey, Logger: slog.New(slog.NewTextHandler(t.Output(), nil))})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = d.Close() })
 	return d
@@ -191,7 +203,7 @@ func TestPersistentSecondOpener(t *testing.T) {
 }
 
 // TestPersistentResize: a smaller tier keeps the blocks still in range and
-// drops the rest; a larger one keeps everything and adds empty blocks.
+// drops the rest unread; a larger one keeps everything and adds empty blocks.
 func TestPersistentResize(t *testing.T) {
 	dir := t.TempDir()
 	rng := rand.New(rand.NewPCG(11, 12))
@@ -206,7 +218,8 @@ func TestPersistentResize(t *testing.T) {
 	rec := d2.Recovery()
 	require.Equal(t, 6, rec.OldBlocks)
 	require.Len(t, rec.Blocks, 4)
-	require.Equal(t, map[string]int{DiscardBeyondSize: 2}, rec.Discarded)
+	require.Empty(t, rec.Discarded)
+	require.Equal(t, 4, rec.HeadersRead, "the slots past the new end are not read")
 	st, err := os.Stat(d2.Path())
 	require.NoError(t, err)
 	require.Equal(t, 4*d2.slot, st.Size())
@@ -223,17 +236,18 @@ func TestPersistentResize(t *testing.T) {
 }
 
 func TestHeaderTokensLimit(t *testing.T) {
-	d := &DiskRegion{fp: fpA, blockBytes: 10}
+	d := &DiskRegion{fp: fpA, blockBytes: 10, key: testKey}
 	buf := make([]byte, HeaderBytes)
 	many := make([]uint32, MaxHeaderTokens+1)
-	d.encodeHeader(buf, 3, &BlockHeader{SeqHash: 5, Tokens: many})
-	h, reason := d.decodeHeader(buf, 3)
+	var mac [integrity.Size]byte
+	d.encodeHeader(buf, 3, &BlockHeader{SeqHash: 5, Tokens: many}, &mac)
+	h, _, reason := d.decodeHeader(buf, 3)
 	require.Empty(t, reason)
 	require.Nil(t, h.Tokens, "tokens that do not fit are left out, not cut")
 	full := make([]uint32, MaxHeaderTokens)
 	full[len(full)-1] = 42
-	d.encodeHeader(buf, 3, &BlockHeader{SeqHash: 5, Tokens: full})
-	h, reason = d.decodeHeader(buf, 3)
+	d.encodeHeader(buf, 3, &BlockHeader{SeqHash: 5, Tokens: full}, &mac)
+	h, _, reason = d.decodeHeader(buf, 3)
 	require.Empty(t, reason)
 	require.Equal(t, full, h.Tokens)
 }

@@ -148,7 +148,7 @@ func TestZeroFillPersistentTierGrows(t *testing.T) {
 
 	noFallocate(t)
 	d2, err := NewDiskRegion(DiskOptions{Dir: dir, NumBlocks: 300, BlockBytes: pBlockBytes, Persist: true,
-		Fingerprint: fpA, ZeroFill: true})
+		Fingerprint: fpA, ZeroFill: true, Key: testKey})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, d2.Close()) }()
 	rec := d2.Recovery()

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"slices"
 	"sync"
 	"testing"
@@ -46,7 +47,7 @@ func TestSideChannelFramesCarryNoTokens(t *testing.T) {
 	require.NoError(t, err)
 	dir := t.TempDir()
 	wopts := worker.Options{Rank: 0, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: dir,
-		DisableODirect: true, DiskPersist: true,
+		DisableODirect: true, DiskPersist: true, DiskKey: privacyDiskKey(t),
 		Fingerprint: fingerprint.FromEngine("privacy-test", "torch.float16", g1, 1, 0)}
 	w, err := worker.New(wopts)
 	require.NoError(t, err)
@@ -194,4 +195,12 @@ func TestSideChannelFramesCarryNoTokens(t *testing.T) {
 	}
 	slices.Sort(got)
 	require.Equal(t, prompt, got)
+}
+
+// privacyDiskKey keys the persistent tiers of this test (an override: no
+// per-user secret is created).
+func privacyDiskKey(t *testing.T) integrity.Key {
+	k, err := integrity.LocalKey([]byte("wire privacy test storage secret"), "")
+	require.NoError(t, err)
+	return k
 }

@@ -43,6 +43,19 @@ func (w *Worker) readDisk(src int, buf []byte) error {
 		w.degrade(err)
 		return err
 	}
+	if v, ok := w.disk.(recoveredDisk); ok {
+		// A block recovered from a persistent tier and not rewritten
+		// since: its payload must match the MAC of its header (the XXH3
+		// below can be matched by whoever wrote the payload).
+		if err := v.VerifyRecovered(src, buf[:w.bpb]); err != nil {
+			w.diskValid[src].Store(false)
+			w.forgetOnDisk(src)
+			w.m.G3LoadUnauthenticated().Inc()
+			w.log.Warn("kvbm disk tier: a recovered block does not verify against its MAC; not served", "block", src,
+				"err", err)
+			return fmt.Errorf("G3 block %d: %w", src, err)
+		}
+	}
 	if got, want := xxh3.Hash(buf[:w.bpb]), w.diskSum[src].Load(); got != want {
 		w.diskValid[src].Store(false)
 		w.forgetOnDisk(src)

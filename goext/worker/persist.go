@@ -16,7 +16,11 @@ import (
 // tag never outlives the step it came with — and the write records it in
 // the block's header on disk. At start the worker adopts the blocks whose
 // headers verified: they are valid, with the checksum from their header, so
-// a load verifies the payload as for any block written by this process.
+// a load verifies the payload as for any block written by this process, and
+// at its first load also against the payload MAC the header records
+// (storage.DiskRegion.VerifyRecovered): one that does not verify
+// is a failed load (the leader frees the block), counted in
+// kvbm_g3_load_unauthenticated_blocks.
 //
 // G2→G3 moves sent over the side channel (the leader's background mode)
 // carry no tags: the side channel must not carry request contents. The
@@ -30,6 +34,15 @@ type persistDisk interface {
 	InvalidateHeader(i int) error
 }
 
+// ErrUnauthenticated: a recovered G3 block's payload does not verify
+// against the MAC its header records.
+var ErrUnauthenticated = storage.ErrUnauthenticated
+
+// recoveredDisk checks a recovered block's payload against its MAC.
+type recoveredDisk interface {
+	VerifyRecovered(i int, payload []byte) error
+}
+
 // adoptRecovered marks the recovered blocks valid. Called by RegisterG1
 // once the disk tier is open.
 func (w *Worker) adoptRecovered() {
@@ -38,6 +51,7 @@ func (w *Worker) adoptRecovered() {
 	}
 	w.tags = make([]atomic.Pointer[plan.BlockTag], w.opts.DiskBlocks)
 	w.hostTags = make([]atomic.Pointer[plan.HostTag], w.opts.HostBlocks)
+	w.m.G3LoadUnauthenticated() // exported from the start, at 0
 	rec := w.diskFile.Recovery()
 	for _, b := range rec.Blocks {
 		w.diskSum[b.Index].Store(b.PayloadSum)

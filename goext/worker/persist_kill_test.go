@@ -75,9 +75,9 @@ func contentOf(h uint64, n int64) []byte {
 func killWorker(t *testing.T, e *layout.Engine, dir string, buffered bool, log io.Writer) *Worker {
 	t.Helper()
 	w, err := New(Options{DiskBlocks: killG3Blocks, DiskDir: dir, DiskPersist: true, MaxConcurrent: 4, BatchSize: 4,
-		DisableODirect: buffered,
-		Fingerprint:    fingerprint.FromEngine("kill-test", "torch.float16", e, 1, 0),
-		Logger:         slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelWarn})), Metrics: metrics.New()})
+		DisableODirect: buffered, DiskKey: testDiskKey,
+		Fingerprint: fingerprint.FromEngine("kill-test", "torch.float16", e, 1, 0),
+		Logger:      slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelWarn})), Metrics: metrics.New()})
 	require.NoError(t, err)
 	require.NoError(t, w.RegisterG1(e))
 	return w

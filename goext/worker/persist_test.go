@@ -1,21 +1,37 @@
 package worker
 
 import (
+	"encoding/binary"
+	"fmt"
 	"os"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
+	"github.com/zeebo/xxh3"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/storage"
 )
 
 func persistOpts(g *g1, dir string, host int) Options {
 	return Options{HostBlocks: host, DiskBlocks: 6, DiskDir: dir, DiskPersist: true, DisableODirect: true,
-		Fingerprint: fingerprint.FromEngine("test-model", "torch.float16", g.e, 1, 0)}
+		Fingerprint: fingerprint.FromEngine("test-model", "torch.float16", g.e, 1, 0), DiskKey: testDiskKey}
 }
+
+// testDiskKey keys the persistent tiers of these tests (an override: no
+// secret file under $HOME).
+var testDiskKey = func() integrity.Key {
+	k, err := integrity.LocalKey([]byte("worker test storage secret"), "")
+	if err != nil {
+		panic(err)
+	}
+	return k
+}()
 
 func tag(block int64, hash uint64) plan.BlockTag {
 	return plan.BlockTag{Block: block, SeqHash: hash, Parent: hash - 1, HasParent: true, Priority: 3, Tokens: []uint32{1, 2, 3, 4}}
@@ -160,4 +176,97 @@ func TestPersistSideChannelMoveTakesHostTag(t *testing.T) {
 	require.Equal(t, 5, b.Index)
 	require.Equal(t, uint64(100), b.SeqHash)
 	require.Equal(t, []uint32{100, 7, 8, 9}, b.Tokens)
+	require.NoError(t, w2.Close())
+}
+
+// TestPersistSwappedPayloadsNotServed: two blocks whose payloads were
+// swapped on disk (each payload a valid block's KV) are not served under
+// each other's hash. With the headers left alone they are recovered, both
+// loads fail, are counted, and neither block is recovered again; with the
+// headers' payload checksums swapped and resealed too (what needs no key),
+// neither is recovered.
+func TestPersistSwappedPayloadsNotServed(t *testing.T) {
+	for _, reseal := range []bool{false, true} {
+		t.Run(fmt.Sprint("reseal=", reseal), func(t *testing.T) { testSwappedPayloads(t, reseal) })
+	}
+}
+
+func testSwappedPayloads(t *testing.T, reseal bool) {
+	dir := t.TempDir()
+	g := newG1(t, layout.CPU)
+	w := newWorker(t, g, persistOpts(g, dir, 0))
+	want := g.block(3)
+	run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1, 2, 3}, plan.G3, []int64{0, 1, 2}),
+		Tags: []plan.BlockTag{tag(0, 10), tag(1, 11), tag(2, 12)}})
+	require.NoError(t, w.Close())
+
+	slot := layout.AlignUp(g.e.BytesPerBlock(), storage.Alignment) + storage.HeaderBytes
+	n := int(g.e.BytesPerBlock())
+	f, err := os.OpenFile(w.DiskPath(), os.O_RDWR, 0)
+	require.NoError(t, err)
+	p0, p1 := make([]byte, n), make([]byte, n)
+	_, err = f.ReadAt(p0, storage.HeaderBytes)
+	require.NoError(t, err)
+	_, err = f.ReadAt(p1, slot+storage.HeaderBytes)
+	require.NoError(t, err)
+	_, err = f.WriteAt(p1, storage.HeaderBytes)
+	require.NoError(t, err)
+	_, err = f.WriteAt(p0, slot+storage.HeaderBytes)
+	require.NoError(t, err)
+	if reseal {
+		h0, h1 := make([]byte, storage.HeaderBytes), make([]byte, storage.HeaderBytes)
+		_, err = f.ReadAt(h0, 0)
+		require.NoError(t, err)
+		_, err = f.ReadAt(h1, slot)
+		require.NoError(t, err)
+		// The payload XXH3 sits at byte 72; the header's own XXH3 in its last 8.
+		s0, s1 := binary.LittleEndian.Uint64(h0[72:]), binary.LittleEndian.Uint64(h1[72:])
+		binary.LittleEndian.PutUint64(h0[72:], s1)
+		binary.LittleEndian.PutUint64(h1[72:], s0)
+		for _, h := range [][]byte{h0, h1} {
+			binary.LittleEndian.PutUint64(h[len(h)-8:], xxh3.Hash(h[:len(h)-8]))
+		}
+		_, err = f.WriteAt(h0, 0)
+		require.NoError(t, err)
+		_, err = f.WriteAt(h1, slot)
+		require.NoError(t, err)
+	}
+	require.NoError(t, f.Close())
+
+	o := persistOpts(g, dir, 0)
+	o.Metrics = metrics.New()
+	w2 := newWorker(t, g, o)
+	if reseal {
+		require.Len(t, w2.Recovered().Blocks, 1)
+		require.Equal(t, 2, w2.Recovered().Discarded[storage.DiscardUnauthenticated])
+	} else {
+		require.Len(t, w2.Recovered().Blocks, 3)
+	}
+	g.scramble()
+	loaded, failed := run(t, w2, &plan.Step{Seq: 1, Loads: []plan.Load{
+		{ReqID: "r", Copies: copies(plan.G3, []int64{0, 1, 2}, plan.G1, []int64{30, 31, 32})},
+	}})
+	require.Equal(t, []string{"r"}, loaded)
+	require.ElementsMatch(t, []int64{30, 31}, failed)
+	require.Equal(t, want, g.block(32), "the untouched block loads")
+	if !reseal {
+		require.Equal(t, 2.0, testutil.ToFloat64(o.Metrics.G3LoadUnauthenticated()))
+	}
+	require.NoError(t, w2.Close())
+
+	w3 := newWorker(t, g, persistOpts(g, dir, 0))
+	require.Len(t, w3.Recovered().Blocks, 1, "the blocks that did not verify are forgotten on disk")
+	require.Equal(t, 2, w3.Recovered().Blocks[0].Index)
+}
+
+// TestPersistNeedsKey: a persistent tier without a key is refused.
+func TestPersistNeedsKey(t *testing.T) {
+	g := newG1(t, layout.CPU)
+	o := persistOpts(g, t.TempDir(), 0)
+	o.DiskKey = integrity.Key{}
+	o.Metrics = metrics.New()
+	w, err := New(o)
+	require.NoError(t, err)
+	defer w.Close()
+	require.ErrorContains(t, w.RegisterG1(g.e), "no key to authenticate")
 }

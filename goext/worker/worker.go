@@ -39,6 +39,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
+	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
@@ -88,6 +89,9 @@ type Options struct {
 	DiskDir     string
 	// DiskPersist keeps the disk tier file across restarts (persist.go).
 	DiskPersist bool
+	// DiskKey authenticates the persistent disk tier's blocks
+	// (integrity.LocalKey); required with DiskPersist.
+	DiskKey integrity.Key
 	// DisableODirect is DYN_KVBM_DISK_DISABLE_O_DIRECT.
 	DisableODirect bool
 	// DiskZeroFill is DYN_KVBM_DISK_ZEROFILL_FALLBACK: where fallocate is
@@ -306,7 +310,7 @@ func (w *Worker) RegisterG1(e *layout.Engine) error {
 			Dir: w.opts.DiskDir, Rank: w.opts.Rank, NumBlocks: w.opts.DiskBlocks, BlockBytes: bpb,
 			DisableODirect: w.opts.DisableODirect, ZeroFill: w.opts.DiskZeroFill,
 			OpenDirect: w.opts.DiskOpenDirect, Logger: w.log,
-			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(),
+			Persist: w.opts.DiskPersist, Fingerprint: w.opts.Fingerprint.Sum(), Key: w.opts.DiskKey,
 		})
 		if err != nil {
 			cleanup()

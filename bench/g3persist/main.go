@@ -6,7 +6,7 @@
 //     N blocks in a vLLM-like layout (32 layers, 8 KV heads, head_dim 128,
 //     16 tokens, 2-byte dtype: 2 MiB per block), persistence off and on,
 //     alternating for -reps rounds; the table shows medians. With
-//     persistence on a write also computes the payload's MAC (HMAC-SHA256),
+//     persistence on a write also computes the payload's MAC (integrity.Key.Seal),
 //     invalidates the old header and writes the new one (two 4 KiB writes
 //     per block); reads of blocks this process wrote check the XXH3 only, as
 //     without persistence.

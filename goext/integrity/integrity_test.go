@@ -121,3 +121,51 @@ func TestUnsafeSecretsAreRefused(t *testing.T) {
 		require.ErrorIs(t, err, ErrUnsafe)
 	})
 }
+
+func TestSealBindsPayloadFieldsAndKey(t *testing.T) {
+	k := ObjectKey(nil, "s3-secret", "bucket")
+	payload := make([]byte, 4096)
+	for i := range payload {
+		payload[i] = byte(i * 7)
+	}
+	sealed := k.Seal(nil, payload, []byte("key"), []byte("fp"))
+	require.Len(t, sealed, SealSize)
+	require.True(t, k.Open(sealed, payload, []byte("key"), []byte("fp")))
+	require.NotEqual(t, sealed, k.Seal(nil, payload, []byte("key"), []byte("fp")), "every seal draws a fresh salt")
+
+	flipped := append([]byte(nil), payload...)
+	flipped[len(flipped)-1] ^= 1
+	require.False(t, k.Open(sealed, flipped, []byte("key"), []byte("fp")), "payload")
+	require.False(t, k.Open(sealed, payload, []byte("key2"), []byte("fp")), "field")
+	require.False(t, k.Open(sealed, payload, []byte("ke"), []byte("yfp")), "field boundaries")
+	require.False(t, k.Open(sealed, payload, []byte("key")), "missing field")
+	require.False(t, k.Open(sealed, payload[:len(payload)-1], []byte("key"), []byte("fp")), "truncated payload")
+	require.False(t, ObjectKey(nil, "other", "bucket").Open(sealed, payload, []byte("key"), []byte("fp")), "key")
+	bad := append([]byte(nil), sealed...)
+	bad[0] ^= 1
+	require.False(t, k.Open(bad, payload, []byte("key"), []byte("fp")), "salt")
+	bad = append([]byte(nil), sealed...)
+	bad[SealSize-1] ^= 1
+	require.False(t, k.Open(bad, payload, []byte("key"), []byte("fp")), "tag")
+	require.False(t, k.Open(sealed[:SealSize-1], payload, []byte("key"), []byte("fp")), "short")
+	require.False(t, Key{}.Open(sealed, payload, []byte("key"), []byte("fp")), "zero key")
+	// Sum and Seal never share a key: a Sum over the same fields is no seal.
+	require.False(t, k.Open(k.Sum(nil, []byte("key"), []byte("fp"), payload), payload, []byte("key"), []byte("fp")))
+}
+
+func BenchmarkPayloadMAC(b *testing.B) {
+	k := ObjectKey(nil, "s3-secret", "bucket")
+	payload := make([]byte, 2<<20)
+	b.Run("Sum (HMAC-SHA256)", func(b *testing.B) {
+		b.SetBytes(int64(len(payload)))
+		for b.Loop() {
+			k.Sum(nil, []byte("key"), payload)
+		}
+	})
+	b.Run("Seal (one-time-key GMAC)", func(b *testing.B) {
+		b.SetBytes(int64(len(payload)))
+		for b.Loop() {
+			k.Seal(nil, payload, []byte("key"))
+		}
+	})
+}

@@ -12,8 +12,8 @@
 // blocks, and the prefix names the object format, so objects of an older
 // format are never even asked for (and never block a key: uploads are
 // conditional PUTs). Every object starts with a Header that repeats the
-// key's identity, carries the payload's XXH3 (damage) and an HMAC-SHA256
-// under the fleet's key (package integrity) over the key, the header and the
+// key's identity, carries the payload's XXH3 (damage) and a MAC under the
+// fleet's key (package integrity's Seal) over the key, the header and the
 // payload (forgery): a download that does not verify is a miss, counted and
 // never served; it is deleted only once this instance has seen the same
 // damaged bytes twice.
@@ -37,7 +37,7 @@ import (
 )
 
 // HeaderSize is the size of the header that precedes every payload.
-const HeaderSize = 64 + integrity.Size
+const HeaderSize = 64 + integrity.SealSize
 
 // KeyPrefix starts every object key of this format (see Key).
 const KeyPrefix = "g4v2-"
@@ -71,7 +71,8 @@ var ErrOldFormat = fmt.Errorf("%w: an object of the older, unauthenticated forma
 //	[40:48] payload length
 //	[48:56] XXH3 of the payload
 //	[56:64] XXH3 of [0:56]
-//	[64:96] HMAC-SHA256 of (object key, [0:56], payload), fields length-prefixed
+//	[64:96] integrity.Key.Seal of the payload under (object key, [0:56]): a
+//	        random 16-byte salt, then a 16-byte GMAC tag under a one-time key
 //
 // The checksums tell damage (a checksum fails) from forgery (they hold, the
 // MAC does not): only damage, seen twice, gets an object deleted.
@@ -101,7 +102,7 @@ func seal(b []byte, key integrity.Key, fp fingerprint.Fingerprint, seqHash, pare
 	binary.LittleEndian.PutUint64(b[40:48], uint64(len(payload)))
 	binary.LittleEndian.PutUint64(b[48:56], xxh3.Hash(payload))
 	binary.LittleEndian.PutUint64(b[56:64], xxh3.Hash(b[:56]))
-	key.Sum(b[64:64:HeaderSize], []byte(Key(fp, seqHash)), b[:56], payload)
+	key.Seal(b[64:64:HeaderSize], payload, []byte(Key(fp, seqHash)), b[:56])
 }
 
 // Verify checks that body is the object of (fp, seqHash), written under key,
@@ -143,8 +144,7 @@ func Verify(body []byte, key integrity.Key, fp fingerprint.Fingerprint, seqHash 
 	if got := xxh3.Hash(payload); got != h.PayloadSum {
 		return h, nil, fmt.Errorf("%w: payload checksum %016x, header says %016x", ErrCorrupt, got, h.PayloadSum)
 	}
-	var mac [integrity.Size]byte
-	if !integrity.Equal(key.Sum(mac[:0], []byte(Key(fp, seqHash)), body[:56], payload), body[64:HeaderSize]) {
+	if !key.Open(body[64:HeaderSize], payload, []byte(Key(fp, seqHash)), body[:56]) {
 		return h, nil, ErrUnauthenticated
 	}
 	return h, payload, nil

@@ -97,7 +97,7 @@ type BlockHeader struct {
 	WrittenAt int64
 
 	// payloadMAC is the recorded MAC of a recovered block's payload.
-	payloadMAC [integrity.Size]byte
+	payloadMAC [integrity.SealSize]byte
 }
 
 // RecoveredBlock is one block whose header verified at start.
@@ -459,7 +459,7 @@ func (d *DiskRegion) scan(n int, rec *Recovery) {
 type payloadClaim struct {
 	seq, parent uint64
 	hasParent   bool
-	mac         [integrity.Size]byte
+	mac         [integrity.SealSize]byte
 }
 
 // ErrUnauthenticated: a recovered block's payload does not match the MAC
@@ -483,8 +483,7 @@ func (d *DiskRegion) VerifyRecovered(i int, payload []byte) error {
 	if int64(len(payload)) < d.blockBytes {
 		return fmt.Errorf("storage: disk block %d: %d bytes to verify, want %d", i, len(payload), d.blockBytes)
 	}
-	got := d.payloadMAC(i, &BlockHeader{SeqHash: c.seq, Parent: c.parent, HasParent: c.hasParent}, payload)
-	if !integrity.Equal(got[:], c.mac[:]) {
+	if !d.payloadVerifies(i, &BlockHeader{SeqHash: c.seq, Parent: c.parent, HasParent: c.hasParent}, payload, c.mac[:]) {
 		return fmt.Errorf("%w: block %d of %s", ErrUnauthenticated, i, d.path)
 	}
 	d.claims[i].CompareAndSwap(c, nil)
@@ -534,9 +533,9 @@ func (d *DiskRegion) WriteBlockHeader(i int, buf []byte, h *BlockHeader) error {
 	// O_DIRECT write leaves this CPU idle): with few writes in flight a
 	// block then takes the longer of the two rather than their sum. buf is
 	// only read by both.
-	var macc chan [integrity.Size]byte
+	var macc chan [integrity.SealSize]byte
 	if h != nil {
-		macc = make(chan [integrity.Size]byte, 1)
+		macc = make(chan [integrity.SealSize]byte, 1)
 		go func() { macc <- d.payloadMAC(i, h, buf) }() // received below on every path
 	}
 	if err := d.writePayload(i, buf); err != nil {

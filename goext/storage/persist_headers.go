@@ -144,9 +144,9 @@ var (
 	macPayload = []byte("kvbm g3 payload")
 )
 
-// payloadMAC is the MAC of block i's payload (its first blockBytes bytes)
-// under the identity h claims for it.
-func (d *DiskRegion) payloadMAC(i int, h *BlockHeader, payload []byte) [integrity.Size]byte {
+// payloadID is what a payload's MAC binds it to: the tier's fingerprint,
+// the block's index, and the identity h claims for it.
+func (d *DiskRegion) payloadID(i int, h *BlockHeader) [8 + 8 + 8 + 8]byte {
 	var id [8 + 8 + 8 + 8]byte
 	le := binary.LittleEndian
 	le.PutUint64(id[0:], uint64(i))
@@ -155,14 +155,28 @@ func (d *DiskRegion) payloadMAC(i int, h *BlockHeader, payload []byte) [integrit
 	if h.HasParent {
 		id[24] = 1
 	}
-	var out [integrity.Size]byte
-	d.key.Sum(out[:0], macPayload, d.fp[:], id[:], payload[:d.blockBytes])
+	return id
+}
+
+// payloadMAC seals block i's payload (its first blockBytes bytes) under the
+// identity h claims for it (integrity.Key.Seal: a random salt and a tag).
+func (d *DiskRegion) payloadMAC(i int, h *BlockHeader, payload []byte) [integrity.SealSize]byte {
+	id := d.payloadID(i, h)
+	var out [integrity.SealSize]byte
+	d.key.Seal(out[:0], payload[:d.blockBytes], macPayload, d.fp[:], id[:])
 	return out
+}
+
+// payloadVerifies reports whether mac (from payloadMAC) seals payload
+// under the identity h claims for block i.
+func (d *DiskRegion) payloadVerifies(i int, h *BlockHeader, payload []byte, mac []byte) bool {
+	id := d.payloadID(i, h)
+	return d.key.Open(mac, payload[:d.blockBytes], macPayload, d.fp[:], id[:])
 }
 
 // encodeHeader fills buf (HeaderBytes) with block i's header; mac is the
 // payload's MAC (payloadMAC).
-func (d *DiskRegion) encodeHeader(buf []byte, i int, h *BlockHeader, mac *[integrity.Size]byte) {
+func (d *DiskRegion) encodeHeader(buf []byte, i int, h *BlockHeader, mac *[integrity.SealSize]byte) {
 	clear(buf)
 	le := binary.LittleEndian
 	copy(buf[0:8], headerMagic)
@@ -200,7 +214,7 @@ func (d *DiskRegion) encodeHeader(buf []byte, i int, h *BlockHeader, mac *[integ
 // buf is a torn header). reason is "" for a header that verifies, "empty"
 // for a slot never written (or invalidated), else a Discard reason. mac is
 // the payload MAC the header records.
-func (d *DiskRegion) decodeHeader(buf []byte, i int) (h BlockHeader, mac [integrity.Size]byte, reason string) {
+func (d *DiskRegion) decodeHeader(buf []byte, i int) (h BlockHeader, mac [integrity.SealSize]byte, reason string) {
 	if len(buf) != HeaderBytes {
 		return h, mac, DiscardTorn
 	}

@@ -128,5 +128,5 @@ func RegisterMetrics(r prometheus.Registerer) error {
 			return err
 		}
 	}
-	return nil
+	return registerBucketMetrics(r)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
@@ -47,6 +48,10 @@ type StoreOptions struct {
 	RequestTimeout time.Duration
 	Logger         *slog.Logger
 	Now            func() time.Time // nil: time.Now
+	// BucketCheck, when set, checks the bucket in the background; the
+	// store is not Ready until it answers, and Unavailable while it fails
+	// (bucketcheck.go).
+	BucketCheck *BucketCheck
 }
 
 // Store is one rank's view of G4: uploads in the background, verified
@@ -74,6 +79,9 @@ type Store struct {
 
 	closeMu sync.RWMutex // guards closed: enqueuers (read) against Close (write)
 	closed  bool
+
+	bucket  atomic.Int32  // state of the bucket check (bucketcheck.go)
+	checked chan struct{} // closed once the check's first attempt answered
 }
 
 type upload struct {
@@ -127,6 +135,7 @@ func NewStore(o StoreOptions) (*Store, error) {
 	}
 	s.wg.Add(1)
 	go s.healer(o.BreakerCooldown)
+	s.startBucketCheck(o.BucketCheck)
 	return s, nil
 }
 
@@ -222,7 +231,7 @@ func (s *Store) uploader() {
 }
 
 func (s *Store) put(u upload) {
-	if s.ctx.Err() != nil || s.reg.Contains(u.hash) {
+	if !s.awaitFirstCheck() || s.reg.Contains(u.hash) {
 		return
 	}
 	if !s.allow() {

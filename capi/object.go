@@ -6,12 +6,10 @@ package main
 import "C"
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"os"
 	"sync"
-	"time"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -36,10 +34,12 @@ type g4Ref struct {
 	refs int
 }
 
-// openG4 returns the process's store for fp (creating it: client, bucket,
-// upload queue); release drops the reference and closes the store with the
-// last one. The store being unreachable at start is not an error: the tier
-// degrades (circuit breaker) and comes back by itself.
+// openG4 returns the process's store for fp (creating it: client, upload
+// queue); release drops the reference and closes the store with the last
+// one. It never waits on the network (the engine's scheduler thread calls
+// it, under g4.mu): the bucket is checked, and created when missing, in the
+// background; while that check fails the leader leaves G4 off
+// (goext/object/bucketcheck.go).
 func openG4(cfg *config.Config, fp fingerprint.Fingerprint, blockBytes int64, workerID uint64, log *slog.Logger) (*object.Store, func(), error) {
 	o := &cfg.Object
 	g4.mu.Lock()
@@ -55,16 +55,12 @@ func openG4(cfg *config.Config, fp fingerprint.Fingerprint, blockBytes int64, wo
 		return nil, nil, withCode(statusConfig, fmt.Errorf("%s=%q: %w", config.EnvObjectEndpoint, o.Endpoint, err))
 	}
 	key := c.ObjectKey(cfg.StorageSecret)
-	s, err := object.NewStore(object.StoreOptions{Client: c, Fingerprint: fp, BlockBytes: int(blockBytes),
-		Registry: object.NewRegistry(o.NumBlocks), Key: key, Logger: log})
+	so := object.StoreOptions{Client: c, Fingerprint: fp, BlockBytes: int(blockBytes),
+		Registry: object.NewRegistry(o.NumBlocks), Key: key, Logger: log}
+	g4StoreOptions(o, &so)
+	s, err := object.NewStore(so)
 	if err != nil {
 		return nil, nil, withCode(statusConfig, err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := c.EnsureBucket(ctx, o.Region); err != nil {
-		log.Warn("kvbm G4: object store not reachable at start; continuing without it until it answers",
-			"endpoint", o.Endpoint, "bucket", bucket, "err", err)
 	}
 	log.Info("kvbm G4 tier", "endpoint", o.Endpoint, "bucket", bucket, "region", o.Region,
 		"fingerprint", fp.String(), "write_through", o.WriteThrough, "registry_blocks", o.NumBlocks,
@@ -167,22 +163,29 @@ func kvbm_leader_set_g4_fingerprint(hd C.uint64_t, fpHex *C.char, errOut **C.cha
 	if err != nil {
 		return finish(errorf(statusInvalid, "kvbm_leader_set_g4_fingerprint: %v", err), errOut)
 	}
+	return finish(h.setG4Fingerprint(fp), errOut)
+}
+
+// setG4Fingerprint opens rank 0's store for the leader (see
+// kvbm_leader_set_g4_fingerprint). It does no network I/O: G4 turns on
+// when the store's bucket check succeeds.
+func (h *leaderHandle) setG4Fingerprint(fp fingerprint.Fingerprint) error {
 	h.g4mu.Lock()
 	defer h.g4mu.Unlock()
 	if !h.l.G4Enabled() || h.l.G4Store() != nil {
-		return statusOK
+		return nil
 	}
 	s, closeFn, err := openG4(h.cfg, fp, h.bytesPerBlock, h.workerID, kvbmLogger())
 	if err != nil {
-		return finish(err, errOut)
+		return err
 	}
 	if !h.l.SetG4Store(s) {
 		closeFn()
-		return statusOK
+		return nil
 	}
 	h.g4Close = closeFn
-	kvbmLogger().Info("kvbm G4: matching with rank 0's fingerprint", "fingerprint", fp.String())
-	return statusOK
+	kvbmLogger().Info("kvbm G4: matching with rank 0's fingerprint once its bucket answers", "fingerprint", fp.String())
+	return nil
 }
 
 // g4Report is what a worker tells its leader, when they may live in

@@ -150,6 +150,9 @@ type Config struct {
 	LeaderZMQHost           string
 	LeaderZMQPubPort        int
 	LeaderZMQAckPort        int
+	// LeaderRequestIdle: a request the leader heard nothing about for this
+	// long is forgotten (0, only in a Config built in code: never).
+	LeaderRequestIdle time.Duration
 
 	MaxConcurrentTransfers int // parallel transfer batches
 	MaxTransferBatchSize   int // blocks per transfer batch
@@ -253,6 +256,7 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		LeaderZMQHost:           p.host(EnvLeaderZMQHost, DefaultLeaderZMQHost),
 		LeaderZMQPubPort:        p.port(EnvLeaderZMQPubPort, DefaultLeaderZMQPubPort),
 		LeaderZMQAckPort:        p.port(EnvLeaderZMQAckPort, DefaultLeaderZMQAckPort),
+		LeaderRequestIdle:       p.requestIdleTimeout(),
 
 		MaxConcurrentTransfers: p.capped(EnvMaxConcurrentTransfers, DefaultMaxConcurrentTransfers, 1),
 		MaxTransferBatchSize:   p.capped(EnvMaxTransferBatchSize, DefaultMaxTransferBatchSize, 1),

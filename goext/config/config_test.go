@@ -35,6 +35,7 @@ func TestDefaults(t *testing.T) {
 		LeaderZMQHost:            "127.0.0.1",
 		LeaderZMQPubPort:         56001,
 		LeaderZMQAckPort:         56002,
+		LeaderRequestIdle:        10 * time.Minute,
 		MaxConcurrentTransfers:   4,
 		MaxTransferBatchSize:     16,
 		MetricsPort:              6880,

@@ -27,6 +27,11 @@ import (
 // alone answers for it. With the store unavailable (its circuit breaker
 // open), no lookup starts and nothing is pending.
 //
+// The store's bucket is checked in the background (object.BucketCheck), so
+// a blackholed endpoint never stalls the scheduler. From the check's first
+// failure until one succeeds (object.Store.Unavailable) G4 is off for the
+// leader: nothing matches in G4, nothing is pending, no upload is planned.
+//
 // Loads: each matched G4 block gets a G2 bounce block at
 // UpdateStateAfterAlloc (allocated and pinned like a load source, never
 // registered), and the load carries G4 → G2 then G2 → G1; the bounce goes
@@ -47,7 +52,8 @@ type G4Options struct {
 	// Store is rank 0's store: its registry and its lookups (uploads and
 	// downloads are the workers'). It may come later (SetG4Store: the
 	// leader learns rank 0's fingerprint from its worker); until then the
-	// leader plans uploads but matches only what Registry knows.
+	// leader plans uploads but matches only what Registry knows. While the
+	// store is Unavailable, G4 is off.
 	Store *object.Store
 	// Registry of known G4 blocks when Store is nil (nil: 100,000 blocks).
 	Registry *object.Registry
@@ -131,11 +137,23 @@ func (l *Leader) G4Store() *object.Store {
 // G4Enabled reports whether the leader matches and uploads G4 blocks.
 func (l *Leader) G4Enabled() bool { return l.g4 != nil }
 
+// G4On reports whether G4 is fully on: configured, rank 0's store known,
+// and its bucket check succeeded.
+func (l *Leader) G4On() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.g4 != nil && l.g4.opts.Store != nil && l.g4.opts.Store.Ready()
+}
+
+// off reports whether G4 is off for now: rank 0's store is known but its
+// bucket check failed and has not succeeded since.
+func (g *g4State) off() bool { return g.opts.Store != nil && g.opts.Store.Unavailable() }
+
 // g4Match returns how many leading hashes of rest are in G4, or pending.
 // Called with l.mu held.
 func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
 	g := l.g4
-	if g == nil || len(rest) == 0 {
+	if g == nil || len(rest) == 0 || g.off() {
 		return 0, false
 	}
 	n = g.reg.PrefixLen(rest)
@@ -200,7 +218,7 @@ func (l *Leader) releaseSource(src source) {
 // planUpload queues G2 block idx (just saved under h) for G4. l.mu held.
 func (l *Leader) planUpload(st *plan.Step, idx int, h, parent uint64) {
 	g := l.g4
-	if g == nil || g.reg.Contains(h) {
+	if g == nil || g.off() || g.reg.Contains(h) {
 		return
 	}
 	st.Uploads = append(st.Uploads, plan.Upload{Block: int64(idx), Hash: h, Parent: parent})

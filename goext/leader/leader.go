@@ -142,6 +142,7 @@ type Leader struct {
 	deadRanks []int
 
 	statsLog statsLogger
+	idle     idleList // slots by last use, for aging out (idle.go)
 
 	// Per-step scratch, reused to keep Step allocation-light.
 	written []tierBlock // blocks written by this step's Moves/Saves (pinned until emitted)
@@ -204,6 +205,8 @@ func New(opts Options) (*Leader, error) {
 	if l.now == nil {
 		l.now = time.Now
 	}
+	l.idle.timeout = cfg.LeaderRequestIdle
+	l.idle.agedOut = l.m.RequestsAgedOut()
 	sink := opts.Sink
 	if sink == nil {
 		sink = events.NopSink{}

@@ -2,6 +2,7 @@ package leader
 
 import (
 	"slices"
+	"time"
 
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
@@ -10,8 +11,8 @@ import (
 
 // slotFor returns the request's slot, creating it with salt when absent
 // (salt 0 means "not given": the default salt hash of a request without cache
-// salt and LoRA).
-func (l *Leader) slotFor(reqID string, salt uint64) *slot {
+// salt and LoRA), touched at now; created reports that it was absent.
+func (l *Leader) slotFor(reqID string, salt uint64, now time.Time) (s *slot, created bool) {
 	s, ok := l.slots[reqID]
 	if !ok {
 		if salt == 0 {
@@ -26,7 +27,8 @@ func (l *Leader) slotFor(reqID string, salt uint64) *slot {
 		s.id, s.salt = reqID, salt
 		l.slots[reqID] = s
 	}
-	return s
+	l.touch(s, now)
+	return s, !ok
 }
 
 // GetNumNewMatchedTokens applies design §4's external matching rule to a
@@ -68,7 +70,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 		}
 		return 0, false
 	}
-	s := l.slotFor(reqID, salt)
+	s, _ := l.slotFor(reqID, salt, l.now())
 	if s.load == loadEmitted {
 		l.log.Warn("kvbm: get_num_new_matched_tokens while the request's load is running; not matching again",
 			"request", reqID)
@@ -186,6 +188,9 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	s, ok := l.slots[reqID]
+	if ok {
+		l.touch(s, l.now())
+	}
 	if !ok || s.load != loadStaged {
 		if ok && numExternalTokens > 0 && s.load == loadNone {
 			l.log.Warn("kvbm: update_state_after_alloc promises external tokens that were not matched",
@@ -260,6 +265,7 @@ func (l *Leader) LoadSources(reqID string, numTokens int) (host, disk, remote in
 	if !ok || s.load != loadPlanned {
 		return 0, 0, 0
 	}
+	l.touch(s, l.now())
 	for _, src := range s.staged {
 		n := min(l.bs, numTokens)
 		if n <= 0 {
@@ -298,6 +304,7 @@ func (l *Leader) LoadsFinished(reqIDs []string) {
 		delete(l.inflight, id)
 		if s, ok := l.slots[id]; ok && s.load == loadEmitted {
 			s.load = loadNone
+			l.touch(s, l.now())
 		}
 	}
 }
@@ -352,14 +359,22 @@ func (l *Leader) RequestFinished(reqID string) bool {
 	if s.matched {
 		l.hits.add(s.hits)
 	}
+	l.forget(s)
+	return false
+}
+
+// forget drops s: its staged or planned load is cancelled (pins released),
+// its G4 lookup state dropped, and the slot kept for reuse. A load already
+// with the workers keeps its sources pinned until LoadsFinished. l.mu held.
+func (l *Leader) forget(s *slot) {
 	l.unstage(s)
-	l.g4Forget(reqID)
-	delete(l.slots, reqID)
+	l.g4Forget(s.id)
+	l.unlinkIdle(s)
+	delete(l.slots, s.id)
 	if len(l.spare) < maxSpareSlots && cap(s.tokens) <= maxSpareTokens {
 		s.recycle()
 		l.spare = append(l.spare, s)
 	}
-	return false
 }
 
 // Finished slots are kept for reuse, up to these bounds (memory held: at most

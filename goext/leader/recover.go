@@ -164,26 +164,9 @@ func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 		byHash[b.SeqHash] = b
 	}
 	// Parents first: order by depth in the recovered forest.
-	depth := make(map[uint64]int, len(byHash))
-	var depthOf func(h uint64) int
-	depthOf = func(h uint64) int {
-		if d, ok := depth[h]; ok {
-			return d
-		}
-		depth[h] = 0 // a cycle (hash collision) ends here
-		b := byHash[h]
-		d := 0
-		if b.HasParent {
-			if _, ok := byHash[b.Parent]; ok {
-				d = depthOf(b.Parent) + 1
-			}
-		}
-		depth[h] = d
-		return d
-	}
+	depth := recoveredDepths(byHash)
 	blocks := make([]RecoveredBlock, 0, len(byHash))
-	for h, b := range byHash {
-		depthOf(h)
+	for _, b := range byHash {
 		blocks = append(blocks, b)
 	}
 	slices.SortFunc(blocks, func(a, b RecoveredBlock) int {
@@ -204,4 +187,46 @@ func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 		"registered", st.Registered, "ranks", len(perRank), "skipped", fmt.Sprint(st.Skipped),
 		"seconds", time.Since(start).Seconds())
 	return st, nil
+}
+
+// recoveredDepths returns each block's depth in the forest its parent links
+// form within byHash (a block whose parent was not recovered is a root, at
+// 0). A tier may hold a chain as long as the tier itself (millions of
+// blocks), so the walk is iterative: it climbs from a block to the first
+// ancestor of known depth, keeping the path in a slice, then numbers the path
+// back down. A cycle (only a hash collision makes one) ends where it closes.
+func recoveredDepths(byHash map[uint64]RecoveredBlock) map[uint64]int {
+	const onPath = -1 // being walked: a link back to it closes a cycle
+	depth := make(map[uint64]int, len(byHash))
+	var path []uint64
+	for h := range byHash {
+		if _, ok := depth[h]; ok {
+			continue
+		}
+		path = append(path[:0], h)
+		depth[h] = onPath
+		base := 0 // depth of the topmost block of path
+		for cur := h; ; {
+			b := byHash[cur]
+			if !b.HasParent {
+				break
+			}
+			if _, ok := byHash[b.Parent]; !ok {
+				break
+			}
+			d, seen := depth[b.Parent]
+			if seen {
+				base = max(d, 0) + 1 // known, or on the path (a cycle: counted as a root)
+				break
+			}
+			cur = b.Parent
+			depth[cur] = onPath
+			path = append(path, cur)
+		}
+		for k := len(path) - 1; k >= 0; k-- {
+			depth[path[k]] = base
+			base++
+		}
+	}
+	return depth
 }

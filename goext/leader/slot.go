@@ -3,6 +3,7 @@ package leader
 import (
 	"math"
 	"slices"
+	"time"
 
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/plan"
@@ -63,6 +64,12 @@ type slot struct {
 	// Hit statistics of the last GetNumNewMatchedTokens (blocks).
 	hits    requestHits
 	matched bool // GetNumNewMatchedTokens ran: hits count for the window
+
+	// Last call about the request, and its place in the leader's idle list
+	// (idle.go).
+	touched      time.Time
+	older, newer *slot
+	linked       bool
 }
 
 // inflightLoad is an emitted load whose sources are still pinned.

@@ -5,6 +5,7 @@ import (
 	"container/heap"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/pool"
@@ -66,13 +67,15 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 	defer l.mu.Unlock()
 	l.seq++
 	st := plan.Step{Seq: l.seq}
+	now := l.now()
 
 	l.g4ReleaseUploaded()
 	l.emitLoads(&st)
 	l.planMoves(&st)
 	for i := range updates {
-		l.applyUpdate(&updates[i], &st)
+		l.applyUpdate(&updates[i], &st, now)
 	}
+	l.ageOut(now) // after the updates: a request in this step is never idle
 
 	// The step is planned: workers will execute its Moves before its Saves,
 	// and both before the next step, so the step's pins can go.
@@ -98,7 +101,7 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 
 	l.tagStep(&st)
 	l.updateGauges()
-	if l.statsLog.due(l.now(), l.hits) {
+	if l.statsLog.due(now, l.hits) {
 		l.log.Info(l.hits.logLine(l.workerID))
 	}
 	b, err := st.Encode()
@@ -177,10 +180,18 @@ func (l *Leader) planMoves(st *plan.Step) {
 }
 
 // applyUpdate folds the engine's update into the slot and plans its saves.
-func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step) {
-	s := l.slotFor(u.ReqID, u.Salt)
+func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step, now time.Time) {
+	s, created := l.slotFor(u.ReqID, u.Salt, now)
 	if !s.seen && u.Salt != 0 {
 		s.setSalt(u.Salt)
+	}
+	if created && !u.Resumed && len(u.NewTokens) < u.NumComputedTokens+u.NumScheduledTokens {
+		// A request's first update carries all its tokens; this one
+		// continues a request the leader no longer knows (forgotten while
+		// idle), so its blocks' hashes cannot be computed: never offload it.
+		s.stopped = true
+		l.log.Debug("kvbm: step update continues a request the leader does not know; not offloading it",
+			"request", u.ReqID, "tokens", len(u.NewTokens), "computed", u.NumComputedTokens)
 	}
 	if !s.seen || u.Resumed {
 		s.setTokens(u.NewTokens, l.bs)

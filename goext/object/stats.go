@@ -132,5 +132,5 @@ func RegisterMetrics(r prometheus.Registerer) error {
 			return err
 		}
 	}
-	return nil
+	return registerBucketMetrics(r)
 }

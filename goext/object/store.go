@@ -80,6 +80,10 @@ type StoreOptions struct {
 	Key    integrity.Key
 	Logger *slog.Logger
 	Now    func() time.Time // nil: time.Now
+	// BucketCheck, when set, checks the bucket in the background; the
+	// store is not Ready until it answers, and Unavailable while it fails
+	// (bucketcheck.go).
+	BucketCheck *BucketCheck
 }
 
 // Store is one rank's view of G4: uploads in the background, verified
@@ -111,6 +115,9 @@ type Store struct {
 
 	closeMu sync.RWMutex // guards closed: enqueuers (read) against Close (write)
 	closed  bool
+
+	bucket  atomic.Int32  // state of the bucket check (bucketcheck.go)
+	checked chan struct{} // closed once the check's first attempt answered
 }
 
 type upload struct {
@@ -176,6 +183,7 @@ func NewStore(o StoreOptions) (*Store, error) {
 	}
 	s.wg.Add(1)
 	go s.healer(o.BreakerCooldown)
+	s.startBucketCheck(o.BucketCheck)
 	return s, nil
 }
 
@@ -273,7 +281,7 @@ func (s *Store) uploader() {
 }
 
 func (s *Store) put(u upload) {
-	if s.ctx.Err() != nil || s.reg.Contains(u.hash) {
+	if !s.awaitFirstCheck() || s.reg.Contains(u.hash) {
 		return
 	}
 	if !s.allow() {

@@ -170,6 +170,7 @@ type Worker struct {
 	diskSum   []atomic.Uint64                 // XXH3 of each G3 block's payload as written
 	tags      []atomic.Pointer[plan.BlockTag] // persistent tier: staged tag per G3 block (persist.go)
 	degraded  atomic.Bool
+	xfer      transferStats // per-direction totals of this worker (TransferStats)
 
 	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
 

@@ -333,6 +333,7 @@ class VllmConnectorLeader(VllmSide):
 
     @guarded((False, None))
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._lookup.pop(request.request_id, None)  # matched but never allocated (aborted while waiting)
         if self._leader is None:
             return False, None
         pending = self._leader.request_finished(request.request_id)

@@ -39,6 +39,7 @@ its KV, so storing it under them could serve it to another prompt).
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -203,7 +204,9 @@ class DynamoConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbmConnectorStats:
-        return KvbmConnectorStats(data=data or {})
+        # A copy: vLLM hands the same payload to its log and Prometheus
+        # loggers, and the log's accumulator aggregates into this object.
+        return KvbmConnectorStats(data=copy.deepcopy(data) if data else {})
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],

@@ -27,7 +27,6 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
-from kvbm._core import TIER_DISK, TIER_HOST
 
 if TYPE_CHECKING:
     from kvbm._core import Leader
@@ -44,7 +43,6 @@ except Exception:  # pragma: no cover - vLLM absent
     _HAVE_EVENTS = False
     MEDIUM_CPU, MEDIUM_STORAGE = "CPU", "STORAGE"
 
-MEDIUM_OF_TIER = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_STORAGE}
 LOCALITY = "LOCAL"
 
 
@@ -92,6 +90,9 @@ class TierEvents:
     leader). Not thread-safe: vLLM's scheduler calls it from one thread."""
 
     def __init__(self, block_size: int, hash_block_size: int, max_pending: int) -> None:
+        from kvbm._core import TIER_DISK, TIER_HOST  # with the leader: the native handles are loaded
+
+        self._medium = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_STORAGE}
         self._bs = block_size
         self._hash_bs = hash_block_size
         # kvbm sequence hash → block, for blocks some kvbm tier announced ...
@@ -139,7 +140,7 @@ class TierEvents:
         evs, self.dropped = leader.take_events()
         out: list[Any] = []
         for ev in evs:
-            medium = MEDIUM_OF_TIER.get(ev.tier)
+            medium = self._medium.get(ev.tier)
             if medium is None:
                 continue
             if ev.removed:

@@ -283,3 +283,93 @@ def test_no_tier_events_without_vllm_kv_events(env):
     finally:
         fake.sched.shutdown()
         fake.worker.shutdown()
+
+
+def test_tier_events_beside_vllm_g1_events(env):
+    """vLLM's own G1 events (its real BlockPool, real Requests with vLLM's
+    block hasher) and kvbm's, published together as vLLM's scheduler does
+    (the KV cache manager's events, then the connector's), through offload,
+    G1 eviction, G2 and G3 eviction and a reset of both: every block kvbm
+    announces carries the hash vLLM's G1 events gave the same block, and a
+    router index tracking each block's tiers stays consistent and keeps
+    blocks only kvbm holds."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from kvbm.testing.vllm_fakes import Blocks
+
+    env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "6")
+    env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "10")
+    env.setenv("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "true")
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(BS, sha256_cbor)
+    fake = make_fake(events=True)  # its connectors; this test drives them itself
+    sched, worker = fake.sched, fake.worker
+    pool = BlockPool(9, True, BS, enable_kv_cache_events=True)  # 8 usable G1 blocks (block 0 is vLLM's null block)
+    idx = RouterIndex(per_medium=True)
+    gpu_hashes: set = set()
+    kvbm_stores = kvbm_only = 0
+
+    def publish():
+        nonlocal kvbm_stores
+        evs = list(pool.take_events()) + list(sched.take_events())
+        if not evs:
+            return
+        for ev in evs:
+            if isinstance(ev, BlockStored) and ev.medium == "GPU":
+                gpu_hashes.update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
+                kvbm_stores += 1
+                assert set(ev.block_hashes) <= gpu_hashes, "kvbm's block under vLLM's own hash"
+        idx.apply_all(decode_stream([KVEventBatch(ts=time.time(), events=evs)]))
+        idx.assert_consistent()
+
+    def step(so):
+        meta = sched.build_connector_meta(so)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        _, recving = worker.get_finished(set(so.finished_req_ids))
+        worker.clear_connector_metadata()
+        sched.update_connector_output(SimpleNamespace(finished_recving=recving, invalid_block_ids=set()))
+
+    def new_output(req=None, ids=(), finished=()):
+        new = [SimpleNamespace(req_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                               block_ids=(list(ids),), num_computed_tokens=0)] if req is not None else []
+        return SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
+                                                  new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={req.request_id: req.num_tokens} if req is not None else {},
+            finished_req_ids=set(finished))
+
+    try:
+        for i in range(6):
+            req = Request(f"r{i}", prompt(40 + i, 3 * BS + 1), SamplingParams(max_tokens=1), None,
+                          block_hasher=hasher)
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            blocks = pool.get_new_blocks(4)  # evicts cached G1 blocks of earlier prompts
+            ids = [b.block_id for b in blocks]
+            sched.update_state_after_alloc(req, Blocks(ids), 0)
+            pool.cache_full_blocks(req, blocks, 0, 3, BS, 0)
+            step(new_output(req, ids))
+            publish()
+            sched.request_finished(req, ids)
+            pool.free_blocks(blocks)
+            step(new_output(finished=[req.request_id]))
+            publish()
+            info = sched._leader.info()
+            assert len(idx.blocks_in("CPU")) == info["host_blocks_used"]
+            assert len(idx.blocks_in("STORAGE")) == info["disk_blocks_used"]
+            kvbm_only = max(kvbm_only, len(set(idx.blocks()) - idx.blocks_in("GPU")))
+        assert kvbm_stores > 0 and idx.removes > 0
+        assert kvbm_only > 0, "blocks evicted from G1 but held by kvbm stay known to the router"
+        assert sched.reset_cache() and pool.reset_prefix_cache()
+        publish()
+        assert len(idx) == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()

@@ -55,6 +55,10 @@ type leaderOptions struct {
 	// LoadFullHit: a prompt cached whole loads every block and is reported
 	// one token short (leader.Options.LoadFullHit); vLLM sets it.
 	LoadFullHit bool `json:"load_full_hit,omitempty"`
+	// TierEvents: keep the G2/G3 store and removal events for
+	// kvbm_leader_take_events (tierevents.go); the vLLM adapter publishes
+	// them in the engine's KV event stream.
+	TierEvents bool `json:"tier_events,omitempty"`
 }
 
 type leaderHandle struct {
@@ -79,6 +83,7 @@ type leaderHandle struct {
 	consolidator *consolidator.Consolidator // nil unless started with the leader
 	g4Close      func()                     // releases the G4 store; nil without one
 	g4mu         sync.Mutex                 // kvbm_leader_set_g4_fingerprint vs close
+	tierEvents   *events.Buffer             // nil unless leaderOptions.TierEvents
 
 	// For a G4 store opened after start (kvbm_leader_set_g4_fingerprint).
 	cfg           *config.Config
@@ -178,6 +183,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		}
 		h.consolidator, sink = c, c
 	}
+	sink = h.withTierEvents(o, sink)
 	g4opts, err := leaderG4(&o, cfg, h, log)
 	if err != nil {
 		h.release()

@@ -21,6 +21,15 @@ Two input formats, both as already-decoded Python values:
   "dp_rank"}}``. Event ids are checked: a repeated id (at-least-once
   redelivery) is skipped and counted, a gap (dropped events) is reported.
 
+With ``per_medium=True`` it reads vLLM's own event stream, where each tier
+reports its own stores and removals under the same block hash (``medium``
+GPU, CPU, STORAGE), as routers that track a block's tiers do: a block is
+stored once per medium (again in the same medium is ``DUPLICATE_STORE``),
+removed per medium (from a medium that does not hold it is
+``REMOVE_UNKNOWN``) and leaves the index when no medium holds it; its
+parent must be known in some medium when it first enters the index.
+``AllBlocksCleared`` (vLLM's GPU block pool's) clears the GPU medium.
+
 Pure Python; ``apply_zmq_frames`` needs ``msgpack`` only when called.
 """
 
@@ -59,6 +68,7 @@ class Block:
     tokens_hash: Optional[int] = None  # RouterEvent input
     tokens: Optional[tuple] = None  # ZMQ input
     children: set = field(default_factory=set)
+    media: set = field(default_factory=set)  # per_medium: the tiers holding it
 
 
 @dataclass
@@ -74,7 +84,8 @@ class Inconsistency:
 class RouterIndex:
     """Per-worker index of block hashes; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_medium: bool = False) -> None:
+        self.per_medium = per_medium
         self.workers: dict[int, dict[int, Block]] = {}
         self.inconsistencies: list[Inconsistency] = []
         self.last_event_id: dict[int, int] = {}
@@ -153,12 +164,18 @@ class RouterIndex:
                 parent = ev.get("parent_block_hash")
                 tokens = ev.get("token_ids", [])
                 block_size = ev.get("block_size", 0)
+                medium = ev.get("medium")
             else:
                 tag = ev[0]
                 hashes = ev[1] if len(ev) > 1 else []
                 parent = ev[2] if len(ev) > 2 else None
                 tokens = ev[3] if len(ev) > 3 else []
                 block_size = ev[4] if len(ev) > 4 else 0
+                if tag == "BlockStored":
+                    medium = ev[6] if len(ev) > 6 else None
+                else:
+                    medium = ev[2] if tag == "BlockRemoved" and len(ev) > 2 else None
+            medium = medium or "GPU"
             if tag == "BlockStored":
                 if not block_size or block_size <= 0:
                     self._bad(worker, f"BlockStored with block_size {block_size}")
@@ -167,13 +184,13 @@ class RouterIndex:
                 for i, h in enumerate(hashes):
                     chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
                     h = to_u64(h)
-                    self._store(worker, h, prev, tokens=chunk)
+                    self._store(worker, h, prev, tokens=chunk, medium=medium)
                     prev = h
             elif tag == "BlockRemoved":
                 for h in hashes:
-                    self._remove(worker, to_u64(h))
+                    self._remove(worker, to_u64(h), medium=medium)
             elif tag == "AllBlocksCleared":
-                self._clear(worker)
+                self._clear(worker, medium="GPU")
             else:
                 self._bad(worker, f"unknown event type {tag!r}")
         except (TypeError, KeyError, IndexError) as e:
@@ -207,9 +224,20 @@ class RouterIndex:
         else:
             self._bad(worker, f"unknown RouterEvent data {data!r:.200}")
 
-    def _store(self, worker: int, h: int, parent: Optional[int], tokens=None, tokens_hash=None) -> None:
+    def blocks_in(self, medium: str, worker: int = 0) -> set[int]:
+        """per_medium: the hashes a medium holds."""
+        return {h for h, b in self.blocks(worker).items() if medium in b.media}
+
+    def _store(self, worker: int, h: int, parent: Optional[int], tokens=None, tokens_hash=None,
+               medium: str = "GPU") -> None:
         idx = self.workers.setdefault(worker, {})
         self.stores += 1
+        if self.per_medium and h in idx and parent != h:
+            if medium in idx[h].media:
+                self.inconsistencies.append(Inconsistency(
+                    DUPLICATE_STORE, worker, f"block {h} stored twice in {medium}"))
+            idx[h].media.add(medium)
+            return
         if parent is not None and parent == h:
             self.inconsistencies.append(Inconsistency(SELF_PARENT, worker, f"block {h} names itself as parent"))
             return
@@ -220,13 +248,22 @@ class RouterIndex:
             self.inconsistencies.append(Inconsistency(
                 STORE_UNKNOWN_PARENT, worker, f"block {h} stored with unknown parent {parent}"))
             return  # the router cannot attach it, so it does not index it
-        idx[h] = Block(h, parent, tokens_hash=tokens_hash, tokens=tokens)
+        idx[h] = Block(h, parent, tokens_hash=tokens_hash, tokens=tokens, media={medium})
         if parent is not None:
             idx[parent].children.add(h)
 
-    def _remove(self, worker: int, h: int) -> None:
+    def _remove(self, worker: int, h: int, medium: str = "GPU") -> None:
         idx = self.workers.setdefault(worker, {})
         self.removes += 1
+        if self.per_medium:
+            held = idx.get(h)
+            if held is None or medium not in held.media:
+                self.inconsistencies.append(Inconsistency(
+                    REMOVE_UNKNOWN, worker, f"remove of block {h} from {medium}, which does not hold it"))
+                return
+            held.media.discard(medium)
+            if held.media:
+                return
         blk = idx.pop(h, None)
         if blk is None:
             self.inconsistencies.append(Inconsistency(REMOVE_UNKNOWN, worker, f"remove of unknown block {h}"))
@@ -234,6 +271,13 @@ class RouterIndex:
         if blk.parent is not None and blk.parent in idx:
             idx[blk.parent].children.discard(h)
 
-    def _clear(self, worker: int) -> None:
+    def _clear(self, worker: int, medium: str = "GPU") -> None:
         self.clears += 1
-        self.workers[worker] = {}
+        if not self.per_medium:
+            self.workers[worker] = {}
+            return
+        idx = self.workers.setdefault(worker, {})
+        for h in list(idx):
+            idx[h].media.discard(medium)
+            if not idx[h].media:
+                del idx[h]

@@ -170,3 +170,28 @@ def test_apply_zmq_frames():
     assert (idx.stores, idx.removes) == (1, 1)
     idx.apply_zmq_frames([payload])
     assert idx.kinds() == [MALFORMED]
+
+
+def test_per_medium_index_tracks_each_tier():
+    """vLLM's stream with tiers: one block, stored by the GPU pool and by
+    kvbm's host and disk tiers, leaves the index only when the last tier
+    removes it; a repeat in one tier and a removal from a tier that does not
+    hold the block are reported."""
+    def st(h, parent, medium):
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent, "token_ids": [1, 2, 3, 4],
+                "block_size": 4, "medium": medium}
+
+    def rm(h, medium):
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
+
+    idx = RouterIndex(per_medium=True)
+    idx.apply_all([st(1, None, "GPU"), st(1, None, "CPU"), st(2, 1, "CPU"), st(1, None, "STORAGE")])
+    idx.apply_all([rm(1, "GPU"), rm(1, "CPU")])
+    idx.assert_consistent()
+    assert idx.contains(1) and idx.blocks_in("STORAGE") == {1} and idx.blocks_in("CPU") == {2}
+    idx.apply({"type": "AllBlocksCleared"})  # the GPU pool's: kvbm's tiers keep theirs
+    assert len(idx) == 2
+    idx.apply(rm(1, "STORAGE"))
+    assert not idx.contains(1)
+    idx.apply_all([st(2, None, "CPU"), rm(1, "CPU"), rm(2, "STORAGE")])
+    assert idx.kinds() == [DUPLICATE_STORE, REMOVE_UNKNOWN, REMOVE_UNKNOWN]

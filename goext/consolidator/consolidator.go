@@ -117,7 +117,7 @@ type Stats struct {
 	Deduplicated   uint64 // stores/removes absorbed by deduplication
 	UnknownRemoves uint64 // removes of untracked blocks (warned)
 	Evicted        uint64 // tracked blocks forgotten at MaxTrackedBlocks (REMOVE published)
-	NotForwarded   uint64 // kvbm tier events dropped in ModePassthrough
+	NotForwarded   uint64 // kvbm tier events dropped in ModePassthrough; engine events of other tiers (engineTier)
 	Tracked        int    // logical blocks tracked now
 	ZMQMessages    uint64 // consolidated messages sent
 	ZMQEvents      uint64 // consolidated events sent over ZMQ
@@ -444,6 +444,12 @@ func (c *Consolidator) applyBatch(b *events.Batch) {
 	}
 	d0, u0 := c.tr.deduped, c.tr.unknownRemoves
 	for i := range b.Events {
+		if !engineTier(&b.Events[i]) {
+			// Another tier's events in the engine's stream (kvbm's own G2/G3,
+			// which arrive here in-process, or the engine's offloading).
+			c.stats.NotForwarded += uint64(len(b.Events[i].BlockHashes))
+			continue
+		}
 		if c.cfg.Mode == ModePassthrough {
 			c.tr.Forward(&b.Events[i])
 		} else {

@@ -120,12 +120,16 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 					errs[i] = w.copyOne(ops[i], slot)
 				}
 			}
+			ok := 0
 			for _, i := range idx {
 				if errs[i] == nil {
 					moved += w.bpb
+					ok++
 				}
 			}
-			w.m.TransferSecs.WithLabelValues(dir).Observe(time.Since(start).Seconds())
+			secs := time.Since(start).Seconds()
+			w.xfer.record(dir, ok, len(idx)-ok, moved, secs, true)
+			w.m.TransferSecs.WithLabelValues(dir).Observe(secs)
 			if moved > 0 {
 				w.m.BytesMoved.WithLabelValues(dir).Add(float64(moved))
 			}

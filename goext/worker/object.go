@@ -61,12 +61,16 @@ func (w *Worker) runDownloads(ops []plan.Copy) []error {
 	}
 	wg.Wait()
 	var moved int64
+	ok := 0
 	for _, e := range errs {
 		if e == nil {
 			moved += w.bpb
+			ok++
 		}
 	}
-	w.m.TransferSecs.WithLabelValues("g4_to_g2").Observe(time.Since(start).Seconds())
+	secs := time.Since(start).Seconds()
+	w.xfer.record("g4_to_g2", ok, len(errs)-ok, moved, secs, true)
+	w.m.TransferSecs.WithLabelValues("g4_to_g2").Observe(secs)
 	if moved > 0 {
 		w.m.BytesMoved.WithLabelValues("g4_to_g2").Add(float64(moved))
 	}
@@ -106,6 +110,8 @@ func (w *Worker) queueUploads(ups []plan.Upload) {
 		}
 	}
 	if moved > 0 {
+		// Queued uploads: the store's own counters say how they ended.
+		w.xfer.record("g2_to_g4", int(moved/max(w.bpb, 1)), 0, moved, 0, false)
 		w.m.BytesMoved.WithLabelValues("g2_to_g4").Add(float64(moved))
 	}
 }

@@ -175,6 +175,7 @@ type Worker struct {
 	tags      []atomic.Pointer[plan.BlockTag] // persistent tier: staged tag per G3 block (persist.go)
 	hostTags  []atomic.Pointer[plan.HostTag]  // persistent tier: tag of each G2 block's contents, for a side-channel move (persist.go)
 	degraded  atomic.Bool
+	xfer      transferStats // per-direction totals of this worker (TransferStats)
 
 	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import msgpack
 
@@ -172,6 +172,40 @@ class WorkerInfo(_WorkerInfoRequired, total=False):
     side_channel: WorkerSideChannelInfo
 
 
+class DirectionStats(TypedDict):
+    """One transfer direction's totals on a worker (:meth:`Worker.stats`)."""
+
+    blocks: int  # blocks copied successfully
+    failed: int  # block copies that failed
+    bytes: int  # this rank's bytes of the blocks copied
+    seconds: float  # time spent in the batches, summed
+    batches: int  # batches timed
+
+
+class WorkerStats(TypedDict):
+    """:meth:`Worker.stats`: transfer totals per direction ("g1_to_g2",
+    "g2_to_g1", "g2_to_g3", "g3_to_g1", "g1_to_g3", "g4_to_g2", "g2_to_g4")
+    since the worker was created."""
+
+    directions: dict[str, DirectionStats]
+    bytes_per_block: int
+
+
+class TierEvent(NamedTuple):
+    """A G2/G3 store or removal (:meth:`Leader.take_events`)."""
+
+    removed: bool
+    tier: int  # TIER_HOST (G2) or TIER_DISK (G3)
+    seq_hash: int  # kvbm's sequence hash of the block
+    parent: int | None  # the parent's sequence hash (stores; None for a first block)
+    tokens: list[int]  # the block's tokens (stores)
+
+
+# TierEvent.tier values (goext/events Holder).
+TIER_HOST = 2
+TIER_DISK = 3
+
+
 class ConsolidatorStats(TypedDict):
     """:meth:`Consolidator.stats`: counters since start."""
 
@@ -211,6 +245,8 @@ _native.register_signatures(
         "kvbm_leader_set_g4_fingerprint": (ctypes.c_int, [c_uint64, c_char_p, _ERR]),
         "kvbm_leader_g4_report": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
         "kvbm_worker_g4_report": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_worker_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_take_events": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_worker_free": (None, [c_uint64]),
         "kvbm_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
@@ -266,7 +302,7 @@ class Leader(_native.Handle):
     def __init__(self, *, block_size: int, bytes_per_block: int = 0, num_workers: int = 1, worker_id: int = 0,
                  consolidator: ConsolidatorOptions | None = None, background: bool = False,
                  g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None,
-                 load_full_hit: bool = False) -> None:
+                 load_full_hit: bool = False, tier_events: bool = False) -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts: dict[str, object] = {
@@ -289,6 +325,9 @@ class Leader(_native.Handle):
             # A prompt cached whole loads every block; match reports one token
             # short of it, so the engine computes only the last token.
             opts["load_full_hit"] = True
+        if tier_events:
+            # Keep G2/G3 store and removal events for take_events.
+            opts["tier_events"] = True
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
@@ -398,6 +437,17 @@ class Leader(_native.Handle):
         self._token_cache.clear()
         super().close()
 
+    def take_events(self) -> tuple[list[TierEvent], int]:
+        """The G2/G3 store and removal events since the last call, oldest
+        first (a leader created with ``tier_events``; none otherwise), and
+        how many events were dropped so far because nobody took them."""
+        data = _buffer_call("kvbm_leader_take_events", self._h)
+        if not data:
+            return [], 0
+        evs, dropped = msgpack.unpackb(data, raw=False)
+        return [TierEvent(bool(r), int(t), int(h), None if p is None else int(p), list(tok or []))
+                for r, t, h, p, tok in evs], int(dropped)
+
     def restore_disk(self, recovered: Iterable[bytes]) -> int:
         """Register the disk tier blocks the workers' persistent tiers
         recovered: ``recovered`` is every rank's :meth:`Worker.recovered`,
@@ -447,6 +497,12 @@ class Worker(_native.Handle):
     def info(self) -> WorkerInfo:
         info: WorkerInfo = json.loads(_buffer_call("kvbm_worker_info", self._h))
         return info
+
+    def stats(self) -> WorkerStats:
+        """This worker's transfer totals per direction since it was created."""
+        stats: WorkerStats = json.loads(_buffer_call("kvbm_worker_stats", self._h))
+        stats["directions"] = stats.get("directions") or {}
+        return stats
 
     def bind(self, plan: bytes) -> None:
         _native.call("kvbm_worker_bind", self._h, plan, len(plan))

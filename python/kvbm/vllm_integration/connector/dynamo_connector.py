@@ -39,6 +39,7 @@ its KV, so storing it under them could serve it to another prompt).
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ from kvbm.vllm_integration.connector._common import (
     log,
 )
 from kvbm._record import VLLM_SCHEDULER_METHODS, record_calls
+from kvbm.vllm_integration.connector._stats import KvbmConnectorStats, KvbmPromMetrics
 from kvbm.vllm_integration.connector.vllm_leader import VllmConnectorLeader
 from kvbm.vllm_integration.connector.vllm_worker import VllmConnectorWorker
 
@@ -181,8 +183,36 @@ class DynamoConnector(KVConnectorBase_V1):
             return False, None
         return self._scheduler_side.request_finished(request, block_ids)
 
-    def take_events(self) -> tuple[()]:
-        return ()
+    def take_events(self) -> list[Any]:
+        """Scheduler: kvbm's host (G2) and disk (G3) stores and removals
+        since the last step as vLLM events (medium CPU / STORAGE), under
+        vLLM's block hashes, when vLLM publishes KV events."""
+        if self._scheduler_side is None:
+            return []
+        return self._scheduler_side.take_events()
+
+    def get_kv_connector_stats(self) -> KvbmConnectorStats | None:
+        """Both roles, every step: this side's figures since the last call
+        (workers: transfers and load errors; scheduler: lookups, hits and
+        loads per tier, the leader's gauges). vLLM aggregates the ranks' and
+        the scheduler's and shows them in its log line and on /metrics."""
+        if self._scheduler_side is not None:
+            return self._scheduler_side.get_kv_connector_stats()
+        if self._worker_side is not None:
+            return self._worker_side.get_kv_connector_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbmConnectorStats:
+        # A copy: vLLM hands the same payload to its log and Prometheus
+        # loggers, and the log's accumulator aggregates into this object.
+        return KvbmConnectorStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvbmPromMetrics:
+        """kvbm's series on vLLM's /metrics (vllm:kvbm_*)."""
+        return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool:
         if self._scheduler_side is None:

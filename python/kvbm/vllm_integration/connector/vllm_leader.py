@@ -28,6 +28,8 @@ from kvbm.vllm_integration.connector._common import (
     _tp,
     log,
 )
+from kvbm.vllm_integration.connector._events import TierEvents, events_enabled
+from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions, Leader
@@ -54,6 +56,16 @@ class VllmConnectorLeader(VllmSide):
         self._loaded: list[str] = []
         self._invalid_blocks: list[int] = []
         self._seq = 0
+        # vLLM's KV event stream (take_events): kvbm's G2/G3 events under
+        # vLLM's block hashes; None unless vLLM publishes KV events.
+        self._tier_events: TierEvents | None = None
+        # Connector stats (get_kv_connector_stats): figures since the last
+        # report, tokens each request looked up (request id → tokens past
+        # vLLM's prefix cache, from matching), and the leader's figures at
+        # the last report.
+        self._stats = KvbmConnectorStats(data={})
+        self._lookup: dict[str, int] = {}
+        self._info_reported: dict[str, float] = {}
         self._prefer_recompute_on_load_failure()
         self._init_scheduler()
 
@@ -109,11 +121,17 @@ class VllmConnectorLeader(VllmSide):
             g4_async=True,  # vLLM asks again when told "not ready yet" (None)
             load_full_hit=True,  # vLLM computes the last token of a prompt cached whole
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
+            tier_events=events_enabled(self._vllm_config),
         )
         if tp_size > 1:
             bytes_per_block = self._wait_side_channel(leader)
         self._leader = leader
         info = leader.info()
+        if events_enabled(self._vllm_config):
+            hash_bs = int(getattr(self._kv_cache_config, "hash_block_size", 0) or self._block_size)
+            # Blocks sent to the leader but not stored yet: a few times what the tiers hold.
+            self._tier_events = TierEvents(self._block_size, hash_bs,
+                                           4 * (info["host_blocks"] + info["disk_blocks"]) + 4096)
         log.info(
             "kvbm leader ready (pid %d): block_size=%d layers=%d bytes_per_block=%d tp=%d host_blocks=%d "
             "disk_blocks=%d consolidator=%s metrics=%s",
@@ -163,6 +181,7 @@ class VllmConnectorLeader(VllmSide):
             # waiting and asks again on a later step.
             self._async_matches.pop(request.request_id, None)
             return None, False
+        self._lookup[request.request_id] = max(0, len(tokens) - int(num_computed_tokens))
         if got and is_async:
             self._async_matches[request.request_id] = int(num_computed_tokens)
         else:
@@ -196,9 +215,14 @@ class VllmConnectorLeader(VllmSide):
             self._bypassed.add(rid)  # never offloaded either
             return
         self._requests[rid] = request
+        self._stats.add("lookup_tokens", self._lookup.pop(rid, 0))
         if num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
             self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
+            bs = self._block_size
+            for tier, n in zip(("host", "disk", "object"), self._leader.load_sources(rid, num_external_tokens)):
+                self._stats.add("loaded_tokens", n, tier)
+                self._stats.add("hit_blocks", -(-n // bs), tier)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's per-source cache hit counts (asked right after
@@ -270,6 +294,11 @@ class VllmConnectorLeader(VllmSide):
                 num_computed=int(cached.num_computed_tokens[i]), num_scheduled=int(num_sched.get(rid, 0)),
                 priority=None, salt=self._salt(req), resumed=is_resumed,
             ))
+        if self._tier_events is not None:
+            for u in updates:
+                req = self._requests.get(u.req_id)
+                if req is not None:
+                    self._tier_events.note_request(req, u.salt, u.resumed)
         loaded, self._loaded = self._loaded, []
         invalid, self._invalid_blocks = self._invalid_blocks, []
         # TP > 1: step also wakes the leader's background loop, which sends
@@ -304,6 +333,7 @@ class VllmConnectorLeader(VllmSide):
 
     @guarded((False, None))
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._lookup.pop(request.request_id, None)  # matched but never allocated (aborted while waiting)
         if self._leader is None:
             return False, None
         pending = self._leader.request_finished(request.request_id)
@@ -315,9 +345,50 @@ class VllmConnectorLeader(VllmSide):
         self._sent_tokens.pop(rid, None)
         self._salts.pop(rid, None)
         self._bypassed.discard(rid)
+        self._lookup.pop(rid, None)
+        if self._tier_events is not None:
+            self._tier_events.forget_request(rid)
 
-    def take_events(self) -> tuple[()]:
-        return ()
+    @guarded(lambda self: [])
+    def take_events(self) -> list[Any]:
+        """kvbm's G2/G3 stores and removals since the last call, as vLLM
+        events (kvbm.vllm_integration.connector._events); none unless vLLM
+        publishes KV events."""
+        if self._leader is None or self._tier_events is None:
+            return []
+        return self._tier_events.take(self._leader)
+
+    def get_kv_connector_stats(self) -> KvbmConnectorStats | None:
+        """The scheduler's figures since the last call: tokens looked up,
+        tokens and blocks planned to load per tier, G4 lookups; and the
+        leader's gauges (tier use, degraded, G4 queue and breakers) when
+        they changed. None when there is nothing to report."""
+        stats, self._stats = self._stats, KvbmConnectorStats(data={})
+        self._leader_figures(stats)
+        return None if stats.is_empty() else stats
+
+    @guarded(None)
+    def _leader_figures(self, stats: KvbmConnectorStats) -> None:
+        if self._leader is None:
+            return
+        info = self._leader.info()
+        g4: dict[str, Any] = dict(info.get("g4") or {})
+        now = {"host_blocks_registered": info["host_blocks_used"], "disk_blocks_registered": info["disk_blocks_used"],
+               "degraded": int(bool(info["degraded"]))}
+        if g4:
+            now["g4_queue_depth"] = g4["queue_depth"]
+            now["g4_breakers_open"] = g4["breakers_open"]
+        for name, v in now.items():
+            if self._info_reported.get(name) != v:
+                stats.set_gauge(name, v)
+                self._info_reported[name] = v
+        totals = {"g4_lookup_hits": g4.get("lookup_hits", 0), "g4_lookup_misses": g4.get("lookup_misses", 0)}
+        if self._tier_events is not None:
+            totals["kv_events_unmapped"] = self._tier_events.unmapped
+            totals["kv_events_dropped"] = self._tier_events.dropped
+        for name, v in totals.items():
+            stats.add(name, v - self._info_reported.get(name, 0))
+            self._info_reported[name] = v
 
     @guarded(False)
     def reset_cache(self) -> bool:

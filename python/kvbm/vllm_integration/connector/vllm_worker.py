@@ -31,10 +31,14 @@ from kvbm.vllm_integration.connector._common import (
     _tp,
     log,
 )
+from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
 
 if TYPE_CHECKING:
     from kvbm._core import Worker
     from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
+
+
+_XFER_FIELDS = ("blocks", "failed", "bytes", "seconds", "batches")
 
 
 class VllmConnectorWorker(VllmSide):
@@ -55,12 +59,18 @@ class VllmConnectorWorker(VllmSide):
         self._inflight_loads: dict[str, list[int]] = {}
         self._unplanned_loads: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
+        # Connector stats (get_kv_connector_stats): the Go worker's transfer
+        # totals at the last report, and load errors since it.
+        self._rank = 0
+        self._xfer_reported: dict[str, dict[str, float]] = {}
+        self._stat_load_errors = 0
 
     def _give_up_loads(self, loads: dict[str, list[int]]) -> set[str]:
         # Loads that will not complete: report them finished with every block
         # failed, so vLLM recomputes instead of waiting forever.
         for blocks in loads.values():
             self._load_errors.update(blocks)
+            self._stat_load_errors += len(blocks)
         return set(loads)
 
     def _failed_finished(self) -> set[str]:
@@ -92,6 +102,7 @@ class VllmConnectorWorker(VllmSide):
             self._disable(str(e))
             return
         rank, tp_size = _tp(self._vllm_config)
+        self._rank = rank
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
         if num_blocks is None:
             num_blocks = next(iter(kv_caches.values())).shape[0]
@@ -201,6 +212,7 @@ class VllmConnectorWorker(VllmSide):
             self._inflight_loads.pop(rid, None)
         if errors:
             self._load_errors.update(errors)
+            self._stat_load_errors += len(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
         return None, (done | set(loaded)) or None
 
@@ -217,3 +229,30 @@ class VllmConnectorWorker(VllmSide):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def get_kv_connector_stats(self) -> KvbmConnectorStats | None:
+        """This rank's figures since the last call: blocks (rank 0 only:
+        every rank moves its shard of the same blocks), bytes, batch seconds
+        and failed copies per transfer direction, and failed loads. None when
+        there is nothing to report."""
+        stats = KvbmConnectorStats(data={})
+        stats.add("load_errors", self._stat_load_errors)
+        self._stat_load_errors = 0
+        if self._worker is not None and self._failed is None:
+            try:
+                dirs = self._worker.stats()["directions"]
+            except Exception as e:  # noqa: BLE001 - the engine must survive
+                self._fail("get_kv_connector_stats", e)
+                dirs = {}
+            for d, totals in dirs.items():
+                now: dict[str, float] = {k: float(totals.get(k, 0)) for k in _XFER_FIELDS}  # type: ignore[arg-type]
+                last = self._xfer_reported.get(d, {})
+                delta = {k: now[k] - last.get(k, 0.0) for k in _XFER_FIELDS}
+                self._xfer_reported[d] = now
+                if self._rank == 0:
+                    stats.add("transfer_blocks", delta["blocks"], d)
+                stats.add("transfer_failed_blocks", delta["failed"], d)
+                stats.add("transfer_bytes", delta["bytes"], d)
+                stats.add("transfer_seconds", delta["seconds"], d)
+                stats.add("transfer_batches", delta["batches"], d)
+        return None if stats.is_empty() else stats

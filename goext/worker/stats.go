@@ -1,0 +1,51 @@
+package worker
+
+import (
+	"maps"
+	"sync"
+)
+
+// DirectionStats are one transfer direction's totals on this worker
+// (monotonic, since the worker was created).
+type DirectionStats struct {
+	Blocks  uint64  `json:"blocks"`  // blocks copied successfully
+	Failed  uint64  `json:"failed"`  // block copies that failed
+	Bytes   uint64  `json:"bytes"`   // bytes of the blocks copied (this rank's share)
+	Seconds float64 `json:"seconds"` // time spent in the batches, summed
+	Batches uint64  `json:"batches"` // batches timed
+}
+
+// transferStats keeps this worker's DirectionStats. The Prometheus set the
+// worker records into is shared by every worker of the process, so the
+// per-worker totals the engine's own metrics read (TransferStats) are kept
+// here as well.
+type transferStats struct {
+	mu   sync.Mutex
+	dirs map[string]DirectionStats
+}
+
+// record adds one batch (timed when timed is true) of direction dir.
+func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs float64, timed bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.dirs == nil {
+		s.dirs = make(map[string]DirectionStats)
+	}
+	d := s.dirs[dir]
+	d.Blocks += uint64(blocks)
+	d.Failed += uint64(failed)
+	d.Bytes += uint64(max(bytes, 0))
+	if timed {
+		d.Seconds += secs
+		d.Batches++
+	}
+	s.dirs[dir] = d
+}
+
+// TransferStats returns this worker's totals per direction ("g1_to_g2",
+// "g2_to_g1", "g2_to_g3", "g3_to_g1", "g1_to_g3", "g4_to_g2", "g2_to_g4").
+func (w *Worker) TransferStats() map[string]DirectionStats {
+	w.xfer.mu.Lock()
+	defer w.xfer.mu.Unlock()
+	return maps.Clone(w.xfer.dirs)
+}

@@ -1,0 +1,43 @@
+package worker
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/layout"
+	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// TestTransferStatsPerWorker: each worker keeps its own per-direction
+// totals (blocks, bytes, timed batches), even when workers share one
+// Prometheus set, as the workers of one process do.
+func TestTransferStatsPerWorker(t *testing.T) {
+	shared := metrics.New()
+	g := newG1(t, layout.FlashAttn)
+	w := newWorker(t, g, Options{HostBlocks: 16, DiskBlocks: 8, DiskDir: t.TempDir(), BatchSize: 2, Metrics: shared})
+	g2 := newG1(t, layout.FlashAttn)
+	other := newWorker(t, g2, Options{HostBlocks: 16, DiskBlocks: 8, DiskDir: t.TempDir(), BatchSize: 2, Metrics: shared})
+	bpb := uint64(g.e.BytesPerBlock())
+
+	require.Empty(t, w.TransferStats())
+	_, failed := run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1, 2, 3}, plan.G2, []int64{4, 5, 6})})
+	require.Empty(t, failed)
+	_, failed = run(t, w, &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{4, 5}, plan.G3, []int64{0, 1})})
+	require.Empty(t, failed)
+	_, failed = run(t, other, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{7}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+
+	st := w.TransferStats()
+	d2h := st["g1_to_g2"]
+	require.Equal(t, uint64(3), d2h.Blocks)
+	require.Equal(t, 3*bpb, d2h.Bytes)
+	require.Equal(t, uint64(2), d2h.Batches, "3 blocks in batches of at most 2")
+	require.Zero(t, d2h.Failed)
+	require.GreaterOrEqual(t, d2h.Seconds, 0.0)
+	require.Equal(t, uint64(2), st["g2_to_g3"].Blocks)
+	require.Equal(t, 2*bpb, st["g2_to_g3"].Bytes)
+	require.Len(t, st, 2)
+	require.Equal(t, uint64(1), other.TransferStats()["g1_to_g2"].Blocks, "the other worker's own totals")
+}

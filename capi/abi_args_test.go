@@ -42,6 +42,7 @@ var abiExports = map[string]any{
 	"kvbm_leader_restore_disk":       kvbm_leader_restore_disk,
 	"kvbm_leader_set_g4_fingerprint": kvbm_leader_set_g4_fingerprint,
 	"kvbm_leader_g4_report":          kvbm_leader_g4_report,
+	"kvbm_leader_take_events":        kvbm_leader_take_events,
 
 	"kvbm_worker_new":           kvbm_worker_new,
 	"kvbm_worker_free":          kvbm_worker_free,
@@ -53,6 +54,7 @@ var abiExports = map[string]any{
 	"kvbm_worker_finished":      kvbm_worker_finished,
 	"kvbm_worker_recovered":     kvbm_worker_recovered,
 	"kvbm_worker_g4_report":     kvbm_worker_g4_report,
+	"kvbm_worker_stats":         kvbm_worker_stats,
 
 	"kvbm_consolidator_new":   kvbm_consolidator_new,
 	"kvbm_consolidator_stats": kvbm_consolidator_stats,
@@ -88,6 +90,7 @@ var abiValid = map[string]cCall{
 	"kvbm_leader_restore_disk":       {"buf": []byte{0x90}}, // msgpack []
 	"kvbm_leader_set_g4_fingerprint": {"fingerprint_hex": strings.Repeat("0", 31) + "1"},
 	"kvbm_leader_g4_report":          {"buf": []byte{0x80}}, // msgpack {}
+	"kvbm_leader_take_events":        {},
 
 	"kvbm_worker_new":           {}, // opts_json: workerOpts
 	"kvbm_worker_info":          {},
@@ -98,6 +101,7 @@ var abiValid = map[string]cCall{
 	"kvbm_worker_finished":      {},
 	"kvbm_worker_recovered":     {},
 	"kvbm_worker_g4_report":     {},
+	"kvbm_worker_stats":         {},
 
 	"kvbm_consolidator_new":   {"opts_json": consolidatorOpts},
 	"kvbm_consolidator_stats": {},

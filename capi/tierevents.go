@@ -55,7 +55,8 @@ type tierEventsReply struct {
 //export kvbm_leader_take_events
 func kvbm_leader_take_events(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := leaderOf(hd)
+	h, done, err := leaderOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
@@ -90,7 +91,8 @@ func kvbm_leader_take_events(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 //export kvbm_worker_stats
 func kvbm_worker_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
-	h, err := workerOf(hd)
+	h, done, err := workerOf(hd)
+	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}

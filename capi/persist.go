@@ -38,15 +38,7 @@ func g3Key(cfg *config.Config) (integrity.Key, error) {
 	if !cfg.DiskPersist {
 		return integrity.Key{}, nil
 	}
-	dir := ""
-	if len(cfg.StorageSecret) == 0 {
-		d, err := integrity.DefaultSecretDir()
-		if err != nil {
-			return integrity.Key{}, fmt.Errorf("DYN_KVBM_DISK_PERSIST: %w", err)
-		}
-		dir = d
-	}
-	k, err := integrity.LocalKey(cfg.StorageSecret, dir)
+	k, err := integrity.LocalKey(cfg.StorageSecret, cfg.StorageSecretDir)
 	if err != nil {
 		return integrity.Key{}, fmt.Errorf("DYN_KVBM_DISK_PERSIST: the key of the tier's MACs (or set "+
 			"DYN_KVBM_STORAGE_SECRET): %w", err)

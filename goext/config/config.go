@@ -188,6 +188,10 @@ type Config struct {
 	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
 	// instead of their defaults (secret.go). Never logged.
 	StorageSecret []byte
+	// StorageSecretDir holds the per-user secret the persistent G3 tier's
+	// MACs derive from when StorageSecret is unset (secret.go); empty
+	// otherwise.
+	StorageSecretDir string
 
 	// Warnings name the Dynamo variables that are set but that kvbm does
 	// not act on, each with what kvbm does instead (logged at start-up).
@@ -285,6 +289,9 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		Object: p.object(),
 
 		StorageSecret: p.storageSecret(),
+	}
+	if c.DiskPersist && len(c.StorageSecret) == 0 && p.ok(EnvStorageSecret, EnvStorageSecretFile) {
+		c.StorageSecretDir = p.storageSecretDir()
 	}
 
 	c.Warnings = p.unsupported(c)

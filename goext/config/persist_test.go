@@ -19,7 +19,7 @@ func TestPersistentTierSpaceCountsAsFree(t *testing.T) {
 	require.NoError(t, f.Truncate(5e9)) // sparse: the size is what counts
 	require.NoError(t, f.Close())
 
-	env := map[string]string{EnvDiskCacheGB: "5", EnvDiskCacheDir: dir}
+	env := map[string]string{EnvDiskCacheGB: "5", EnvDiskCacheDir: dir, "HOME": t.TempDir()}
 	_, err = load(t, env)
 	requireVarError(t, err, EnvDiskCacheGB, "disk space")
 
@@ -42,7 +42,7 @@ func TestPersistentTierRefusesSharedDir(t *testing.T) {
 	for _, mode := range []os.FileMode{0o777 | os.ModeSticky, 0o777, 0o770} {
 		dir := t.TempDir()
 		require.NoError(t, os.Chmod(dir, mode))
-		env := map[string]string{EnvDiskCacheGB: "1", EnvDiskCacheDir: dir, EnvDiskPersist: "true"}
+		env := map[string]string{EnvDiskCacheGB: "1", EnvDiskCacheDir: dir, EnvDiskPersist: "true", "HOME": t.TempDir()}
 		_, err := load(t, env)
 		requireVarError(t, err, EnvDiskCacheDir, "writable by other users")
 		require.ErrorContains(t, err, "private subdirectory")
@@ -55,7 +55,8 @@ func TestPersistentTierRefusesSharedDir(t *testing.T) {
 	}
 	// A private directory, existing or to be created, is fine.
 	dir := filepath.Join(t.TempDir(), "mine", "kvbm")
-	c, err := load(t, map[string]string{EnvDiskCacheGB: "1", EnvDiskCacheDir: dir, EnvDiskPersist: "true"})
+	c, err := load(t, map[string]string{EnvDiskCacheGB: "1", EnvDiskCacheDir: dir, EnvDiskPersist: "true",
+		"HOME": t.TempDir()})
 	require.NoError(t, err)
 	require.Equal(t, dir, c.DiskCacheDir)
 	fi, err := os.Stat(dir)

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
+	"strings"
 	"syscall"
 )
 
@@ -78,4 +80,21 @@ func readSecretFile(path string) ([]byte, error) {
 		return nil, fmt.Errorf("must hold at least %d bytes", MinStorageSecretBytes)
 	}
 	return b, nil
+}
+
+// storageSecretDir is kvbm's private directory for the per-user secret:
+// $XDG_CONFIG_HOME/kvbm (an absolute $XDG_CONFIG_HOME only, as the XDG
+// specification says), else $HOME/.config/kvbm. Both are read from the
+// configuration's variables, not the process environment: a library loaded
+// into an engine's worker process may not see the environment Python sees.
+func (p *parser) storageSecretDir() string {
+	if v, set := p.get("XDG_CONFIG_HOME"); set && filepath.IsAbs(strings.TrimSpace(v)) {
+		return filepath.Join(strings.TrimSpace(v), "kvbm")
+	}
+	if v, set := p.get("HOME"); set && filepath.IsAbs(strings.TrimSpace(v)) {
+		return filepath.Join(strings.TrimSpace(v), ".config", "kvbm")
+	}
+	p.fail(EnvStorageSecret, "", "required with "+EnvDiskPersist+" when neither $XDG_CONFIG_HOME nor $HOME is set "+
+		"(the persistent tier's MAC key derives from a per-user secret kept in $XDG_CONFIG_HOME/kvbm)")
+	return ""
 }

@@ -54,3 +54,38 @@ func TestStorageSecret(t *testing.T) {
 		})
 	}
 }
+
+// The per-user secret's directory comes from the configuration's variables
+// (what the engine's Python passes), only where the persistent tier needs it.
+func TestStorageSecretDir(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		env     map[string]string
+		want    string
+		errText string
+	}{
+		{name: "no persistence", env: map[string]string{"HOME": "/home/u"}},
+		{name: "home", env: map[string]string{EnvDiskPersist: "true", "HOME": "/home/u"}, want: "/home/u/.config/kvbm"},
+		{name: "xdg wins", env: map[string]string{EnvDiskPersist: "true", "HOME": "/home/u", "XDG_CONFIG_HOME": "/x"},
+			want: "/x/kvbm"},
+		{name: "relative xdg ignored", env: map[string]string{EnvDiskPersist: "true", "HOME": "/home/u",
+			"XDG_CONFIG_HOME": "rel"}, want: "/home/u/.config/kvbm"},
+		{name: "a secret needs no directory", env: map[string]string{EnvDiskPersist: "true",
+			EnvStorageSecret: "0123456789abcdef"}},
+		{name: "neither", env: map[string]string{EnvDiskPersist: "true"}, errText: EnvStorageSecret},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := map[string]string{EnvDiskCacheDir: t.TempDir()}
+			for k, v := range tc.env {
+				env[k] = v
+			}
+			c, err := FromLookup(func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+			if tc.errText != "" {
+				require.ErrorContains(t, err, tc.errText)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, c.StorageSecretDir)
+		})
+	}
+}

@@ -210,17 +210,6 @@ func LocalKey(override []byte, dir string) (Key, error) {
 	return newKey(derive(s, "", infoLocal), true, filepath.Join(dir, SecretFileName)), nil
 }
 
-// DefaultSecretDir is kvbm's private directory for its per-user secret:
-// $XDG_CONFIG_HOME/kvbm, else $HOME/.config/kvbm.
-func DefaultSecretDir() (string, error) {
-	d, err := os.UserConfigDir()
-	if err != nil {
-		return "", fmt.Errorf("integrity: no directory for kvbm's storage secret (set $HOME, "+
-			"$XDG_CONFIG_HOME or DYN_KVBM_STORAGE_SECRET): %w", err)
-	}
-	return filepath.Join(d, "kvbm"), nil
-}
-
 // ErrUnsafe is wrapped by errors about a directory or file that another user
 // could have written.
 var ErrUnsafe = errors.New("integrity: unsafe file or directory")

@@ -59,6 +59,8 @@ func (t *Transport) NewPub() *Pub {
 func NewPub() *Pub { return Default().NewPub() }
 
 // errPub prefixes the Pub's errors.
+//
+// errprefix: the format is appended to "zmqguard: PUB: ".
 func errPub(format string, a ...any) error {
 	return fmt.Errorf("zmqguard: PUB: "+format, a...)
 }

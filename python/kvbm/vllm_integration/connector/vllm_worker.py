@@ -143,10 +143,10 @@ class VllmConnectorWorker(VllmSide):
 
         names = order_layers(list(kv_caches))
         first = kv_caches[names[0]]
-        if first.device.type != "cpu" and _native.library_path()[1] != "cuda":
+        if first.device.type != "cpu" and not _native.has_cuda():
             raise ValueError(
-                f"KV cache tensors are on {first.device} but the loaded kvbm library has no CUDA support "
-                "(build it with `make cuda`)")
+                f"KV cache tensors are on {first.device} but the loaded kvbm library ({_native.loaded_path()}) "
+                f"is the {_native.build_info()['variant']} build, without CUDA support (build it with `make cuda`)")
         nd = first.dim()
         if first.device.type == "cpu":
             kind = "cpu_paged" if nd == 4 else ("cpu" if nd == 5 else "mla")

@@ -26,33 +26,12 @@ def run_py(code, lib_path):
     return r.stdout
 
 
-@pytest.fixture
-def host_lib_named_cuda(tmp_path):
+@pytest.fixture(scope="module")
+def host_lib_named_cuda(tmp_path_factory):
     """The host build copied under the CUDA variant's file name."""
-    dst = tmp_path / "libkvbm_cuda.so"
+    dst = tmp_path_factory.mktemp("lib") / "libkvbm_cuda.so"
     shutil.copy(LIB, dst)
     return str(dst)
-
-
-# A KV cache tensor of vLLM's flash-attention layout on a device that is not
-# the CPU (torch's meta device: no memory, any process), as the vLLM worker
-# sees a GPU one.
-VLLM_DESCRIBE = """
-    import torch
-    from kvbm import _native
-    from kvbm.testing.vllm_fakes import vllm_config
-    from kvbm.vllm_integration.connector.vllm_worker import VllmConnectorWorker
-
-    kv = {f"model.layers.{i}.self_attn.attn": torch.empty((2, 8, 4, 2, 8), dtype=torch.float16, device="meta")
-          for i in range(2)}
-    w = VllmConnectorWorker(vllm_config(4))
-    print("variant", _native.build_info()["variant"], "loaded", _native.loaded_path())
-    try:
-        _, kind, _ = w._describe_caches(kv)
-        print("accepted", kind)
-    except ValueError as e:
-        print("refused", e)
-"""
 
 
 def test_host_library_under_a_cuda_name_reports_host(host_lib_named_cuda):
@@ -64,34 +43,58 @@ def test_host_library_under_a_cuda_name_reports_host(host_lib_named_cuda):
     assert out.split() == ["host", "False", "True"]
 
 
-def test_vllm_adapter_refuses_gpu_tensors_with_the_host_build_whatever_its_name(host_lib_named_cuda):
-    out = run_py(VLLM_DESCRIBE, host_lib_named_cuda)
-    assert f"variant host loaded {host_lib_named_cuda}" in out
-    assert "refused" in out and "is the host build, without CUDA support" in out, out
+# KV cache tensors on a device that is not the CPU (torch's meta device: no
+# memory), as a GPU's would be, handed to both adapters in this process,
+# whose library is the host build: the library's answer is replaced where a
+# test needs the CUDA build's, and the file-name guess (library_path) is
+# made to say the opposite of the answer each time.
+
+def vllm_describe():
+    import torch
+
+    from kvbm.testing.vllm_fakes import vllm_config
+    from kvbm.vllm_integration.connector.vllm_worker import VllmConnectorWorker
+
+    kv = {f"model.layers.{i}.self_attn.attn": torch.empty((2, 8, 4, 2, 8), dtype=torch.float16, device="meta")
+          for i in range(2)}
+    return VllmConnectorWorker(vllm_config(4))._describe_caches(kv)
 
 
-def test_vllm_adapter_follows_the_library_answer_not_the_file_name():
-    """The default file name (libkvbm.so) with a library answering "cuda"
-    (its answer stood in for: building the CUDA variant needs CUDA headers):
-    the adapter hands the GPU tensors on."""
-    code = textwrap.dedent("""
-        from kvbm import _native
-        _native._build_info = {"variant": "cuda", "version": _native.version(), "go": ""}
-    """) + textwrap.dedent(VLLM_DESCRIBE)
-    out = run_py(code, LIB)
-    assert f"variant cuda loaded {LIB}" in out
-    assert "accepted flash_attn" in out, out
+def trtllm_register():
+    import torch
+    from trtllm_contract import make_llm_args
+
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorWorker
+
+    w = DynamoKVBMConnectorWorker(make_llm_args({"bs": 4, "tp": 1}))
+    w.register_kv_caches(torch.empty((8, 2, 2, 64), dtype=torch.float16, device="meta"))
+    return w
 
 
-def test_trtllm_adapter_refuses_gpu_tensors_with_the_host_build_whatever_its_name(host_lib_named_cuda):
-    out = run_py("""
-        import torch
-        from trtllm_contract import make_llm_args
-        from kvbm.trtllm_integration.connector import DynamoKVBMConnectorWorker
+@pytest.fixture
+def answer(monkeypatch):
+    from kvbm import _native
 
-        w = DynamoKVBMConnectorWorker(make_llm_args({"bs": 4, "tp": 1}))
-        w.register_kv_caches(torch.empty((8, 2, 2, 64), dtype=torch.float16, device="meta"))
-        print("worker", w._worker, "reason", w._disabled_reason)
-    """, host_lib_named_cuda)
-    assert "worker None" in out
-    assert "is the host build, without CUDA support" in out, out
+    assert _native.build_info()["variant"] == "host"  # the library of this process
+
+    def set_answer(variant, name_says):
+        monkeypatch.setattr(_native, "_build_info", dict(_native.build_info(), variant=variant))
+        monkeypatch.setattr(_native, "library_path", lambda: (f"/x/{name_says}.so", name_says))
+    return set_answer
+
+
+def test_adapters_refuse_gpu_tensors_when_the_library_answers_host(answer):
+    answer("host", "cuda")
+    with pytest.raises(ValueError, match="is the host build, without CUDA support"):
+        vllm_describe()
+    w = trtllm_register()
+    assert w._worker is None and "is the host build, without CUDA support" in (w._disabled_reason or "")
+
+
+def test_adapters_take_gpu_tensors_when_the_library_answers_cuda(answer):
+    """(The answer stood in for: building the CUDA variant needs CUDA headers.)"""
+    answer("cuda", "custom")
+    _, kind, _ = vllm_describe()
+    assert kind == "flash_attn"
+    w = trtllm_register()
+    assert "CUDA" not in (w._disabled_reason or ""), w._disabled_reason

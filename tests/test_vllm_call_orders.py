@@ -7,11 +7,15 @@ release: the connector cannot tell which one calls it).
   steps (build_connector_meta) run between matching and allocation, and a
   request aborted meanwhile is finished without ever being allocated.
 * Sleep mode: the GPU worker calls unregister_kv_caches before the KV cache
-  memory is released and restore_kv_caches after wake-up."""
+  memory is released and restore_kv_caches after wake-up.
+* 0.33's model runner with a speculator takes a step's results
+  (get_finished, load errors, stats, worker metadata) before its
+  wait_for_save, which runs in finalize_step with clear_connector_metadata."""
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -105,3 +109,45 @@ def test_sleep_stops_kvbm_before_the_memory_goes_and_it_stays_off(engine, caplog
     assert "c" in recving and {20, 21, 22, 23} <= invalid
     for layer in engine.kv.values():
         assert bool((layer == 7).all()), "kvbm wrote to the released KV cache"
+
+
+def step_finalize_deferred(eng, so):
+    """One step in the order of 0.33's model runner with a speculator
+    (defer_finalize): the step's results are taken before its saves run,
+    then wait_for_save and clear_connector_metadata (finalize_step)."""
+    meta = eng.sched.build_connector_meta(so)
+    w = eng.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    _, recving = w.get_finished(set(so.finished_req_ids))
+    invalid = w.get_block_ids_with_load_errors()
+    w.get_kv_connector_stats()
+    w.build_connector_worker_meta()
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    eng.sched.update_connector_output(SimpleNamespace(finished_recving=recving, invalid_block_ids=invalid))
+    return meta, recving or set(), invalid
+
+
+def test_finalize_deferred_after_the_results_still_saves_and_loads(engine):
+    tokens = list(range(800, 800 + 4 * BS + 2))
+    a = request("a", tokens)
+    assert engine.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    engine.sched.update_state_after_alloc(a, Blocks([]), 0)
+    meta, _, _ = step_finalize_deferred(engine, scheduler_output(new=[(a, [1, 2, 3, 4, 5], 0)]))
+    assert [s[0] for s in plan_summary(meta.plan)["saves"]] == [1, 2, 3, 4]
+    assert engine.sched.request_finished(a, [1, 2, 3, 4, 5]) == (False, None)
+    step_finalize_deferred(engine, scheduler_output(finished=["a"]))
+
+    b = request("b", tokens)
+    got, is_async = engine.sched.get_num_new_matched_tokens(b, 0)
+    assert got == 4 * BS and is_async
+    engine.sched.update_state_after_alloc(b, Blocks([10, 11, 12, 13, 14]), got)
+    deadline = time.monotonic() + 60  # loads are asynchronous: wait by wall clock, not by step count
+    recving, invalid = set(), set()
+    while "b" not in recving and time.monotonic() < deadline:
+        _, recving, invalid = step_finalize_deferred(engine, scheduler_output())
+    assert recving == {"b"} and invalid == set()
+    for i in range(4):
+        for layer in engine.kv.values():
+            assert torch.equal(layer[:, 10 + i], layer[:, 1 + i])

@@ -132,3 +132,43 @@ def test_sleep_mode_is_declined_with_a_log_line(caplog):
     with pytest.raises(ValueError, match="DynamoConnector does not support sleep mode"):
         VllmConfig._verify_kv_transfer_compat(
             SimpleNamespace(kv_transfer_config=cfg, model_config=SimpleNamespace(enable_sleep_mode=True)))
+
+
+def connector_calls(path: str) -> set[str]:
+    """The methods called on the KV connector in one of vLLM's modules."""
+    import ast
+
+    def is_connector(node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in ("connector", "kv_connector") and isinstance(node.value, ast.Name) \
+                and node.value.id == "self"
+        if isinstance(node, ast.Name):
+            return node.id in ("connector", "kv_connector")
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id == "get_kv_transfer_group"
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return {n.func.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and is_connector(n.func.value)}
+
+
+def test_every_call_site_calls_a_reviewed_method():
+    """vLLM's scheduler and workers call only methods of the reviewed base
+    class (or of other connectors' interfaces, listed): a call of anything
+    else is new API to review."""
+    from vllm_connector_api import CALL_SITES, OTHER_INTERFACES
+
+    root = os.path.dirname(vllm.__file__)
+    known = set(describe(Base)) | set(OTHER_INTERFACES)
+    seen: set[str] = set()
+    for rel in CALL_SITES:
+        path = os.path.join(root, rel)
+        assert os.path.exists(path), f"vLLM {vllm.__version__} has no {rel}: review where it calls the connector now"
+        calls = connector_calls(path)
+        assert calls, f"no connector call found in {rel}"
+        assert calls <= known, f"{rel} calls {sorted(calls - known)}, not in the reviewed API"
+        seen |= calls
+    # The calls kvbm's work depends on are among them.
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "start_load_kv",
+            "wait_for_save", "register_kv_caches"} <= seen

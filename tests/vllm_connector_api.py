@@ -171,3 +171,20 @@ REVIEWED: dict[str, dict[str, str]] = {
     "0.32.0": _V0_32_0,
     "0.33.0": _V0_33_0,
 }
+
+# vLLM's connector call sites (read with ast from the installed source: the
+# scheduler and GPU worker modules need CUDA to import) and the receivers
+# that are the KV connector there.
+CALL_SITES: list[str] = [
+    "v1/core/sched/scheduler.py",  # self.connector
+    "v1/worker/kv_connector_model_runner_mixin.py",  # kv_connector
+    "v1/worker/gpu/kv_connector.py",  # self.kv_connector
+    "v1/worker/gpu_worker.py",  # get_kv_transfer_group()
+]
+
+# Methods called there that are not KVConnectorBase_V1's: other connectors'
+# interfaces, called only on connectors that have them.
+OTHER_INTERFACES: dict[str, str] = {
+    "request_finished_all_groups": "SupportsHMA connectors only (hybrid models); kvbm bypasses hybrid models",
+    "get_aligned_num_cpu_blocks": "vLLM's SimpleCPUOffloadConnector only",
+}

@@ -1,6 +1,7 @@
 # kvbm — build, test, bench, demo.
 #   make build   the Go shared library into python/kvbm/lib/
 #   make test    go vet + go test -race (fuzz seed corpora included) + mypy + pytest (unit and e2e)
+#                + the vLLM 0.33 contract suite (.venv-vllm033)
 #   make fuzz    every fuzz target of outside input for FUZZTIME each
 #   make flake-hunt  the suites under a CPU hog on every core (scripts/flake-hunt)
 #   make wheel   a manylinux platform wheel in dist/ (scripts/wheel-check tests it without Go)
@@ -18,7 +19,7 @@ FUZZTIME ?= 5s
 GO_LDFLAGS := -ldflags=-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: build build-debug test gotest typecheck fuzz pytest flake-hunt wheel bench bench-quick demo cuda clean
+.PHONY: build build-debug test gotest typecheck fuzz pytest pytest-vllm033 flake-hunt wheel bench bench-quick demo cuda clean
 
 build: $(LIB)
 
@@ -37,7 +38,7 @@ $(LIB): $(GO_SOURCES)
 	CGO_ENABLED=1 $(GO) build -trimpath -buildmode=c-shared $(GO_LDFLAGS) -o $@ ./capi
 	@rm -f $(basename $@).h
 
-test: gotest typecheck pytest
+test: gotest typecheck pytest pytest-vllm033
 
 gotest:
 	@unformatted=$$(gofmt -l goext capi bench); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
@@ -60,6 +61,18 @@ fuzz:
 
 pytest: build build-debug
 	$(PY) -m pytest -q -ra tests
+
+# The fake-vLLM suites and the connector API review against vLLM 0.33's real
+# classes, in .venv-vllm033 (scripts/vllm033-env.sh: vLLM 0.33 without its
+# dependencies over .venv's packages). Under CI a missing environment fails.
+VLLM033_PY := .venv-vllm033/bin/python
+VLLM033_TESTS := tests/test_vllm_api.py tests/test_vllm_adapter.py tests/test_vllm_surfaces.py tests/test_vllm_call_orders.py
+pytest-vllm033: build
+	@if [ ! -x $(VLLM033_PY) ]; then \
+	  if [ -n "$$CI" ]; then echo "no $(VLLM033_PY): run scripts/vllm033-env.sh"; exit 1; fi; \
+	  echo "SKIPPED pytest-vllm033: no $(VLLM033_PY) (create it with scripts/vllm033-env.sh)"; exit 0; \
+	fi; \
+	KVBM_EXPECT_VLLM=0.33.0 $(VLLM033_PY) -m pytest -q -ra $(VLLM033_TESTS)
 
 # Every bench appends its summary rows to $(BENCH_OUT)/rows.jsonl
 # (KVBM_BENCH_OUT); bench/summary.py prints them as one table at the end.

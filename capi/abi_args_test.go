@@ -24,6 +24,7 @@ var abiExports = map[string]any{
 	"kvbm_free_buffer":  kvbm_free_buffer,
 	"kvbm_is_poisoned":  kvbm_is_poisoned,
 	"kvbm_config_check": kvbm_config_check,
+	"kvbm_build_info":   kvbm_build_info,
 
 	"kvbm_salt_hash":       kvbm_salt_hash,
 	"kvbm_sequence_hashes": kvbm_sequence_hashes,
@@ -74,6 +75,7 @@ var abiTagged = map[string]string{
 // argument is checked against it, one at a time.
 var abiValid = map[string]cCall{
 	"kvbm_config_check":    {"env_json": testEnv},
+	"kvbm_build_info":      {},
 	"kvbm_salt_hash":       {"salt": "s", "has_salt": 1, "lora": "", "has_lora": 0},
 	"kvbm_sequence_hashes": {"tokens": make([]uint32, 16), "block_size": 4, "out": make([]uint64, 8)},
 	"kvbm_router_hashes":   {"tokens": make([]uint32, 16), "block_size": 4, "lora": "l", "out": make([]uint64, 8)},

@@ -37,6 +37,8 @@ void kvbm_free_string(char *s);
 void kvbm_free_buffer(uint8_t *p);
 int kvbm_is_poisoned(void);
 int kvbm_config_check(char *env_json, int require_tier, uint8_t **out, int64_t *out_len, char **err);
+/* JSON: {"variant": "host" | "cuda", "version", "go"}; the variant says whether G1 may be GPU memory */
+int kvbm_build_info(uint8_t **out, int64_t *out_len, char **err);
 
 /* hashing */
 int kvbm_salt_hash(char *salt, int has_salt, char *lora, int has_lora, uint64_t *out, char **err);

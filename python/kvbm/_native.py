@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import array
 import ctypes
+import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, TypeVar, Union
 
 from kvbm._errors import BY_CODE, KvbmError, KvbmForkError
 
@@ -95,6 +96,7 @@ _BASE_SIGNATURES: dict[str, Signature] = {
     "kvbm_sequence_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_uint64, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
     "kvbm_router_hashes": (c_int, [_P(c_uint32), c_int64, c_int64, c_char_p, _P(c_uint64), c_int64, _P(c_int64), _ERR]),
     "kvbm_config_check": (c_int, [c_char_p, c_int, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+    "kvbm_build_info": (c_int, [_P(_P(c_uint8)), _P(c_int64), _ERR]),
 }
 
 # Exports only some builds have: the test-only ones (libkvbm_debug.so) and
@@ -169,6 +171,39 @@ def lib() -> ctypes.CDLL:
 def loaded_variant() -> str | None:
     """The variant of the loaded library ("default", "cuda", "custom"); None before loading."""
     return _lib_variant
+
+
+def loaded_path() -> str | None:
+    """The path of the loaded library; None before loading."""
+    return _lib_path
+
+
+class BuildInfo(TypedDict):
+    """kvbm_build_info's answer (capi/buildinfo.go)."""
+
+    variant: str  # "host" or "cuda": whether G1 may be GPU memory
+    version: str
+    go: str
+
+
+_build_info: BuildInfo | None = None
+
+
+def build_info() -> BuildInfo:
+    """What the loaded library says of its own build (loads it). The adapters
+    decide from its variant whether GPU tensors can be handed to it, whatever
+    the library's file name (KVBM_LIBRARY may name any file)."""
+    global _build_info
+    if _build_info is None:
+        out, n = _P(c_uint8)(), c_int64()
+        call("kvbm_build_info", byref(out), byref(n))
+        _build_info = json.loads(take_buffer(out, n))
+    return _build_info
+
+
+def has_cuda() -> bool:
+    """Whether the loaded library is the CUDA build (its own answer)."""
+    return build_info()["variant"] == "cuda"
 
 
 def version() -> str:

@@ -103,8 +103,9 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             self._disable(f"KV cache tensor has shape {tuple(t.shape)}; expected TensorRT-LLM's primary pool "
                           "[num_blocks, num_layers, 2, kv_heads*tokens_per_block*head_dim]")
             return
-        if t.device.type != "cpu" and _native.library_path()[1] != "cuda":
-            self._disable(f"the KV cache is on {t.device} but the loaded kvbm library has no CUDA support "
+        if t.device.type != "cpu" and not _native.has_cuda():
+            self._disable(f"the KV cache is on {t.device} but the loaded kvbm library ({_native.loaded_path()}) "
+                          f"is the {_native.build_info()['variant']} build, without CUDA support "
                           "(build it with `make cuda`)")
             return
         self._cuda = t.device.type == "cuda"

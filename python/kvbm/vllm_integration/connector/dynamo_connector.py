@@ -236,6 +236,32 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._worker_side is not None:
             self._worker_side.register_kv_caches(kv_caches)
 
+    # Sleep mode (vLLM >= 0.33: llm.sleep() / wake_up()). The KV cache memory
+    # is released and mapped again, its contents discarded; kvbm's Go worker
+    # holds the tensors' addresses (and, in the CUDA build, device state for
+    # them) from register_kv_caches and has no way to let go of them while
+    # keeping its host and disk tiers. So kvbm declines sleep mode, and vLLM
+    # refuses the configuration at start instead of serving from stale
+    # addresses.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        log.warning("kvbm: DynamoConnector does not support vLLM's sleep mode (its KV cache remap would leave "
+                    "kvbm's worker with stale KV cache addresses); run without --enable-sleep-mode to use kvbm")
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Worker, before the KV cache memory goes (sleep mode, reached
+        only if supports_sleep_mode was not asked): kvbm stops touching it
+        and stays off for this engine; promised loads are reported failed."""
+        if self._worker_side is not None:
+            self._worker_side.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Worker, after wake-up: kvbm stays off (see unregister_kv_caches)."""
+        if self._worker_side is not None:
+            self._worker_side.restore_kv_caches()
+
     def get_mem_pool_context(self) -> AbstractContextManager[None] | None:
         """Worker: the allocation context vLLM allocates the KV cache in
         (KVBM_CUDA_PACK_KV_CACHE, kvbm/_kvpool.py), or None for its own."""

@@ -124,6 +124,25 @@ class VllmConnectorWorker(VllmSide):
                  "disk_blocks=%d", os.getpid(), rank, info["layout"], info["num_layers"], info["bytes_per_block"],
                  info["host_blocks"], info["disk_blocks"])
 
+    def unregister_kv_caches(self) -> None:
+        """The engine is about to release the KV cache memory (sleep mode):
+        wait for the copies in flight, then stop kvbm on this rank for good,
+        so that nothing reads or writes the old addresses. Loads still owed
+        to vLLM are reported finished with their blocks failed (recomputed).
+        Idempotent."""
+        if self._worker is None or self._failed is not None:
+            return
+        try:
+            self._worker.wait_loads()
+        except Exception as e:  # noqa: BLE001 - the engine must survive
+            log.warning("kvbm: waiting for loads before sleep: %s", e)
+        self._fail("unregister_kv_caches", RuntimeError(
+            "vLLM released the KV cache memory (sleep mode), which kvbm does not support"))
+
+    def restore_kv_caches(self) -> None:
+        if self._failed is not None:
+            log.warning("kvbm: the KV cache is back after sleep mode; kvbm stays off for this engine")
+
     def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
         """This rank's recovered persistent disk tier index (None
         without one), which vLLM passes to the scheduler's connector."""
@@ -143,10 +162,10 @@ class VllmConnectorWorker(VllmSide):
 
         names = order_layers(list(kv_caches))
         first = kv_caches[names[0]]
-        if first.device.type != "cpu" and _native.library_path()[1] != "cuda":
+        if first.device.type != "cpu" and not _native.has_cuda():
             raise ValueError(
-                f"KV cache tensors are on {first.device} but the loaded kvbm library has no CUDA support "
-                "(build it with `make cuda`)")
+                f"KV cache tensors are on {first.device} but the loaded kvbm library ({_native.loaded_path()}) "
+                f"is the {_native.build_info()['variant']} build, without CUDA support (build it with `make cuda`)")
         nd = first.dim()
         if first.device.type == "cpu":
             kind = "cpu_paged" if nd == 4 else ("cpu" if nd == 5 else "mla")

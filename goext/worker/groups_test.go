@@ -63,7 +63,9 @@ func (g *g1) position(row []int64) [][]byte {
 	return out
 }
 
-func rows(groups int, rs ...[]int64) *plan.GroupRows { return &plan.GroupRows{Groups: groups, Rows: rs} }
+func rows(groups int, rs ...[]int64) *plan.GroupRows {
+	return &plan.GroupRows{Groups: groups, Rows: rs}
+}
 
 // TestGroupsSaveLoad: a save gathers each layer from its group's block; a
 // load writes each layer into its group's block and leaves a group whose

@@ -10,7 +10,7 @@ its block is the sequence hash). "u" (G2 → G4 uploads) is for the workers only
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, TypedDict
 
 import msgpack
@@ -110,3 +110,32 @@ def load_targets(plan: bytes) -> dict[str, list[int]]:
     """request id → the G1 blocks its loads write (staging copies into G2,
     such as G4 downloads, are not G1 blocks)."""
     return {r: [c[3] for c in cs if c[2] == 1] for r, cs in decode(plan)["loads"].items()}
+
+
+def group_rows(plan: bytes) -> dict[int, list[int]]:
+    """primary G1 block → the block of every KV cache group at its position
+    (the plan's "g" rows, goext/plan/groups.go); {} without groups."""
+    if not plan:
+        return {}
+    step: dict[str, Any] = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    b = step.get("g")
+    if not b:
+        return {}
+    vals = struct.unpack(f"<{len(b) // 8}q", b)
+    n = vals[0]
+    return {vals[i]: list(vals[i + 1:i + 1 + n]) for i in range(1, len(vals), n + 1)}
+
+
+def with_group_rows(plan: bytes, groups: int, rows: Mapping[int, Sequence[int]]) -> bytes:
+    """The plan with "g" rows added: for each primary G1 block, the block of
+    each of the ``groups`` groups at its position (-1: none)."""
+    step: dict[str, Any] = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    vals: list[int] = [groups]
+    for primary, row in rows.items():
+        if len(row) != groups:
+            raise ValueError(f"group row of G1 block {primary} has {len(row)} entries, want {groups}")
+        vals.append(int(primary))
+        vals.extend(int(b) for b in row)
+    step["g"] = struct.pack(f"<{len(vals)}q", *vals)
+    out: bytes = msgpack.packb(step, use_bin_type=True)
+    return out

@@ -40,6 +40,14 @@ except Exception:  # pragma: no cover - exercised only without vLLM
         SCHEDULER = 0
         WORKER = 1
 
+try:  # vLLM's hybrid KV cache manager stays on only for connectors that declare it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except Exception:  # pragma: no cover - older vLLM or none
+
+    class SupportsHMA:  # type: ignore[no-redef]  # stand-in under vLLM's name
+        pass
+
+
 try:  # worker → scheduler metadata (vLLM ≥ 0.32); without it G4 matching waits for nothing
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except Exception:  # pragma: no cover - older vLLM or none

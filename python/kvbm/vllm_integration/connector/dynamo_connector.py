@@ -54,6 +54,7 @@ from kvbm.vllm_integration.connector._common import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     KvbmRecoveredMetadata,
+    SupportsHMA,
     VllmSide,
     _bypassed,
     _lora_name,
@@ -91,8 +92,11 @@ if KVConnectorWorkerMetadata is not None:
     __all__.append("KvbmWorkerMeta")
 
 
-class DynamoConnector(KVConnectorBase_V1):
-    """kvbm as a vLLM KV connector (both roles)."""
+class DynamoConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbm as a vLLM KV connector (both roles). It supports vLLM's hybrid
+    KV cache manager (SupportsHMA): with it on, models with several KV
+    cache groups keep them (_groups.py); a model with groups kvbm cannot
+    serve yet runs without kvbm, served by vLLM."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         try:
@@ -258,3 +262,24 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._worker_side is None:
             return set()
         return self._worker_side.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Worker: vLLM's base answer (get_finished), plus the requests whose
+        load failed with several KV cache groups, where vLLM takes failures
+        per request (failed_recving), not per block."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker_side is not None and hasattr(results, "failed_recving"):
+            failed = self._worker_side.take_failed_recving()
+            results.failed_recving |= failed
+            results.finished_recving |= failed
+        return results
+
+    # ------------------------------------------------------------ hybrid (HMA)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: the request finished for every
+        KV cache group. kvbm's saves ran in the steps that computed the
+        blocks, so it never holds them past this call."""
+        if self._scheduler_side is None:
+            return False, None
+        return self._scheduler_side.request_finished(request, block_ids)

@@ -95,12 +95,17 @@ def make_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
 ) -> str:
     """Create (or reuse) a random model directory and return its absolute path.
 
     arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM, qkv bias).
     dtype: "float32" or "bfloat16" (weights on disk; vLLM's ``dtype=`` decides
     the runtime dtype).
+    sliding_window: with "llama", odd layers attend within a sliding window
+    of this many tokens and even layers attend fully (``layer_types``, as
+    Gemma 3 interleaves them); vLLM's hybrid KV cache manager gives each
+    kind its own KV cache group.
     """
     path = os.path.abspath(os.fspath(dir))
     if hidden % heads:
@@ -121,6 +126,10 @@ def make_tiny_model(
         intermediate=intermediate, max_pos=max_pos, arch=arch, dtype=dtype, seed=seed,
         tie_word_embeddings=tie_word_embeddings, version=1,
     )
+    if sliding_window is not None:
+        if arch != "llama":
+            raise ValueError("sliding_window is supported with arch='llama'")
+        params["sliding_window"] = int(sliding_window)  # absent otherwise: older stamps still match
     stamp = os.path.join(path, _STAMP)
     try:
         with open(stamp) as f:
@@ -149,7 +158,11 @@ def make_tiny_model(
         pad_token_id=2,
     )
     if arch == "llama":
-        cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
+        extra: dict[str, Any] = {}
+        if sliding_window is not None:
+            extra = dict(sliding_window=int(sliding_window),
+                         layer_types=["sliding_attention" if i % 2 else "full_attention" for i in range(layers)])
+        cfg = transformers.LlamaConfig(head_dim=head_dim, **common, **extra)
         cls = transformers.LlamaForCausalLM
     else:
         cfg = transformers.Qwen2Config(**common)

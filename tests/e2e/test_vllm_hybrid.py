@@ -1,0 +1,65 @@
+"""kvbm with vLLM's hybrid KV cache manager on, against a real vLLM (CPU
+backend): a tiny Gemma-3-like model whose layers alternate full attention
+and a 64-token sliding window, so vLLM gives it two KV cache groups. A
+prompt stored from both groups, evicted from G1, comes back from G2 with
+the output vLLM computes without kvbm."""
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BS = 32  # vLLM's CPU attention needs a multiple of 32
+WINDOW = 2 * BS
+MODEL = {"dir": "/tmp/kvbm-tiny-sliding-window", "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+         "sliding_window": WINDOW}
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+A = prompt(1, 6 * BS + 7)  # 6 full blocks + a partial one, longer than the window
+B = prompt(2, 9 * BS + 3)
+
+
+def gen(tag, *prompts, max_tokens=8):
+    return {"generate": [list(p) for p in prompts], "tag": tag, "max_tokens": max_tokens}
+
+
+ACTIONS = [
+    gen("first", A),
+    {"reset": True, "tag": "reset"},  # vLLM's own prefix cache (G1) forgets A
+    gen("a_from_g2", A),
+    gen("b", B),
+    {"reset": True, "tag": "reset2"},
+    gen("a_again", A),
+]
+
+
+def test_sliding_window_model_keeps_hma_and_onboards_from_g2(harness):
+    engine = {"num_gpu_blocks_override": 32}
+    res = harness({"model": MODEL, "engine": engine, "actions": ACTIONS,
+                   "env": {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100}})
+    log = res["log"]
+    # vLLM kept its hybrid manager: no "Turning off" line, and kvbm's worker
+    # registered two groups (with the manager off vLLM makes one group of
+    # full-size KV for every layer).
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in log, log[-4000:]
+    assert "kvbm disabled" not in log and "kvbm failed" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    m0, m1 = t["first"]["metrics"], t["a_from_g2"]["metrics"]
+    assert m0["kvbm_offload_blocks_d2h"] == 6  # A's prompt and 8 generated tokens fill 6 blocks
+    assert m1["kvbm_onboard_blocks_h2d"] == 6
+    assert m1["kvbm_matched_tokens"] == 6 * BS
+    assert t["a_again"]["metrics"]["kvbm_onboard_blocks_h2d"] == 12
+
+    base = harness({"model": MODEL, "engine": engine, "actions": ACTIONS, "kvbm": False})
+    assert "Turning off hybrid kv cache manager" not in base["log"]
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("first", "a_from_g2", "b", "a_again"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag
+    assert t["a_from_g2"]["tokens"] == t["first"]["tokens"]

@@ -300,3 +300,33 @@ def test_group_layout_is_part_of_the_fingerprint(hybrid):
     finally:
         one.close()
         same.close()
+
+
+def test_which_group_layouts_kvbm_serves():
+    """Full attention with sliding-window or chunked local groups is served
+    (planned with the full group); a state group, no full-attention group,
+    or another block size is refused with the reason."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    chunked = attn(ChunkedLocalAttentionSpec, attention_chunk_size=4 * BS)
+    groups, why = kv_groups(hybrid_config(second=chunked), BS)
+    assert why is None and groups.kinds == ("full_attention", f"chunked_local({4 * BS})") and groups.primary == 0
+    assert groups.layer_group == GROUP_OF
+
+    cfg = hybrid_config()
+    cfg.kv_cache_groups.reverse()  # the full group need not come first
+    groups, why = kv_groups(cfg, BS)
+    assert why is None and groups.primary == 1
+
+    cfg = hybrid_config()
+    cfg.kv_cache_groups[0] = KVCacheGroupSpec(FULL, attn(SlidingWindowSpec, sliding_window=3 * BS))
+    groups, why = kv_groups(cfg, BS)
+    assert groups is None and "none of full attention" in why
+
+    big = FullAttentionSpec(block_size=2 * BS, num_kv_heads=HEADS // 2, head_size=HEAD_DIM, dtype=torch.float16)
+    cfg = hybrid_config()
+    cfg.kv_cache_groups[0] = KVCacheGroupSpec(FULL, big)
+    groups, why = kv_groups(cfg, BS)
+    assert groups is None and f"block size {2 * BS}" in why

@@ -63,3 +63,29 @@ def test_sliding_window_model_keeps_hma_and_onboards_from_g2(harness):
     for tag in ("first", "a_from_g2", "b", "a_again"):
         assert t[tag]["tokens"] == b[tag]["tokens"], tag
     assert t["a_from_g2"]["tokens"] == t["first"]["tokens"]
+
+
+SSM_MODEL = {"dir": "/tmp/kvbm-tiny-nemotron-h", "hidden": 128, "layers": 8, "heads": 4, "kv_heads": 2,
+             "arch": "nemotron_h"}
+
+
+def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
+    """A Mamba2 hybrid (NemotronH): kvbm cannot serve Mamba state yet. It
+    keeps vLLM's hybrid manager on, so the model starts (with the manager
+    off vLLM fails: "Failed to promote local KV cache specs to one unified
+    type"), turns itself off with a line naming the group kinds, and vLLM
+    serves the model with the output it computes without kvbm. (Prefix
+    caching is off: vLLM's CPU Mamba2 kernels fail with its 'align' state
+    cache mode, with or without a connector.)"""
+    engine = {"num_gpu_blocks_override": 64, "enable_prefix_caching": False}
+    actions = [gen("a", A), gen("b", B)]
+    res = harness({"model": SSM_MODEL, "engine": engine, "actions": actions})
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert ("kvbm disabled for this engine: KV cache groups of kind mamba are not served by kvbm yet "
+            "(this model's groups: mamba, full_attention)") in log, log[-4000:]
+    assert "kvbm failed" not in log
+    base = harness({"model": SSM_MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    t = {a["tag"]: a for a in res["actions"]}
+    b = {a["tag"]: a for a in base["actions"]}
+    assert t["a"]["tokens"] == b["a"]["tokens"] and t["b"]["tokens"] == b["b"]["tokens"]

@@ -118,15 +118,19 @@ class Hybrid:
         t = self.kv[name]
         return all(bool((t[kv, b, :, p % BS, :] == value(p, self.layer_index(name), kv)).all()) for kv in (0, 1))
 
-    def step(self, new=(), finished=()):
-        """new: (request, per-group block ids, num_computed, num_scheduled)."""
+    def step(self, new=(), finished=(), cached=()):
+        """new, cached: (request, per-group block ids (all, or those added
+        this step for cached), num_computed, num_scheduled)."""
         so = SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.all_token_ids,
                                                 block_ids=tuple(list(g) for g in ids), num_computed_tokens=c)
                                 for r, ids, c, _ in new],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
-                                                  new_block_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={r.request_id: n for r, _, _, n in new},
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r.request_id for r, _, _, _ in cached], resumed_req_ids=set(),
+                new_token_ids=[[] for _ in cached],
+                new_block_ids=[tuple(list(g) for g in ids) for _, ids, _, _ in cached],
+                num_computed_tokens=[c for _, _, c, _ in cached]),
+            num_scheduled_tokens={r.request_id: n for r, _, _, n in list(new) + list(cached)},
             finished_req_ids=set(finished),
         )
         meta = self.sched.build_connector_meta(so)
@@ -330,3 +334,23 @@ def test_which_group_layouts_kvbm_serves():
     cfg.kv_cache_groups[0] = KVCacheGroupSpec(FULL, big)
     groups, why = kv_groups(cfg, BS)
     assert groups is None and f"block size {2 * BS}" in why
+
+
+def test_chunked_prefill_rows_follow_the_blocks_each_group_adds(hybrid):
+    """A prompt computed in two chunks: the second step's saves name the
+    blocks both groups added in that step (vLLM sends only the new ones)."""
+    h = hybrid
+    a = request("a", PROMPT)
+    assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    first = ([1, 2], [7, 8])
+    h.sched.update_state_after_alloc(a, Blocks(*first), 0)
+    meta, so = h.step(new=[(a, first, 0, 2 * BS)])
+    assert _plan.group_rows(meta.plan) == {1: [1, 7], 2: [2, 8]}
+    h.run_worker(meta, so, forward=lambda: h.forward(first, 0, 2 * BS))
+    added = ([3, 4, 5, 6], [9, 10, 11, 12])
+    meta, so = h.step(cached=[(a, added, 2 * BS, len(PROMPT) - 2 * BS)])
+    assert {c[1] for c in _plan.decode(meta.plan)["saves"]} == {3, 4, 5}
+    assert _plan.group_rows(meta.plan) == {3: [3, 9], 4: [4, 10], 5: [5, 11]}
+    res, invalid = h.run_worker(meta, so, forward=lambda: h.forward(([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]),
+                                                                    2 * BS, len(PROMPT)))
+    assert not invalid and not res.failed_recving

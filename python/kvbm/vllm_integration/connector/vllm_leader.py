@@ -59,6 +59,7 @@ class VllmConnectorLeader(VllmSide):
         self._groups: GroupLayout | None = None
         self._primary = 0
         self._group_blocks: dict[str, list[list[int]]] = {}
+        self._group_pos: dict[str, dict[int, int]] = {}  # request -> primary block -> position
         self._prefer_recompute_on_load_failure()
         self._init_scheduler()
 
@@ -209,7 +210,7 @@ class VllmConnectorLeader(VllmSide):
             if self._groups is not None:
                 # The load's rows come from here: a request waiting for its
                 # load is not in the scheduler output.
-                self._group_blocks[rid] = [list(ids) for ids in all_ids]
+                self._set_group_blocks(rid, all_ids)
             self._leader.update_after_alloc(rid, all_ids[self._primary], num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
@@ -259,7 +260,7 @@ class VllmConnectorLeader(VllmSide):
             tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
             if self._groups is not None and nr.block_ids:
-                self._group_blocks[rid] = [list(ids) for ids in nr.block_ids]
+                self._set_group_blocks(rid, nr.block_ids)
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=tokens,
                 new_block_ids=list(nr.block_ids[self._primary]) if nr.block_ids else [],
@@ -336,14 +337,23 @@ class VllmConnectorLeader(VllmSide):
         self._salts.pop(rid, None)
         self._bypassed.discard(rid)
         self._group_blocks.pop(rid, None)
+        self._group_pos.pop(rid, None)
+
+    def _set_group_blocks(self, rid: str, per_group: Any) -> None:
+        self._group_blocks[rid] = [list(ids) for ids in per_group]
+        self._group_pos[rid] = {b: i for i, b in enumerate(self._group_blocks[rid][self._primary])}
 
     def _note_group_blocks(self, rid: str, new_blocks: Any, resumed: bool) -> None:
         # Each group's list grows by the blocks added this step (vLLM never
         # reorders a block table; a block leaving a sliding window becomes
         # the null block in vLLM's table, which a save never needs again).
         if resumed or rid not in self._group_blocks:
-            self._group_blocks[rid] = [list(ids) for ids in new_blocks]
+            self._set_group_blocks(rid, new_blocks)
             return
+        primary = self._group_blocks[rid][self._primary]
+        pos = self._group_pos[rid]
+        for i, b in enumerate(new_blocks[self._primary], start=len(primary)):
+            pos[b] = i
         for mine, ids in zip(self._group_blocks[rid], new_blocks):
             mine.extend(ids)
 
@@ -383,10 +393,7 @@ class VllmConnectorLeader(VllmSide):
         return _plan.with_group_rows(plan, self._groups.num_groups, rows)
 
     def _index(self, rid: str) -> dict[int, int]:
-        lists = self._group_blocks.get(rid)
-        if lists is None:
-            return {}
-        return {b: i for i, b in enumerate(lists[self._primary])}
+        return self._group_pos.get(rid, {})
 
     def take_events(self) -> tuple[()]:
         return ()

@@ -148,9 +148,11 @@ class Hybrid:
         self.worker._worker.wait_loads()
         res = w.get_transfer_results(set(so.finished_req_ids))
         invalid = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         self.sched.update_connector_output(SimpleNamespace(finished_recving=res.finished_recving,
-                                                           invalid_block_ids=invalid))
+                                                           invalid_block_ids=invalid,
+                                                           kv_connector_worker_meta=worker_meta))
         return res, invalid
 
     def close(self):
@@ -247,6 +249,11 @@ def test_a_failed_block_fails_the_whole_requests_load(hybrid):
     res, invalid = h.run_worker(meta, so, mutate_plan=drop_one_row)
     assert res.failed_recving == {"b"} and "b" in res.finished_recving
     assert invalid == set()
+    # The leader learnt the failed block through the worker metadata and
+    # dropped its source: the prefix now matches up to it.
+    h.sched.request_finished_all_groups(b, (b0, b1))
+    h.step(finished=["b"])
+    assert h.sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (4 * BS, True)
 
 
 def test_a_load_kvbm_never_planned_fails_the_request(hybrid, monkeypatch):

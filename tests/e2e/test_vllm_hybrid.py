@@ -89,3 +89,43 @@ def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
     t = {a["tag"]: a for a in res["actions"]}
     b = {a["tag"]: a for a in base["actions"]}
     assert t["a"]["tokens"] == b["a"]["tokens"] and t["b"]["tokens"] == b["b"]["tokens"]
+
+
+C = prompt(3, 8 * BS + 1)
+
+
+def test_sliding_window_model_disk_tier_and_corrupted_block(harness, tmp_path):
+    """G2 → G3 → G1 with two KV cache groups; a corrupted disk block fails
+    its request's whole load (vLLM takes failures per request with several
+    groups, and raises on block ids), and vLLM recomputes it: same output."""
+    spec = {
+        "model": MODEL,
+        "env": {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 200,
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        },
+        "engine": {"num_gpu_blocks_override": 32},
+        "actions": [
+            gen("a", A), gen("b", B), gen("c", C),
+            {"reset": True, "tag": "reset1"},
+            gen("a_from_disk", A),
+            {"corrupt_disk": True, "tag": "corrupt"},
+            {"reset": True, "tag": "reset2"},
+            gen("b_corrupted", B),
+        ],
+    }
+    res = harness(spec)
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in log
+    assert "kvbm failed" not in log and "Traceback" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["c"]["metrics"]["kvbm_offload_blocks_h2d"] > 0  # G2 → G3
+    assert t["a_from_disk"]["metrics"]["kvbm_onboard_blocks_d2d"] > 0
+    assert t["a_from_disk"]["tokens"] == t["a"]["tokens"]
+    assert t["corrupt"]["corrupted_files"] >= 1
+    assert t["b_corrupted"]["metrics"]["kvbm_load_errors"] > 0
+    assert "vLLM recomputes the whole prompt of 1 request(s)" in log
+    assert t["b_corrupted"]["tokens"] == t["b"]["tokens"]

@@ -322,6 +322,9 @@ class VllmConnectorLeader(VllmSide):
             self._g4_fingerprint = fp
         for rep in getattr(meta, "g4_reports", None) or ():
             self._leader.g4_report(rep)
+        # Several KV cache groups: failed loads reach vLLM per request, their
+        # blocks come here.
+        self._invalid_blocks.extend(int(b) for b in getattr(meta, "load_errors", None) or ())
 
     @guarded((False, None))
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

@@ -60,6 +60,7 @@ class VllmConnectorWorker(VllmSide):
         # whole request (reported in failed_recving; vLLM recomputes it).
         self._multi_group = False
         self._failed_recving: set[str] = set()
+        self._group_load_errors: list[int] = []  # for the leader, through the worker metadata
 
     def _give_up_loads(self, loads: dict[str, list[int]]) -> set[str]:
         # Loads that will not complete: report them finished with every block
@@ -221,6 +222,7 @@ class VllmConnectorWorker(VllmSide):
             bad = set(errors)
             failed = {rid for rid in loaded if bad.intersection(self._inflight_loads.get(rid, ()))}
             self._failed_recving.update(failed)
+            self._group_load_errors.extend(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes the whole prompt of %d request(s)",
                         len(errors), len(failed))
             errors = []
@@ -239,13 +241,15 @@ class VllmConnectorWorker(VllmSide):
 
     @guarded(None)
     def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
-        if KVConnectorWorkerMetadata is None or self._worker is None or not self._g4:
+        errors, self._group_load_errors = self._group_load_errors, []
+        if KVConnectorWorkerMetadata is None or self._worker is None or not (self._g4 or errors):
             return None
         from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
 
-        rep = self._worker.g4_report()
+        rep = self._worker.g4_report() if self._g4 else b""
         # Only rank 0's acknowledgements name blocks the leader can look up.
-        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [])
+        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [],
+                              load_errors=[int(b) for b in errors])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

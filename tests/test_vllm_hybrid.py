@@ -361,3 +361,29 @@ def test_chunked_prefill_rows_follow_the_blocks_each_group_adds(hybrid):
     res, invalid = h.run_worker(meta, so, forward=lambda: h.forward(([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]),
                                                                     2 * BS, len(PROMPT)))
     assert not invalid and not res.failed_recving
+
+
+def test_request_finished_all_groups_is_recorded_as_request_finished(env, tmp_path):
+    """vLLM calls request_finished_all_groups for every model once kvbm
+    declares HMA: DYN_KVBM_ENABLE_RECORD still records request_finished,
+    with the single group's block list as before."""
+    import json
+
+    env.setenv("DYN_KVBM_ENABLE_RECORD", "true")
+    env.setenv("DYN_KVBM_RECORD_PATH", str(tmp_path / "records.jsonl"))
+    from kvbm.testing import vllm_fakes as vf
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    kvc = vf.kv_cache_config(NUM_BLOCKS, BS, 2, HEADS, HEAD_DIM)
+    sched = DynamoConnector(vllm_config(BS), SimpleNamespace(name="SCHEDULER"), kvc)
+    try:
+        assert sched.request_finished_all_groups(request("r", PROMPT), ([4, 5],)) == (False, None)
+    finally:
+        sched.shutdown()
+    from kvbm import _record
+
+    _record.flush()  # records are written by a background thread
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    finished = [r for r in recs if r.get("method") == "request_finished"]
+    assert [f["inputs"]["request"]["request_id"] for f in finished] == ["r"], recs
+    assert finished[0]["inputs"]["block_ids"] == [4, 5]

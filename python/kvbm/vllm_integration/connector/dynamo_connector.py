@@ -279,7 +279,8 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager: the request finished for every
         KV cache group. kvbm's saves ran in the steps that computed the
-        blocks, so it never holds them past this call."""
-        if self._scheduler_side is None:
-            return False, None
-        return self._scheduler_side.request_finished(request, block_ids)
+        blocks, so it never holds them past this call. Goes through
+        request_finished (what DYN_KVBM_ENABLE_RECORD records), with one
+        group's list as vLLM passes it without the hybrid manager."""
+        ids = block_ids[0] if isinstance(block_ids, tuple) and len(block_ids) == 1 else block_ids
+        return self.request_finished(request, ids)

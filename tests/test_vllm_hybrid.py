@@ -387,3 +387,90 @@ def test_request_finished_all_groups_is_recorded_as_request_finished(env, tmp_pa
     finished = [r for r in recs if r.get("method") == "request_finished"]
     assert [f["inputs"]["request"]["request_id"] for f in finished] == ["r"], recs
     assert finished[0]["inputs"]["block_ids"] == [4, 5]
+
+
+def test_one_sliding_window_group_never_touches_the_null_block(env):
+    """A model whose every layer has a sliding window is one group under
+    vLLM's hybrid manager, and vLLM gives it the null block before the
+    window: kvbm's plan carries rows, so nothing is loaded into the null
+    block, and a save from a block the window has left fails instead of
+    reading a block vLLM may have handed to another request."""
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    spec = attn(SlidingWindowSpec, sliding_window=WINDOW)
+    page = spec.page_size_bytes
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+                        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0,
+                                                        block_stride=page) for n in names])
+    cfg = vllm_config(BS)
+    sched = DynamoConnector(cfg, SimpleNamespace(name="SCHEDULER"), kvc)
+    worker = DynamoConnector(cfg, SimpleNamespace(name="WORKER"), kvc)
+    kv = {n: torch.full((2, NUM_BLOCKS, HEADS, BS, HEAD_DIM), 1234.0, dtype=torch.float16) for n in names}
+    worker.register_kv_caches(kv)
+
+    def run(meta, so):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker._worker.wait_loads()
+        res = worker.get_transfer_results(set(so.finished_req_ids))
+        worker.clear_connector_metadata()
+        sched.update_connector_output(SimpleNamespace(finished_recving=res.finished_recving,
+                                                      invalid_block_ids=worker.get_block_ids_with_load_errors()))
+        return res
+
+    def so(new=(), finished=()):
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.all_token_ids,
+                                                block_ids=(list(ids),), num_computed_tokens=0) for r, ids in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
+                                                  new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={r.request_id: len(r.all_token_ids) for r, _ in new},
+            finished_req_ids=set(finished))
+
+    try:
+        a = request("a", PROMPT)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        sched.update_state_after_alloc(a, Blocks(A0), 0)
+        s = so(new=[(a, A0)])
+        meta = sched.build_connector_meta(s)
+        assert _plan.group_rows(meta.plan) == {b: [b] for b in A0[:5]}
+        for n in names:
+            kv[n][:, A0] = 3.0
+        run(meta, s)
+        sched.request_finished_all_groups(a, (A0,))
+        s = so(finished=["a"])
+        run(sched.build_connector_meta(s), s)
+
+        b = request("b", PROMPT)
+        assert sched.get_num_new_matched_tokens(b, 0) == (5 * BS, True)
+        ids = [NULL, NULL, NULL, 19, 20, 21]
+        sched.update_state_after_alloc(b, Blocks(ids), 5 * BS)
+        s = so()
+        meta = sched.build_connector_meta(s)
+        assert _plan.group_rows(meta.plan) == {NULL: [-1], 19: [19], 20: [20]}
+        res = run(meta, s)
+        assert res.finished_recving == {"b"}
+        for n in names:
+            assert bool((kv[n][:, NULL] == 1234.0).all()), "the null block was written"
+            assert bool((kv[n][:, [19, 20]] == 3.0).all())
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_save_from_a_position_the_window_left_gets_no_row(hybrid):
+    """A save planned late (retried after G2 was full) for a position whose
+    sliding-window block vLLM may have freed since: its row is incomplete,
+    so the worker fails it rather than read a block another request may
+    hold now."""
+    h = hybrid
+    a = request("a", PROMPT)
+    h.sched.update_state_after_alloc(a, Blocks(A0, A1), 0)
+    leader = h.sched._scheduler_side
+    leader._set_group_blocks("a", (A0, A1))
+    plan = _plan.encode(seq=1, saves=[(1, A0[0], 2, 0), (1, A0[4], 2, 1)])
+    # 5 blocks computed, window 2 blocks: the sliding group may have freed blocks 0..2.
+    rows = _plan.group_rows(leader._add_group_rows(plan, {"a": 5 * BS}))
+    assert rows == {A0[0]: [-1, -1], A0[4]: [A0[4], A1[4]]}

@@ -232,7 +232,7 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error, rows map
 			// Invalid until written, whether or not the write can run.
 			w.hostValid[c.DstBlock].Store(false)
 		}
-		if w.g1.NumGroups() > 1 {
+		if rows != nil || w.g1.NumGroups() > 1 {
 			g1 := c.DstBlock
 			if toHost {
 				g1 = c.SrcBlock
@@ -300,7 +300,7 @@ func (w *Worker) copyOne(c plan.Copy, slot int, rows map[int64][]int64) (err err
 	}
 	src, dst := int(c.SrcBlock), int(c.DstBlock)
 	var grp [][]int64 // with KV cache groups: the G1 side's row
-	if w.g1.NumGroups() > 1 && (c.Src == plan.G1 || c.Dst == plan.G1) {
+	if (rows != nil || w.g1.NumGroups() > 1) && (c.Src == plan.G1 || c.Dst == plan.G1) {
 		g1 := c.DstBlock
 		if c.Src == plan.G1 {
 			g1 = c.SrcBlock

@@ -11,7 +11,10 @@ import (
 
 // KV cache groups (layout/groups.go): a G1 block in a plan is the primary
 // group's block at one token position, and the step's plan.GroupRows name
-// every group's block there.
+// every group's block there. A step may carry rows for an engine with one
+// group too (a sliding-window model's only group): its copies then follow
+// the rows, so a position whose block vLLM replaced with its null block is
+// neither loaded into nor saved from.
 
 // ErrNoGroupRow is wrapped by the error of a G1 copy on an engine with
 // several KV cache groups whose block the step's group rows do not name.

@@ -152,3 +152,22 @@ func TestGroupsIncompleteSave(t *testing.T) {
 		Copies: copies(plan.G3, []int64{2}, plan.G1, []int64{16})}}})
 	require.Equal(t, []int64{16}, failed)
 }
+
+// TestGroupsOneGroupRows: an engine with one group follows a step's rows
+// when it has them: a load into a position without a block writes nothing,
+// a save from one fails.
+func TestGroupsOneGroupRows(t *testing.T) {
+	g := newG1(t, layout.CPU)
+	w := newWorker(t, g, Options{HostBlocks: 4, MaxConcurrent: 1, BatchSize: 4})
+	_, failed := run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{5, 6}, plan.G2, []int64{0, 1})})
+	require.Empty(t, failed)
+	before := g.snapshot()
+	// G1 block 0 stands for the null block, named by both positions.
+	_, failed = run(t, w, &plan.Step{Seq: 2, G1Groups: rows(1, []int64{0, layout.NoBlock}),
+		Loads: []plan.Load{{ReqID: "r", Copies: copies(plan.G2, []int64{0, 1}, plan.G1, []int64{0, 0})}}})
+	require.Empty(t, failed)
+	require.Equal(t, before, g.snapshot())
+	_, _ = run(t, w, &plan.Step{Seq: 3, G1Groups: rows(1, []int64{7, layout.NoBlock}),
+		Saves: copies(plan.G1, []int64{7}, plan.G2, []int64{2})})
+	require.False(t, w.hostValid[2].Load())
+}

@@ -56,6 +56,29 @@ class GroupLayout:
     primary: int  # the group whose blocks the leader plans with
     layer_group: dict[str, int]  # layer name -> group
     page_bytes: int  # bytes of one layer's block (every group's, vLLM makes them uniform)
+    # Per group: (sliding window, extra retained tokens) or (0, chunk size)
+    # for chunked local attention; (0, 0) for full attention.
+    windows: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def with_rows(self) -> bool:
+        """Whether plans carry group rows: several groups, or one group that
+        frees the blocks before its window (vLLM replaces them with its null
+        block, which must be neither loaded into nor saved from)."""
+        return self.num_groups > 1 or any(w != (0, 0) for w in self.windows)
+
+    def skipped_blocks(self, group: int, num_computed: int) -> int:
+        """How many leading blocks of a request ``group`` may have freed
+        once ``num_computed`` tokens are computed (vLLM's
+        get_num_skipped_tokens; it frees on processed tokens, never more)."""
+        window, extra = self.windows[group] if self.windows else (0, 0)
+        if window:
+            return max(0, num_computed - window + 1 - extra) // self._block_size
+        if extra:  # chunked local attention: everything before the current chunk
+            return (num_computed // extra) * extra // self._block_size
+        return 0
+
+    _block_size: int = 1
 
     @property
     def num_groups(self) -> int:
@@ -84,8 +107,9 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None
     kinds = tuple(group_kind(g.kv_cache_spec) for g in groups)
     layer_group = {name: i for i, g in enumerate(groups) for name in g.layer_names}
     page = int(groups[0].kv_cache_spec.page_size_bytes)
+    windows = tuple(_window(g.kv_cache_spec, k) for g, k in zip(groups, kinds))
     if len(groups) == 1:
-        return GroupLayout(kinds, 0, layer_group, page), None
+        return GroupLayout(kinds, 0, layer_group, page, windows, block_size), None
     what = ", ".join(kinds)
     unserved = sorted({k for k in kinds if not _served(k)})
     if unserved:
@@ -104,4 +128,12 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None
             return None, f"KV cache group {i} ({kinds[i]}) is not transferable"
     if len(layer_group) != sum(len(g.layer_names) for g in groups):
         return None, f"a layer is in several KV cache groups ({what})"
-    return GroupLayout(kinds, kinds.index("full_attention"), layer_group, page), None
+    return GroupLayout(kinds, kinds.index("full_attention"), layer_group, page, windows, block_size), None
+
+
+def _window(spec: Any, kind: str) -> tuple[int, int]:
+    if kind.startswith("sliding_window("):
+        return int(spec.sliding_window), int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    if kind.startswith("chunked_local("):
+        return 0, int(spec.attention_chunk_size)
+    return 0, 0

@@ -99,8 +99,9 @@ class VllmConnectorLeader(VllmSide):
         if groups is None:
             self._disable(str(why))
             return
-        if groups.num_groups > 1:
+        if groups.with_rows:
             self._groups, self._primary = groups, groups.primary
+        if groups.num_groups > 1:
             log.info("kvbm: %d KV cache groups: %s; a kvbm block holds every layer of one position, "
                      "planned with group %d's blocks", groups.num_groups, groups.describe(), groups.primary)
         num_layers = groups.num_layers
@@ -295,7 +296,7 @@ class VllmConnectorLeader(VllmSide):
         # G2→G3 moves to every rank over the side channel (off this thread).
         plan = self._leader.step(updates, loaded, invalid)
         if self._groups is not None and plan:
-            plan = self._add_group_rows(plan, [u.req_id for u in updates])
+            plan = self._add_group_rows(plan, {u.req_id: u.num_computed for u in updates})
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1
@@ -360,16 +361,24 @@ class VllmConnectorLeader(VllmSide):
         for mine, ids in zip(self._group_blocks[rid], new_blocks):
             mine.extend(ids)
 
-    def _row(self, rid: str, pos: int) -> list[int] | None:
+    def _row(self, rid: str, pos: int, num_computed: int = 0) -> list[int] | None:
+        """Each group's block at a request's position: NO_BLOCK where vLLM
+        gave the group its null block, or may have freed it since (a block
+        before the window at ``num_computed`` tokens: vLLM does not say when
+        it replaces one with the null block)."""
         lists = self._group_blocks.get(rid)
-        if lists is None:
+        if lists is None or self._groups is None:
             return None
-        return [(ids[pos] if pos < len(ids) and ids[pos] != NULL_BLOCK_ID else NO_BLOCK) for ids in lists]
+        g = self._groups
+        return [(ids[pos] if pos < len(ids) and ids[pos] != NULL_BLOCK_ID
+                 and pos >= g.skipped_blocks(i, num_computed) else NO_BLOCK)
+                for i, ids in enumerate(lists)]
 
-    def _add_group_rows(self, plan: bytes, updated: list[str]) -> bytes:
+    def _add_group_rows(self, plan: bytes, updated: dict[str, int]) -> bytes:
         """The plan with a group row for every G1 block it copies: loads
         from their request's block lists, saves from the lists of the
-        requests updated this step (only they get saves)."""
+        requests updated this step (only they get saves; ``updated`` maps
+        each to its computed tokens before the step)."""
         assert self._groups is not None
         p = _plan.decode(plan)
         rows: dict[int, list[int]] = {}
@@ -380,19 +389,25 @@ class VllmConnectorLeader(VllmSide):
                     row = self._row(rid, index[c[3]])
                     if row is not None:
                         rows[c[3]] = row
-        pending = {c[1] for c in p["saves"] if c[0] == 1}
-        for rid in updated:
-            if not pending:
+        saves = {c[1] for c in p["saves"] if c[0] == 1}
+        for rid, computed in updated.items():
+            if not saves:
                 break
             index = self._index(rid)
-            for b in list(pending):
+            for b in saves:
                 pos = index.get(b)
-                row = self._row(rid, pos) if pos is not None else None
-                if row is not None and NO_BLOCK not in row:
-                    rows[b] = row
-                    pending.discard(b)
-        # A block still pending has no row: the worker fails its save (it
-        # would lack a group's layers) and leaves the destination invalid.
+                row = self._row(rid, pos, computed) if pos is not None else None
+                if row is None or rows.get(b) == [NO_BLOCK] * len(row):
+                    continue
+                if NO_BLOCK in row:
+                    # This request held b at a position some group has freed
+                    # since: b may be reused by another request now, so the
+                    # save cannot tell whose bytes it reads. It fails.
+                    rows[b] = [NO_BLOCK] * len(row)
+                else:
+                    rows.setdefault(b, row)
+        # A save without a complete row fails in the worker (a stored block
+        # holds every layer) and leaves its destination invalid.
         return _plan.with_group_rows(plan, self._groups.num_groups, rows)
 
     def _index(self, rid: str) -> dict[int, int]:

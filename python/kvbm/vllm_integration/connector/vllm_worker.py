@@ -96,7 +96,7 @@ class VllmConnectorWorker(VllmSide):
             if groups is None:
                 self._disable(str(why))
                 return
-            if groups.num_groups > 1:
+            if groups.num_groups > 1:  # one group needs no layer map, even with rows
                 from kvbm._layers import order_layers
 
                 names = order_layers(list(kv_caches))

@@ -147,17 +147,6 @@ def _bypassed(request: Any) -> bool:
     return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
-def _single_group(kv_cache_config: Any) -> tuple[Any, str | None]:
-    """The one KV cache group kvbm supports, or None with the reason."""
-    if kv_cache_config is None:
-        return None, "no kv_cache_config"
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-    if len(groups) != 1:
-        return None, (f"{len(groups)} KV cache groups (hybrid or mixed-shape model); "
-                      "kvbm supports models whose layers share one KV cache shape")
-    return groups[0], None
-
-
 def _side_channel_secret(vllm_config: Any) -> str:
     # The engine instance's id: vLLM draws it at random (uuid4) when the
     # configuration is created and ships the same configuration to the

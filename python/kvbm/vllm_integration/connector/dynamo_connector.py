@@ -30,10 +30,14 @@ and the workers report it finished, with every block failed, from the
 ``get_finished`` of that step; loads already in a bound plan are the workers'
 own.
 
-Anything kvbm cannot handle (multimodal prompts, hybrid models with several
-KV cache groups, device tensors without the CUDA build) is bypassed with a log
-line: the engine keeps serving, those requests just get no external hits and
-their KV is not offloaded (a multimodal prompt's token ids do not identify
+With vLLM's hybrid KV cache manager (kvbm declares ``SupportsHMA``), models
+whose KV cache groups mix full attention with sliding-window or chunked local
+attention are served per group (``_groups.py``, docs/design.md §11).
+
+Anything kvbm cannot handle (multimodal prompts, KV cache groups of Mamba or
+other state layers, several groups on device tensors, device tensors without
+the CUDA build) is bypassed with a log line: the engine keeps serving, those
+requests just get no external hits and their KV is not offloaded (a multimodal prompt's token ids do not identify
 its KV, so storing it under them could serve it to another prompt).
 """
 
@@ -60,7 +64,6 @@ from kvbm.vllm_integration.connector._common import (
     _lora_name,
     _model_identity,
     _role_name,
-    _single_group,
     _tp,
     log,
 )

@@ -474,3 +474,12 @@ def test_a_save_from_a_position_the_window_left_gets_no_row(hybrid):
     # 5 blocks computed, window 2 blocks: the sliding group may have freed blocks 0..2.
     rows = _plan.group_rows(leader._add_group_rows(plan, {"a": 5 * BS}))
     assert rows == {A0[0]: [-1, -1], A0[4]: [A0[4], A1[4]]}
+
+
+def test_several_groups_on_device_memory_are_refused_by_name():
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    groups, why = kv_groups(hybrid_config(), BS, on_device=True)
+    assert groups is None and "on device memory" in why and "sliding_window(8)" in why
+    groups, why = kv_groups(hybrid_config(), BS, on_device=False)
+    assert why is None

@@ -50,6 +50,9 @@ func (w *Worker) g1Row(rows map[int64][]int64, b int64, read bool) ([]int64, err
 }
 
 func (w *Worker) gatherRows(rows [][]int64, dsts [][]byte) error {
+	if w.g1.NumGroups() == 1 { // g1Row let no NoBlock through for a read
+		return w.gather(oneGroup(rows, dsts))
+	}
 	if w.opts.G1 != nil {
 		return fmt.Errorf("%d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
 	}
@@ -58,6 +61,9 @@ func (w *Worker) gatherRows(rows [][]int64, dsts [][]byte) error {
 }
 
 func (w *Worker) scatterRows(rows [][]int64, srcs [][]byte) error {
+	if w.g1.NumGroups() == 1 {
+		return w.scatter(oneGroup(rows, srcs))
+	}
 	if w.opts.G1 != nil {
 		return fmt.Errorf("%d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
 	}
@@ -76,4 +82,17 @@ func (w *Worker) invalidate(t plan.Tier, b int64) {
 	case plan.G3:
 		w.diskValid[b].Store(false)
 	}
+}
+
+// oneGroup turns rows of a one-group engine into whole-block copies for any
+// copier (the CUDA one included): a position without a block is dropped.
+func oneGroup(rows [][]int64, bufs [][]byte) ([]int, [][]byte, [][]int64) {
+	blocks := make([]int, 0, len(rows))
+	kept := make([][]byte, 0, len(rows))
+	for i, r := range rows {
+		if r[0] != layout.NoBlock {
+			blocks, kept = append(blocks, int(r[0])), append(kept, bufs[i])
+		}
+	}
+	return blocks, kept, nil
 }

@@ -11,6 +11,8 @@ import (
 
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/storage"
+	"github.com/kvbm/kvbm/goext/transfer"
 )
 
 // newGroupedG1 is a CPU-layout KV cache with two KV cache groups laid out as
@@ -170,4 +172,43 @@ func TestGroupsOneGroupRows(t *testing.T) {
 	_, _ = run(t, w, &plan.Step{Seq: 3, G1Groups: rows(1, []int64{7, layout.NoBlock}),
 		Saves: copies(plan.G1, []int64{7}, plan.G2, []int64{2})})
 	require.False(t, w.hostValid[2].Load())
+}
+
+// recCopier is a G1Copier over host memory that records the blocks it moves.
+type recCopier struct {
+	e                 *layout.Engine
+	gathered, scatter []int
+}
+
+func (c *recCopier) RegisterHost(*storage.HostRegion) error { return nil }
+func (c *recCopier) Fence() error                           { return nil }
+func (c *recCopier) MaxBatch() int                          { return 0 }
+func (c *recCopier) Close() error                           { return nil }
+func (c *recCopier) GatherBlocks(blocks []int, dsts [][]byte) error {
+	c.gathered = append(c.gathered, blocks...)
+	transfer.GatherBlocks(c.e, blocks, dsts)
+	return nil
+}
+func (c *recCopier) ScatterBlocks(blocks []int, srcs [][]byte) error {
+	c.scatter = append(c.scatter, blocks...)
+	transfer.ScatterBlocks(c.e, blocks, srcs)
+	return nil
+}
+
+// TestGroupsOneGroupRowsDeviceCopier: with one group, rows reduce to whole
+// blocks for the engine's copier (the CUDA one moves whole blocks): a
+// position without a block is not handed to it.
+func TestGroupsOneGroupRowsDeviceCopier(t *testing.T) {
+	g := newG1(t, layout.CPU)
+	c := &recCopier{e: g.e}
+	w := newWorker(t, g, Options{HostBlocks: 4, MaxConcurrent: 1, BatchSize: 4, G1: c})
+	_, failed := run(t, w, &plan.Step{Seq: 1, G1Groups: rows(1, []int64{5, 5}),
+		Saves: copies(plan.G1, []int64{5}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+	_, failed = run(t, w, &plan.Step{Seq: 2, G1Groups: rows(1, []int64{0, layout.NoBlock}, []int64{9, 9}),
+		Loads: []plan.Load{{ReqID: "r", Copies: copies(plan.G2, []int64{0, 0}, plan.G1, []int64{0, 9})}}})
+	require.Empty(t, failed)
+	require.Equal(t, []int{5}, c.gathered)
+	require.Equal(t, []int{9}, c.scatter)
+	require.Equal(t, g.block(5), g.block(9))
 }

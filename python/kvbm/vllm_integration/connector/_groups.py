@@ -93,12 +93,15 @@ class GroupLayout:
                          for i, k in enumerate(self.kinds))
 
 
-def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None, str | None]:
+def kv_groups(kv_cache_config: Any, block_size: int,
+              on_device: bool = False) -> tuple[GroupLayout | None, str | None]:
     """The groups of a vLLM KVCacheConfig kvbm serves, or None with the reason.
 
     One group: served as before (whatever its kind). Several: every group
     must be full, sliding-window or chunked-local attention with the
-    engine's block size, and one must be full attention."""
+    engine's block size, one must be full attention, and the KV cache must
+    be host memory (``on_device``: the CUDA copier moves whole blocks of one
+    block table, goext/cuda)."""
     if kv_cache_config is None:
         return None, "no kv_cache_config"
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
@@ -128,7 +131,21 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None
             return None, f"KV cache group {i} ({kinds[i]}) is not transferable"
     if len(layer_group) != sum(len(g.layer_names) for g in groups):
         return None, f"a layer is in several KV cache groups ({what})"
+    if on_device:
+        return None, (f"{len(groups)} KV cache groups ({what}) on device memory: kvbm's CUDA copier "
+                      "does not copy per KV cache group yet (host-memory KV caches are served)")
     return GroupLayout(kinds, kinds.index("full_attention"), layer_group, page, windows, block_size), None
+
+
+def platform_on_device() -> bool:
+    """Whether vLLM's platform keeps the KV cache in device memory (the
+    scheduler does not see the tensors; the worker checks them too)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(getattr(current_platform, "device_type", "cpu")) != "cpu"
+    except Exception:  # no vLLM: the caller's tensors decide
+        return False
 
 
 def _window(spec: Any, kind: str) -> tuple[int, int]:

@@ -27,7 +27,13 @@ from kvbm.vllm_integration.connector._common import (
     _tp,
     log,
 )
-from kvbm.vllm_integration.connector._groups import NO_BLOCK, NULL_BLOCK_ID, GroupLayout, kv_groups
+from kvbm.vllm_integration.connector._groups import (
+    NO_BLOCK,
+    NULL_BLOCK_ID,
+    GroupLayout,
+    kv_groups,
+    platform_on_device,
+)
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions, Leader
@@ -95,7 +101,7 @@ class VllmConnectorLeader(VllmSide):
         from kvbm._core import Leader
         from kvbm.vllm_integration.consolidator_config import get_consolidator_endpoints, should_enable_consolidator
 
-        groups, why = kv_groups(self._kv_cache_config, self._block_size)
+        groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=platform_on_device())
         if groups is None:
             self._disable(str(why))
             return

@@ -92,7 +92,8 @@ class VllmConnectorWorker(VllmSide):
 
         layer_groups: list[int] | None = None
         if self._kv_cache_config is not None:
-            groups, why = kv_groups(self._kv_cache_config, self._block_size)
+            on_device = bool(kv_caches) and next(iter(kv_caches.values())).device.type != "cpu"
+            groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=on_device)
             if groups is None:
                 self._disable(str(why))
                 return

@@ -483,3 +483,16 @@ def test_several_groups_on_device_memory_are_refused_by_name():
     assert groups is None and "on device memory" in why and "sliding_window(8)" in why
     groups, why = kv_groups(hybrid_config(), BS, on_device=False)
     assert why is None
+
+
+def test_one_full_attention_group_plans_exactly_as_before():
+    """A model with one full-attention group (the common case, now with
+    vLLM's hybrid manager on) gets no rows and no layer groups: its plans,
+    fingerprint and copies are those of kvbm without groups."""
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    full = attn(FullAttentionSpec)
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(FULL + SLIDING, full)])
+    groups, why = kv_groups(kvc, BS)
+    assert why is None and groups.num_groups == 1 and not groups.with_rows

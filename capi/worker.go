@@ -32,6 +32,9 @@ type workerOptions struct {
 	BlockSize  int            `json:"block_size"`
 	DtypeBytes int            `json:"dtype_bytes"`
 	Tensors    []tensorOption `json:"tensors"`
+	// LayerGroups is each tensor's KV cache group (layout.Spec.LayerGroups);
+	// absent with one group.
+	LayerGroups []int `json:"layer_groups,omitempty"`
 	// Model and DType identify the weights and element type (the engine's
 	// model name or path and revision; e.g. "torch.bfloat16"): with the
 	// layout they form the fingerprint of blocks kept beyond this process.
@@ -93,7 +96,8 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err != nil {
 		return finish(err, errOut)
 	}
-	spec := layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes}
+	spec := layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes,
+		LayerGroups: o.LayerGroups}
 	for _, t := range o.Tensors {
 		spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(t.Ptr), Shape: t.Shape, Strides: t.Strides})
 	}
@@ -112,6 +116,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if newDeviceCopier != nil {
 		if g1c, err = newDeviceCopier(eng, o.Env); err != nil {
 			return finish(withCode(statusIO, err), errOut)
+		}
+		if err := checkGroupsCopier(eng, g1c); err != nil {
+			return finish(err, errOut)
 		}
 	}
 	fp := fingerprint.FromEngine(o.Model, o.DType, eng, nw, o.Rank)

@@ -525,13 +525,14 @@ def test_multimodal_and_embedding_prompts_bypass_kvbm_both_ways(vllm, kind):
     assert eng.sched._failed is None and eng.worker._failed is None
 
 
-def test_hybrid_model_disables_kvbm_on_both_sides_and_vllm_serves(vllm, caplog):
-    """Several KV cache groups (hybrid or mixed-shape model): kvbm turns
-    itself off with a log line naming why, on the scheduler and on the
-    worker (no host memory taken), and the engine serves without it."""
+def test_groups_kvbm_cannot_serve_disable_kvbm_on_both_sides_and_vllm_serves(vllm, caplog):
+    """Several KV cache groups of a kind kvbm does not serve (here the
+    fake's untyped specs; Mamba in tests/test_vllm_hybrid.py): kvbm turns
+    itself off with a log line naming the kinds, on the scheduler and on
+    the worker (no host memory taken), and the engine serves without it."""
     eng = vllm(groups=2)
     for side in (eng.sched, eng.worker):
-        assert side._disabled_reason and "2 KV cache groups" in side._disabled_reason
+        assert side._disabled_reason and "are not served by kvbm yet" in side._disabled_reason
     assert eng.sched._leader is None and eng.worker._worker is None
     p = prompt(10, 3 * BS + 1)
     a = eng.add(vf.FakeRequest("a", p))

@@ -98,6 +98,7 @@ type Tracker struct {
 	ext    map[uint64]extEntry // external hash → key and holders
 	firsts map[uint64]uint64   // a live block's first hash → its key
 	queue  []events.ConsolidatedEvent
+	groups map[int]string // the engine's KV cache groups: index → attention kind (groups.go)
 
 	maxBlocks      int    // len(blocks) never exceeds it
 	oldest, newest *block // ends of the age list (nil when empty)
@@ -474,6 +475,9 @@ func (t *Tracker) ClearHolder(h events.Holder) {
 
 // ApplyEngine feeds one decoded engine event (holder: the engine).
 func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
+	if t.otherGroup(ev) {
+		return
+	}
 	switch ev.Kind {
 	case events.KindStored:
 		for i, h := range ev.BlockHashes {

@@ -586,3 +586,30 @@ func TestConsolidatorCountsEvictions(t *testing.T) {
 	_, err = New(Config{ZMQBind: "tcp://127.0.0.1:0", MaxTrackedBlocks: -1})
 	require.ErrorContains(t, err, "max tracked blocks")
 }
+
+// vLLM's hybrid KV cache manager: the same positions stored by a full and a
+// sliding-window group; the sliding group frees its block first, and the
+// block stays announced until the full-attention group removes it.
+func TestTrackerFollowsFullAttentionGroups(t *testing.T) {
+	tr := NewTracker(EngineVllm, nil)
+	stored := func(group int, kind string) *events.EngineEvent {
+		return &events.EngineEvent{Kind: events.KindStored, BlockHashes: []uint64{10}, TokenIDs: tokA, BlockSize: 4,
+			HasGroup: true, Group: group, GroupKind: kind}
+	}
+	removed := func(group int) *events.EngineEvent {
+		return &events.EngineEvent{Kind: events.KindRemoved, BlockHashes: []uint64{10}, HasGroup: true, Group: group}
+	}
+	tr.ApplyEngine(stored(0, "full_attention"))
+	tr.ApplyEngine(stored(1, "sliding_window"))
+	require.Len(t, tr.Drain(nil), 1) // one STORE
+	tr.ApplyEngine(removed(1))
+	require.Empty(t, tr.Drain(nil), "the sliding-window group's REMOVE withdrew a block the full group holds")
+	require.Equal(t, []events.Holder{eng}, tr.Holders(10))
+	tr.ApplyEngine(removed(0))
+	require.Equal(t, []events.ConsolidatedEvent{{Kind: events.KindRemoved, BlockHash: 10}}, tr.Drain(nil))
+
+	// A sliding-window group's own store is not announced either.
+	tr.ApplyEngine(stored(1, "sliding_window"))
+	require.Empty(t, tr.Drain(nil))
+	require.Nil(t, tr.Holders(10))
+}

@@ -239,6 +239,9 @@ type rawEvent struct {
 	lora         string
 	legacyLora   string // a string at index 5 (the reference's own output with LoRA)
 	medium       string
+	group        int64 // KV cache group (groups.go)
+	hasGroup     bool
+	groupKind    string
 }
 
 // fail records why the current event is invalid (the first reason wins).
@@ -357,7 +360,10 @@ func (dec *Decoder) arrayEvent() error {
 				return err
 			}
 		}
-		return dec.skip(n - 8)
+		if n > 8 {
+			return dec.storedGroupFields(n)
+		}
+		return nil
 	case KindRemoved:
 		if n < 2 {
 			dec.fail("BlockRemoved array has no block_hashes")
@@ -371,7 +377,12 @@ func (dec *Decoder) arrayEvent() error {
 				return err
 			}
 		}
-		return dec.skip(n - 3)
+		if n > 3 {
+			if err := dec.groupField(); err != nil {
+				return err
+			}
+		}
+		return dec.skip(n - 4)
 	default: // KindCleared
 		return dec.skip(n - 1)
 	}
@@ -429,6 +440,10 @@ func (dec *Decoder) mapEvent() error {
 			ev.medium, err = dec.optStr("medium", false)
 		case "lora_name":
 			ev.lora, err = dec.optStr("lora_name", false)
+		case "group_idx":
+			err = dec.groupField()
+		case "kv_cache_spec_kind":
+			ev.groupKind, err = dec.optStr("kv_cache_spec_kind", false)
 		default:
 			err = dec.skip(1)
 		}
@@ -446,7 +461,8 @@ func (dec *Decoder) mapEvent() error {
 // returns the typed event; dec.bad is set when it is invalid.
 func (dec *Decoder) validate() EngineEvent {
 	ev := &dec.ev
-	out := EngineEvent{Kind: ev.kind, Medium: ev.medium}
+	out := EngineEvent{Kind: ev.kind, Medium: ev.medium, Group: int(ev.group), HasGroup: ev.hasGroup,
+		GroupKind: ev.groupKind}
 	switch ev.kind {
 	case KindStored:
 		switch {

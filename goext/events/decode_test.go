@@ -81,7 +81,10 @@ func TestDecodeVllmArrayBatch(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, uint64(11), p)
 
-	require.Equal(t, EngineEvent{Kind: KindRemoved, BlockHashes: []uint64{11}, Medium: "GPU"}, b.Events[1])
+	require.Equal(t, 0, st.Group)
+	require.True(t, st.HasGroup)
+	require.Equal(t, "full_attention", st.GroupKind)
+	require.Equal(t, EngineEvent{Kind: KindRemoved, BlockHashes: []uint64{11}, Medium: "GPU", HasGroup: true}, b.Events[1])
 	require.Equal(t, EngineEvent{Kind: KindCleared}, b.Events[2])
 }
 
@@ -108,7 +111,8 @@ func TestDecodeVllmMapEvents(t *testing.T) {
 	require.Equal(t, 3, b.DPRank)
 	require.Len(t, b.Events, 3)
 	require.Equal(t, EngineEvent{Kind: KindStored, BlockHashes: []uint64{5}, ParentHash: 4, HasParent: true,
-		TokenIDs: u32s(100, 16), BlockSize: 16, LoraName: "ad1", Medium: "GPU"}, b.Events[0])
+		TokenIDs: u32s(100, 16), BlockSize: 16, LoraName: "ad1", Medium: "GPU", HasGroup: true,
+		GroupKind: "full_attention"}, b.Events[0])
 	require.Equal(t, KindRemoved, b.Events[1].Kind)
 	require.Equal(t, KindCleared, b.Events[2].Kind)
 }
@@ -216,7 +220,8 @@ func TestDecodeOptionalAndTrailingFields(t *testing.T) {
 		{
 			"stored: lora_name and unknown trailing fields",
 			[]any{"BlockStored", []any{1}, nil, iota32(0, 2), 2, nil, "CPU", "ad", []any{nil}, 1, "x", 5, map[string]any{"new": true}},
-			EngineEvent{Kind: KindStored, BlockHashes: []uint64{1}, TokenIDs: u32s(0, 2), BlockSize: 2, Medium: "CPU", LoraName: "ad"},
+			EngineEvent{Kind: KindStored, BlockHashes: []uint64{1}, TokenIDs: u32s(0, 2), BlockSize: 2, Medium: "CPU", LoraName: "ad",
+				Group: 1, HasGroup: true, GroupKind: "x"},
 		},
 		{
 			"stored: reference consolidator output with lora_name at index 5",
@@ -241,7 +246,7 @@ func TestDecodeOptionalAndTrailingFields(t *testing.T) {
 		{
 			"removed: trailing group_idx and more",
 			[]any{"BlockRemoved", []any{1}, nil, 0, "later"},
-			EngineEvent{Kind: KindRemoved, BlockHashes: []uint64{1}},
+			EngineEvent{Kind: KindRemoved, BlockHashes: []uint64{1}, HasGroup: true},
 		},
 		{
 			"removed: trailing ext values and strings",

@@ -41,6 +41,12 @@ type EngineEvent struct {
 	BlockSize  int
 	LoraName   string // "" when the event names no adapter
 	Medium     string // "GPU", "CPU", ...; "" when absent
+	// Group is the engine's KV cache group (vLLM's hybrid KV cache
+	// manager: group_idx) when HasGroup; GroupKind its attention kind as
+	// vLLM names it ("full_attention", "sliding_window", ...), on stores.
+	Group     int
+	HasGroup  bool
+	GroupKind string
 }
 
 // NumBlocks is the number of blocks the event covers.

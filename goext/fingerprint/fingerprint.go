@@ -47,6 +47,11 @@ type Inputs struct {
 	Rank       int
 	// HashScheme is hashing.SchemeVersion unless a test says otherwise.
 	HashScheme int
+	// LayerGroups is each layer's KV cache group (nil with one group): a
+	// block holds layer l as group(l)'s KV, so another grouping of the same
+	// layers must not match. One group adds nothing to the digest, so
+	// single-group fingerprints are unchanged.
+	LayerGroups []int
 }
 
 // FromEngine fills the layout fields from a registered engine layout.
@@ -54,7 +59,7 @@ func FromEngine(model, dtype string, e *layout.Engine, tpSize, rank int) Inputs 
 	return Inputs{
 		Model: model, DType: dtype, Layout: e.Kind, NumLayers: e.NumLayers, OuterDim: e.OuterDim,
 		InnerDim: e.InnerDim, DtypeBytes: e.DtypeBytes, BlockSize: e.BlockSize,
-		TPSize: max(tpSize, 1), Rank: rank, HashScheme: hashing.SchemeVersion,
+		TPSize: max(tpSize, 1), Rank: rank, HashScheme: hashing.SchemeVersion, LayerGroups: e.LayerGroups(),
 	}
 }
 
@@ -77,6 +82,13 @@ func (in Inputs) Sum() Fingerprint {
 	for _, v := range []int64{int64(in.NumLayers), int64(in.OuterDim), in.InnerDim, int64(in.DtypeBytes),
 		int64(in.BlockSize), int64(in.TPSize), int64(in.Rank), int64(in.HashScheme)} {
 		num(v)
+	}
+	if len(in.LayerGroups) > 0 {
+		str("layer-groups")
+		num(int64(len(in.LayerGroups)))
+		for _, g := range in.LayerGroups {
+			num(int64(g))
+		}
 	}
 	return Fingerprint(xxh3.Hash128(b).Bytes())
 }
@@ -103,5 +115,12 @@ func Parse(s string) (Fingerprint, error) {
 func (in Inputs) Describe() string {
 	return fmt.Sprintf("model=%q dtype=%q layout=%v layers=%d outer=%d inner=%d dtype_bytes=%d block_size=%d tp=%d rank=%d hash_scheme=%d",
 		in.Model, in.DType, in.Layout, in.NumLayers, in.OuterDim, in.InnerDim, in.DtypeBytes, in.BlockSize,
-		in.TPSize, in.Rank, in.HashScheme)
+		in.TPSize, in.Rank, in.HashScheme) + describeGroups(in.LayerGroups)
+}
+
+func describeGroups(g []int) string {
+	if len(g) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" layer_groups=%v", g)
 }

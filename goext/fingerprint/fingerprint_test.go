@@ -60,3 +60,18 @@ func TestParseRoundTrip(t *testing.T) {
 	_, err = Parse(string(make([]byte, 32)))
 	require.Error(t, err)
 }
+
+// The layer → KV cache group layout is part of the fingerprint; one group
+// leaves the digest as it was.
+func TestFingerprintLayerGroups(t *testing.T) {
+	base := Inputs{Model: "m", DType: "torch.float16", NumLayers: 4, OuterDim: 2, InnerDim: 64, DtypeBytes: 2, BlockSize: 16,
+		TPSize: 1, HashScheme: 1}
+	grouped := base
+	grouped.LayerGroups = []int{0, 1, 0, 1}
+	other := base
+	other.LayerGroups = []int{0, 0, 1, 1}
+	require.NotEqual(t, base.Sum(), grouped.Sum())
+	require.NotEqual(t, grouped.Sum(), other.Sum())
+	require.Contains(t, grouped.Describe(), "layer_groups=[0 1 0 1]")
+	require.NotContains(t, base.Describe(), "layer_groups")
+}

@@ -33,6 +33,13 @@ type Spec struct {
 	NumBlocks  int
 	BlockSize  int // tokens per block
 	DtypeBytes int // bytes per element
+	// LayerGroups, when set, gives each layer's KV cache group (vLLM's
+	// hybrid KV cache manager: each group has its own block table, and
+	// layers of different groups may share one tensor, each group using its
+	// own blocks of it). A block then names one token position, and a copy
+	// of layer l reads or writes the block its group holds at that position
+	// (see groups.go). nil or all zeros: one group.
+	LayerGroups []int
 }
 
 // Engine is a validated engine (G1) layout: where each (block, layer, outer)
@@ -53,6 +60,8 @@ type Engine struct {
 	outerStride int64     // bytes between K and V of one block (0 when OuterDim is 1)
 	layerStride int64     // bytes between layers inside the single tensor (0 when perLayer)
 	tensorBytes int64     // bytes a tensor spans from its base to the end of its last chunk
+	layerGroup  []int     // each layer's KV cache group; nil with one group
+	numGroups   int       // 1 with one group
 }
 
 // roles says which dimension of a tensor plays which part for one Kind.
@@ -216,6 +225,9 @@ func NewEngine(s Spec) (*Engine, error) {
 	for i, t := range s.Tensors {
 		e.bases[i] = t.Ptr
 	}
+	if err := e.setGroups(s.LayerGroups); err != nil {
+		return nil, err
+	}
 	return e, nil
 }
 
@@ -378,6 +390,10 @@ func (e *Engine) Host() Host {
 func (e *Engine) BytesPerBlock() int64 { return e.Host().BytesPerBlock() }
 
 func (e *Engine) String() string {
-	return fmt.Sprintf("%v layout: %d layers × %d outer × %d B chunks (%d tokens × %d elems × %d B), %d blocks, %d B per block",
+	s := fmt.Sprintf("%v layout: %d layers × %d outer × %d B chunks (%d tokens × %d elems × %d B), %d blocks, %d B per block",
 		e.Kind, e.NumLayers, e.OuterDim, e.ChunkBytes, e.BlockSize, e.InnerDim, e.DtypeBytes, e.NumBlocks, e.BytesPerBlock())
+	if e.numGroups > 1 {
+		s += fmt.Sprintf(", %d KV cache groups (layer groups %v)", e.numGroups, e.layerGroup)
+	}
+	return s
 }

@@ -222,3 +222,32 @@ func TestCPUPagedLayout(t *testing.T) {
 		t.Fatal("parse")
 	}
 }
+
+func TestLayerGroups(t *testing.T) {
+	shape := []int64{2, 8, 4, 16, 8}
+	ts := []Tensor{{Ptr: 4096, Shape: shape}, {Ptr: 4096, Shape: shape}, {Ptr: 1 << 20, Shape: shape}, {Ptr: 1 << 20, Shape: shape}}
+	spec := Spec{Kind: CPU, Tensors: ts, NumBlocks: 8, BlockSize: 16, DtypeBytes: 2}
+	e, err := NewEngine(spec)
+	require.NoError(t, err)
+	require.Equal(t, 1, e.NumGroups())
+	require.Nil(t, e.LayerGroups())
+
+	spec.LayerGroups = []int{0, 1, 0, 1}
+	e, err = NewEngine(spec)
+	require.NoError(t, err)
+	require.Equal(t, 2, e.NumGroups())
+	require.Equal(t, 1, e.LayerGroup(3))
+	require.Contains(t, e.String(), "2 KV cache groups")
+
+	spec.LayerGroups = []int{0, 0, 0, 0} // one group: as without groups
+	e, err = NewEngine(spec)
+	require.NoError(t, err)
+	require.Equal(t, 1, e.NumGroups())
+	require.Nil(t, e.LayerGroups())
+
+	for _, bad := range [][]int{{0, 1}, {0, 2, 0, 2}, {0, -1, 0, 1}} {
+		spec.LayerGroups = bad
+		_, err = NewEngine(spec)
+		require.ErrorIs(t, err, ErrLayout, "%v", bad)
+	}
+}

@@ -95,6 +95,9 @@ type Step struct {
 	// worker copies each into its upload queue at once; the network part
 	// runs in the background).
 	Uploads []Upload `msgpack:"u,omitempty"`
+	// G1Groups gives, for an engine with several KV cache groups, the
+	// block of every group at each G1 block this step copies (groups.go).
+	G1Groups *GroupRows `msgpack:"g,omitempty"`
 }
 
 // Upload is one G2 block to store in G4 under its sequence hash.
@@ -171,7 +174,7 @@ func parseCopies(b []byte) ([]Copy, error) {
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
 	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0,
-		len(s.Tags) > 0, len(s.Uploads) > 0, len(s.HostTags) > 0, len(s.TagRefs) > 0} {
+		len(s.Tags) > 0, len(s.Uploads) > 0, len(s.HostTags) > 0, len(s.TagRefs) > 0, s.G1Groups != nil} {
 		if present {
 			n++
 		}
@@ -252,6 +255,14 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 			return err
 		}
 		if err := enc.EncodeBytes(buf); err != nil {
+			return err
+		}
+	}
+	if s.G1Groups != nil {
+		if err := enc.EncodeString("g"); err != nil {
+			return err
+		}
+		if err := enc.EncodeBytes(s.G1Groups.append(buf[:0])); err != nil {
 			return err
 		}
 	}
@@ -373,6 +384,14 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 				return err
 			}
 			if s.Uploads, err = parseUploads(b); err != nil {
+				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
+			}
+		case "g":
+			b, err := dec.DecodeBytes()
+			if err != nil {
+				return err
+			}
+			if s.G1Groups, err = parseGroupRows(b); err != nil {
 				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
 		default:

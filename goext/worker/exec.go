@@ -58,7 +58,10 @@ func direction(c plan.Copy) string {
 
 // runOps executes ops in batches of at most BatchSize blocks, each batch one
 // direction, with at most MaxConcurrent batches in flight. errs[i] is op i's result.
-func (w *Worker) runOps(ops []plan.Copy) []error {
+//
+// rows maps the G1 blocks of ops to every KV cache group's block at their
+// position (plan.GroupRows); nil for an engine with one group.
+func (w *Worker) runOps(ops []plan.Copy, rows map[int64][]int64) []error {
 	errs := make([]error, len(ops))
 	if len(ops) == 0 {
 		return errs
@@ -114,10 +117,10 @@ func (w *Worker) runOps(ops []plan.Copy) []error {
 			var moved int64
 			idx := order[b.lo:b.hi]
 			if c := ops[idx[0]]; (c.Src == plan.G1 && c.Dst == plan.G2) || (c.Src == plan.G2 && c.Dst == plan.G1) {
-				w.copyMemBatch(ops, idx, errs)
+				w.copyMemBatch(ops, idx, errs, rows)
 			} else {
 				for _, i := range idx {
-					errs[i] = w.copyOne(ops[i], slot)
+					errs[i] = w.copyOne(ops[i], slot, rows)
 				}
 			}
 			ok := 0
@@ -158,8 +161,12 @@ func (w *Worker) batchLimit(c plan.Copy) int {
 	return w.opts.BatchSize
 }
 
-// gather and scatter move one set of G1 blocks through the configured copier.
-func (w *Worker) gather(blocks []int, dsts [][]byte) error {
+// gather and scatter move one set of G1 blocks through the configured copier;
+// with KV cache groups, grp[i] is blocks[i]'s row (groups.go).
+func (w *Worker) gather(blocks []int, dsts [][]byte, grp [][]int64) error {
+	if grp != nil {
+		return w.gatherRows(grp, dsts)
+	}
 	if w.opts.G1 != nil {
 		return w.opts.G1.GatherBlocks(blocks, dsts)
 	}
@@ -167,7 +174,10 @@ func (w *Worker) gather(blocks []int, dsts [][]byte) error {
 	return nil
 }
 
-func (w *Worker) scatter(blocks []int, srcs [][]byte) error {
+func (w *Worker) scatter(blocks []int, srcs [][]byte, grp [][]int64) error {
+	if grp != nil {
+		return w.scatterRows(grp, srcs)
+	}
 	if w.opts.G1 != nil {
 		return w.opts.G1.ScatterBlocks(blocks, srcs)
 	}
@@ -206,8 +216,9 @@ func (w *Worker) checkBlock(t plan.Tier, b int64) error {
 // walk over all its blocks (transfer.GatherBlocks / ScatterBlocks).
 //
 // errprefix: its errors are the copies', which Run's error wraps.
-func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
+func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error, rows map[int64][]int64) {
 	toHost := ops[idx[0]].Src == plan.G1
+	var grp [][]int64
 	g1s := make([]int, 0, len(idx))
 	bufs := make([][]byte, 0, len(idx))
 	live := make([]int, 0, len(idx))
@@ -222,7 +233,22 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 			continue
 		}
 		if toHost {
+			// Invalid until written, whether or not the write can run.
 			w.hostValid[c.DstBlock].Store(false)
+		}
+		if rows != nil || w.g1.NumGroups() > 1 {
+			g1 := c.DstBlock
+			if toHost {
+				g1 = c.SrcBlock
+			}
+			row, err := w.g1Row(rows, g1, toHost)
+			if err != nil {
+				errs[i] = err
+				continue
+			}
+			grp = append(grp, row)
+		}
+		if toHost {
 			g1s, bufs = append(g1s, int(c.SrcBlock)), append(bufs, w.host.Block(int(c.DstBlock)))
 		} else {
 			if !w.hostValid[c.SrcBlock].Load() {
@@ -243,7 +269,7 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 		}
 	}()
 	if toHost {
-		if err := w.gather(g1s, bufs); err != nil {
+		if err := w.gather(g1s, bufs, grp); err != nil {
 			for _, i := range live {
 				errs[i] = err
 			}
@@ -252,7 +278,7 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 		for _, i := range live {
 			w.hostValid[ops[i].DstBlock].Store(true)
 		}
-	} else if err := w.scatter(g1s, bufs); err != nil {
+	} else if err := w.scatter(g1s, bufs, grp); err != nil {
 		for _, i := range live {
 			errs[i] = err
 		}
@@ -263,7 +289,7 @@ func (w *Worker) copyMemBatch(ops []plan.Copy, idx []int, errs []error) {
 // A panic (a bug, never expected) fails the copy instead of the engine process.
 //
 // errprefix: its errors are the copy's, which Run's error wraps.
-func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
+func (w *Worker) copyOne(c plan.Copy, slot int, rows map[int64][]int64) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("internal error copying %v[%d]→%v[%d]: %v", c.Src, c.SrcBlock, c.Dst, c.DstBlock, r)
@@ -277,10 +303,23 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 		return fmt.Errorf("copy destination: %w", err)
 	}
 	src, dst := int(c.SrcBlock), int(c.DstBlock)
+	var grp [][]int64 // with KV cache groups: the G1 side's row
+	if (rows != nil || w.g1.NumGroups() > 1) && (c.Src == plan.G1 || c.Dst == plan.G1) {
+		g1 := c.DstBlock
+		if c.Src == plan.G1 {
+			g1 = c.SrcBlock
+		}
+		row, err := w.g1Row(rows, g1, c.Src == plan.G1)
+		if err != nil {
+			w.invalidate(c.Dst, c.DstBlock) // the save cannot write it: never load its old bytes
+			return err
+		}
+		grp = [][]int64{row}
+	}
 	switch {
 	case c.Src == plan.G1 && c.Dst == plan.G2:
 		w.hostValid[dst].Store(false)
-		if err := w.gather([]int{src}, [][]byte{w.host.Block(dst)}); err != nil {
+		if err := w.gather([]int{src}, [][]byte{w.host.Block(dst)}, grp); err != nil {
 			return err
 		}
 		w.hostValid[dst].Store(true)
@@ -290,11 +329,11 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 		if !w.hostValid[src].Load() {
 			return fmt.Errorf("G2 block %d: %w", src, ErrNotValid)
 		}
-		return w.scatter([]int{dst}, [][]byte{w.host.Block(src)})
+		return w.scatter([]int{dst}, [][]byte{w.host.Block(src)}, grp)
 
 	case c.Src == plan.G1 && c.Dst == plan.G3:
 		buf := w.bounce.IOBlock(slot)
-		if err := w.gather([]int{src}, [][]byte{buf[:w.bpb]}); err != nil {
+		if err := w.gather([]int{src}, [][]byte{buf[:w.bpb]}, grp); err != nil {
 			return err
 		}
 		return w.writeDisk(dst, buf)
@@ -311,7 +350,7 @@ func (w *Worker) copyOne(c plan.Copy, slot int) (err error) {
 		if err := w.readDisk(src, buf); err != nil {
 			return err
 		}
-		return w.scatter([]int{dst}, [][]byte{buf[:w.bpb]})
+		return w.scatter([]int{dst}, [][]byte{buf[:w.bpb]}, grp)
 
 	case c.Src == plan.G3 && c.Dst == plan.G2:
 		w.hostValid[dst].Store(false)

@@ -108,7 +108,7 @@ func (w *Worker) StartLoad() {
 	w.fence("load")
 	go func() {
 		defer w.loadFinished()
-		w.runLoads(s.Loads)
+		w.runLoads(s.Loads, s.G1Groups.Map())
 	}()
 }
 
@@ -128,8 +128,8 @@ func (w *Worker) waitLoadsLocked() {
 	}
 }
 
-func (w *Worker) runLoads(loads []plan.Load) {
-	failed := w.execLoads(loads)
+func (w *Worker) runLoads(loads []plan.Load, rows map[int64][]int64) {
+	failed := w.execLoads(loads, rows)
 	w.mu.Lock()
 	for _, ld := range loads {
 		w.loaded = append(w.loaded, ld.ReqID)
@@ -140,7 +140,7 @@ func (w *Worker) runLoads(loads []plan.Load) {
 
 // execLoads copies loads' blocks, staging copies (into G2) before copies into
 // G1, and returns the G1 blocks whose copy failed.
-func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
+func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64) (failed []int64) {
 	var staging, direct []plan.Copy
 	for _, ld := range loads {
 		for _, c := range ld.Copies {
@@ -155,10 +155,10 @@ func (w *Worker) execLoads(loads []plan.Load) (failed []int64) {
 	if errs := w.runDownloads(downloads); countErrs(errs) > 0 {
 		w.logFailures("G4 download", downloads, errs)
 	}
-	if errs := w.runOps(staging); countErrs(errs) > 0 {
+	if errs := w.runOps(staging, nil); countErrs(errs) > 0 {
 		w.logFailures("staging load", staging, errs)
 	}
-	errs := w.runOps(direct)
+	errs := w.runOps(direct, rows)
 	for i, err := range errs {
 		if err != nil {
 			failed = append(failed, direct[i].DstBlock)
@@ -190,10 +190,10 @@ func (w *Worker) WaitForSave() {
 	if len(s.Saves) > 0 {
 		w.fence("save")
 	}
-	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+	if errs := w.runOps(s.Moves, nil); countErrs(errs) > 0 {
 		w.logFailures("move", s.Moves, errs)
 	}
-	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+	if errs := w.runOps(s.Saves, s.G1Groups.Map()); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
 	}
 	w.queueUploads(s.Uploads)
@@ -278,17 +278,17 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 	w.stageTags(s)
 	if len(s.Loads) > 0 {
 		w.fence("load")
-		loadErrors = w.execLoads(s.Loads)
+		loadErrors = w.execLoads(s.Loads, s.G1Groups.Map())
 	}
 	if len(s.Saves) > 0 {
 		w.fence("save")
 	}
 	var failed []error
-	if errs := w.runOps(s.Moves); countErrs(errs) > 0 {
+	if errs := w.runOps(s.Moves, nil); countErrs(errs) > 0 {
 		w.logFailures("move", s.Moves, errs)
 		failed = append(failed, fmt.Errorf("%d of %d moves failed: %w", countErrs(errs), len(s.Moves), firstErr(errs))) // errprefix: wrapped by Run's error below
 	}
-	if errs := w.runOps(s.Saves); countErrs(errs) > 0 {
+	if errs := w.runOps(s.Saves, s.G1Groups.Map()); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
 		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs))) // errprefix: wrapped by Run's error below
 	}

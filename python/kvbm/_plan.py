@@ -1,16 +1,19 @@
 """Reading (and, for tests, writing) the per-step plan the Go leader emits.
 
 Format (goext/plan): a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
-"m": copies, "v": copies, "x": copies}; ``copies`` is a bin of little-endian
+"m": copies, "v": copies, "x": copies, "g": group rows}; ``copies`` is a bin of little-endian
 18-byte records (src tier u8, src block i64, dst tier u8, dst block i64).
 Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk), 4 = G4 (object storage;
 its block is the sequence hash). "u" (G2 → G4 uploads) is for the workers only.
+"g" (KV cache groups): a bin of little-endian int64s, the number of groups n,
+then per G1 block the plan copies: that block, then each group's block at its
+position (-1: none) (:func:`group_rows`, :func:`with_group_rows`).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, TypedDict
 
 import msgpack
@@ -110,3 +113,32 @@ def load_targets(plan: bytes) -> dict[str, list[int]]:
     """request id → the G1 blocks its loads write (staging copies into G2,
     such as G4 downloads, are not G1 blocks)."""
     return {r: [c[3] for c in cs if c[2] == 1] for r, cs in decode(plan)["loads"].items()}
+
+
+def group_rows(plan: bytes) -> dict[int, list[int]]:
+    """primary G1 block → the block of every KV cache group at its position
+    (the plan's "g" rows, goext/plan/groups.go); {} without groups."""
+    if not plan:
+        return {}
+    step: dict[str, Any] = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    b = step.get("g")
+    if not b:
+        return {}
+    vals = struct.unpack(f"<{len(b) // 8}q", b)
+    n = vals[0]
+    return {vals[i]: list(vals[i + 1:i + 1 + n]) for i in range(1, len(vals), n + 1)}
+
+
+def with_group_rows(plan: bytes, groups: int, rows: Mapping[int, Sequence[int]]) -> bytes:
+    """The plan with "g" rows added: for each primary G1 block, the block of
+    each of the ``groups`` groups at its position (-1: none)."""
+    step: dict[str, Any] = msgpack.unpackb(plan, raw=False, strict_map_key=False)
+    vals: list[int] = [groups]
+    for primary, row in rows.items():
+        if len(row) != groups:
+            raise ValueError(f"group row of G1 block {primary} has {len(row)} entries, want {groups}")
+        vals.append(int(primary))
+        vals.extend(int(b) for b in row)
+    step["g"] = struct.pack(f"<{len(vals)}q", *vals)
+    out: bytes = msgpack.packb(step, use_bin_type=True)
+    return out

@@ -95,12 +95,20 @@ def make_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
 ) -> str:
     """Create (or reuse) a random model directory and return its absolute path.
 
     arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM, qkv bias).
     dtype: "float32" or "bfloat16" (weights on disk; vLLM's ``dtype=`` decides
     the runtime dtype).
+    arch "nemotron_h" (NemotronHForCausalLM) is a hybrid SSM model: Mamba2,
+    MLP, attention and MLP layers in turn, whose Mamba2 layers vLLM keeps in
+    KV cache groups of their own (MambaSpec) beside the attention group.
+    sliding_window: with "llama", odd layers attend within a sliding window
+    of this many tokens and even layers attend fully (``layer_types``, as
+    Gemma 3 interleaves them); vLLM's hybrid KV cache manager gives each
+    kind its own KV cache group.
     """
     path = os.path.abspath(os.fspath(dir))
     if hidden % heads:
@@ -110,8 +118,10 @@ def make_tiny_model(
         raise ValueError(f"head_dim {head_dim} not supported by vLLM CPU attention {CPU_HEAD_SIZES}")
     if heads % kv_heads:
         raise ValueError("heads must be divisible by kv_heads")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError("arch must be 'llama' or 'qwen2'")
+    if arch not in ("llama", "qwen2", "nemotron_h"):
+        raise ValueError("arch must be 'llama', 'qwen2' or 'nemotron_h'")
+    if arch == "nemotron_h" and layers % 4:
+        raise ValueError("nemotron_h repeats Mamba2, MLP, attention, MLP: layers must be a multiple of 4")
     if intermediate is None:
         intermediate = 4 * hidden
     if tie_word_embeddings is None:
@@ -121,6 +131,10 @@ def make_tiny_model(
         intermediate=intermediate, max_pos=max_pos, arch=arch, dtype=dtype, seed=seed,
         tie_word_embeddings=tie_word_embeddings, version=1,
     )
+    if sliding_window is not None:
+        if arch != "llama":
+            raise ValueError("sliding_window is supported with arch='llama'")
+        params["sliding_window"] = int(sliding_window)  # absent otherwise: older stamps still match
     stamp = os.path.join(path, _STAMP)
     try:
         with open(stamp) as f:
@@ -149,8 +163,17 @@ def make_tiny_model(
         pad_token_id=2,
     )
     if arch == "llama":
-        cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
+        extra: dict[str, Any] = {}
+        if sliding_window is not None:
+            extra = dict(sliding_window=int(sliding_window),
+                         layer_types=["sliding_attention" if i % 2 else "full_attention" for i in range(layers)])
+        cfg = transformers.LlamaConfig(head_dim=head_dim, **common, **extra)
         cls = transformers.LlamaForCausalLM
+    elif arch == "nemotron_h":
+        cfg = transformers.NemotronHConfig(
+            head_dim=head_dim, hybrid_override_pattern="M-*-" * (layers // 4), mamba_num_heads=heads,
+            mamba_head_dim=head_dim, ssm_state_size=16, n_groups=1, chunk_size=32, expand=1, **common)
+        cls = transformers.NemotronHForCausalLM
     else:
         cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM

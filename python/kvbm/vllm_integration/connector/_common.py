@@ -40,6 +40,14 @@ except Exception:  # pragma: no cover - exercised only without vLLM
         SCHEDULER = 0
         WORKER = 1
 
+try:  # vLLM's hybrid KV cache manager stays on only for connectors that declare it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except Exception:  # pragma: no cover - older vLLM or none
+
+    class SupportsHMA:  # type: ignore[no-redef]  # stand-in under vLLM's name
+        pass
+
+
 try:  # worker → scheduler metadata (vLLM ≥ 0.32); without it G4 matching waits for nothing
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except Exception:  # pragma: no cover - older vLLM or none
@@ -52,15 +60,20 @@ if KVConnectorWorkerMetadata is not None:
     class KvbmWorkerMeta(KVConnectorWorkerMetadata):
         """What workers tell the scheduler-side leader each step (vLLM may run
         them in other processes): rank 0's block fingerprint, which names its
-        G4 objects (the leader looks G4 blocks up under it), and each rank's
-        G4 report (blocks it stored, its counters)."""
+        G4 objects (the leader looks G4 blocks up under it), each rank's
+        G4 report (blocks it stored, its counters), and, with several KV
+        cache groups, the G1 blocks whose load failed (vLLM takes those
+        failures per request, so the leader learns the blocks here, to drop
+        their sources)."""
 
         g4_fingerprint: str = ""
         g4_reports: list[bytes] = field(default_factory=list)
+        load_errors: list[int] = field(default_factory=list)
 
         def aggregate(self, other: KvbmWorkerMeta) -> KvbmWorkerMeta:
             return KvbmWorkerMeta(g4_fingerprint=self.g4_fingerprint or other.g4_fingerprint,
-                                  g4_reports=self.g4_reports + other.g4_reports)
+                                  g4_reports=self.g4_reports + other.g4_reports,
+                                  load_errors=self.load_errors + other.load_errors)
 
 
 try:  # vLLM versions with worker → scheduler handshake metadata
@@ -132,17 +145,6 @@ def _bypassed(request: Any) -> bool:
     ids stand for the images) or of prompt embeddings: kvbm neither serves
     nor stores it."""
     return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-
-
-def _single_group(kv_cache_config: Any) -> tuple[Any, str | None]:
-    """The one KV cache group kvbm supports, or None with the reason."""
-    if kv_cache_config is None:
-        return None, "no kv_cache_config"
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-    if len(groups) != 1:
-        return None, (f"{len(groups)} KV cache groups (hybrid or mixed-shape model); "
-                      "kvbm supports models whose layers share one KV cache shape")
-    return groups[0], None
 
 
 def _side_channel_secret(vllm_config: Any) -> str:

@@ -30,10 +30,14 @@ and the workers report it finished, with every block failed, from the
 ``get_finished`` of that step; loads already in a bound plan are the workers'
 own.
 
-Anything kvbm cannot handle (multimodal prompts, hybrid models with several
-KV cache groups, device tensors without the CUDA build) is bypassed with a log
-line: the engine keeps serving, those requests just get no external hits and
-their KV is not offloaded (a multimodal prompt's token ids do not identify
+With vLLM's hybrid KV cache manager (kvbm declares ``SupportsHMA``), models
+whose KV cache groups mix full attention with sliding-window or chunked local
+attention are served per group (``_groups.py``, docs/design.md §11).
+
+Anything kvbm cannot handle (multimodal prompts, KV cache groups of Mamba or
+other state layers, several groups on device tensors, device tensors without
+the CUDA build) is bypassed with a log line: the engine keeps serving, those
+requests just get no external hits and their KV is not offloaded (a multimodal prompt's token ids do not identify
 its KV, so storing it under them could serve it to another prompt).
 """
 
@@ -55,12 +59,12 @@ from kvbm.vllm_integration.connector._common import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     KvbmRecoveredMetadata,
+    SupportsHMA,
     VllmSide,
     _bypassed,
     _lora_name,
     _model_identity,
     _role_name,
-    _single_group,
     _tp,
     log,
 )
@@ -93,8 +97,11 @@ if KVConnectorWorkerMetadata is not None:
     __all__.append("KvbmWorkerMeta")
 
 
-class DynamoConnector(KVConnectorBase_V1):
-    """kvbm as a vLLM KV connector (both roles)."""
+class DynamoConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbm as a vLLM KV connector (both roles). It supports vLLM's hybrid
+    KV cache manager (SupportsHMA): with it on, models with several KV
+    cache groups keep them (_groups.py); a model with groups kvbm cannot
+    serve yet runs without kvbm, served by vLLM."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         try:
@@ -314,3 +321,25 @@ class DynamoConnector(KVConnectorBase_V1):
         if self._worker_side is None:
             return set()
         return self._worker_side.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Worker: vLLM's base answer (get_finished), plus the requests whose
+        load failed with several KV cache groups, where vLLM takes failures
+        per request (failed_recving), not per block."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker_side is not None and hasattr(results, "failed_recving"):
+            failed = self._worker_side.take_failed_recving()
+            results.failed_recving |= failed
+            results.finished_recving |= failed
+        return results
+
+    # ------------------------------------------------------------ hybrid (HMA)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: the request finished for every
+        KV cache group. kvbm's saves ran in the steps that computed the
+        blocks, so it never holds them past this call. Goes through
+        request_finished (what DYN_KVBM_ENABLE_RECORD records), with one
+        group's list as vLLM passes it without the hybrid manager."""
+        ids = block_ids[0] if isinstance(block_ids, tuple) and len(block_ids) == 1 else block_ids
+        return self.request_finished(request, ids)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvbm import _native
+from kvbm import _native, _plan
 from kvbm._adapter_common import StepUpdate, guarded
 from kvbm.vllm_integration.connector._common import (
     DynamoConnectorMetadata,
@@ -24,12 +24,18 @@ from kvbm.vllm_integration.connector._common import (
     _bypassed,
     _lora_name,
     _side_channel_secret,
-    _single_group,
     _tp,
     log,
 )
 from kvbm.vllm_integration.connector._events import TierEvents, events_enabled
 from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
+from kvbm.vllm_integration.connector._groups import (
+    NO_BLOCK,
+    NULL_BLOCK_ID,
+    GroupLayout,
+    kv_groups,
+    platform_on_device,
+)
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions, Leader
@@ -66,6 +72,12 @@ class VllmConnectorLeader(VllmSide):
         self._stats = KvbmConnectorStats(data={})
         self._lookup: dict[str, int] = {}
         self._info_reported: dict[str, float] = {}
+        # Several KV cache groups (_groups.py): the groups, the one the Go
+        # leader plans with, and each request's block ids per group.
+        self._groups: GroupLayout | None = None
+        self._primary = 0
+        self._group_blocks: dict[str, list[list[int]]] = {}
+        self._group_pos: dict[str, dict[int, int]] = {}  # request -> primary block -> position
         self._prefer_recompute_on_load_failure()
         self._init_scheduler()
 
@@ -101,13 +113,17 @@ class VllmConnectorLeader(VllmSide):
         from kvbm._core import Leader
         from kvbm.vllm_integration.consolidator_config import get_consolidator_endpoints, should_enable_consolidator
 
-        group, why = _single_group(self._kv_cache_config)
-        if group is None:
+        groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=platform_on_device())
+        if groups is None:
             self._disable(str(why))
             return
-        spec = group.kv_cache_spec
-        num_layers = len(group.layer_names)
-        bytes_per_block = int(spec.page_size_bytes) * num_layers
+        if groups.with_rows:
+            self._groups, self._primary = groups, groups.primary
+        if groups.num_groups > 1:
+            log.info("kvbm: %d KV cache groups: %s; a kvbm block holds every layer of one position, "
+                     "planned with group %d's blocks", groups.num_groups, groups.describe(), groups.primary)
+        num_layers = groups.num_layers
+        bytes_per_block = groups.page_bytes * num_layers
         _, tp_size = _tp(self._vllm_config)
         consolidator: ConsolidatorOptions | None = None
         if should_enable_consolidator(self._vllm_config):
@@ -203,7 +219,7 @@ class VllmConnectorLeader(VllmSide):
             return
         bs = self._block_size
         first = computed // bs
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = list(blocks.get_block_ids()[self._primary])
         self._promised_loads[request.request_id] = block_ids[first:first + -(-num_external_tokens // bs)]
 
     @guarded(None)
@@ -217,8 +233,12 @@ class VllmConnectorLeader(VllmSide):
         self._requests[rid] = request
         self._stats.add("lookup_tokens", self._lookup.pop(rid, 0))
         if num_external_tokens > 0:
-            block_ids = blocks.get_block_ids()[0]
-            self._leader.update_after_alloc(rid, block_ids, num_external_tokens)
+            all_ids = blocks.get_block_ids()
+            if self._groups is not None:
+                # The load's rows come from here: a request waiting for its
+                # load is not in the scheduler output.
+                self._set_group_blocks(rid, all_ids)
+            self._leader.update_after_alloc(rid, all_ids[self._primary], num_external_tokens)
             bs = self._block_size
             for tier, n in zip(("host", "disk", "object"), self._leader.load_sources(rid, num_external_tokens)):
                 self._stats.add("loaded_tokens", n, tier)
@@ -270,8 +290,11 @@ class VllmConnectorLeader(VllmSide):
             req = self._requests.get(rid)
             tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
+            if self._groups is not None and nr.block_ids:
+                self._set_group_blocks(rid, nr.block_ids)
             updates.append(StepUpdate(
-                req_id=rid, new_tokens=tokens, new_block_ids=list(nr.block_ids[0]) if nr.block_ids else [],
+                req_id=rid, new_tokens=tokens,
+                new_block_ids=list(nr.block_ids[self._primary]) if nr.block_ids else [],
                 num_computed=int(nr.num_computed_tokens), num_scheduled=int(num_sched.get(rid, 0)), priority=None,
                 salt=self._salt(req) if req is not None else _native.salt_hash(), resumed=False,
             ))
@@ -289,8 +312,11 @@ class VllmConnectorLeader(VllmSide):
             else:
                 tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
             self._sent_tokens[rid] = len(all_tokens)
+            if self._groups is not None and new_blocks:
+                self._note_group_blocks(rid, new_blocks, is_resumed)
             updates.append(StepUpdate(
-                req_id=rid, new_tokens=tokens, new_block_ids=list(new_blocks[0]) if new_blocks else [],
+                req_id=rid, new_tokens=tokens,
+                new_block_ids=list(new_blocks[self._primary]) if new_blocks else [],
                 num_computed=int(cached.num_computed_tokens[i]), num_scheduled=int(num_sched.get(rid, 0)),
                 priority=None, salt=self._salt(req), resumed=is_resumed,
             ))
@@ -304,6 +330,8 @@ class VllmConnectorLeader(VllmSide):
         # TP > 1: step also wakes the leader's background loop, which sends
         # G2→G3 moves to every rank over the side channel (off this thread).
         plan = self._leader.step(updates, loaded, invalid)
+        if self._groups is not None and plan:
+            plan = self._add_group_rows(plan, {u.req_id: u.num_computed for u in updates})
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1
@@ -330,6 +358,9 @@ class VllmConnectorLeader(VllmSide):
             self._g4_fingerprint = fp
         for rep in getattr(meta, "g4_reports", None) or ():
             self._leader.g4_report(rep)
+        # Several KV cache groups: failed loads reach vLLM per request, their
+        # blocks come here.
+        self._invalid_blocks.extend(int(b) for b in getattr(meta, "load_errors", None) or ())
 
     @guarded((False, None))
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -348,6 +379,78 @@ class VllmConnectorLeader(VllmSide):
         self._lookup.pop(rid, None)
         if self._tier_events is not None:
             self._tier_events.forget_request(rid)
+        self._group_blocks.pop(rid, None)
+        self._group_pos.pop(rid, None)
+
+    def _set_group_blocks(self, rid: str, per_group: Any) -> None:
+        self._group_blocks[rid] = [list(ids) for ids in per_group]
+        self._group_pos[rid] = {b: i for i, b in enumerate(self._group_blocks[rid][self._primary])}
+
+    def _note_group_blocks(self, rid: str, new_blocks: Any, resumed: bool) -> None:
+        # Each group's list grows by the blocks added this step (vLLM never
+        # reorders a block table; a block leaving a sliding window becomes
+        # the null block in vLLM's table, which a save never needs again).
+        if resumed or rid not in self._group_blocks:
+            self._set_group_blocks(rid, new_blocks)
+            return
+        primary = self._group_blocks[rid][self._primary]
+        pos = self._group_pos[rid]
+        for i, b in enumerate(new_blocks[self._primary], start=len(primary)):
+            pos[b] = i
+        for mine, ids in zip(self._group_blocks[rid], new_blocks):
+            mine.extend(ids)
+
+    def _row(self, rid: str, pos: int, num_computed: int = 0) -> list[int] | None:
+        """Each group's block at a request's position: NO_BLOCK where vLLM
+        gave the group its null block, or may have freed it since (a block
+        before the window at ``num_computed`` tokens: vLLM does not say when
+        it replaces one with the null block)."""
+        lists = self._group_blocks.get(rid)
+        if lists is None or self._groups is None:
+            return None
+        g = self._groups
+        return [(ids[pos] if pos < len(ids) and ids[pos] != NULL_BLOCK_ID
+                 and pos >= g.skipped_blocks(i, num_computed) else NO_BLOCK)
+                for i, ids in enumerate(lists)]
+
+    def _add_group_rows(self, plan: bytes, updated: dict[str, int]) -> bytes:
+        """The plan with a group row for every G1 block it copies: loads
+        from their request's block lists, saves from the lists of the
+        requests updated this step (only they get saves; ``updated`` maps
+        each to its computed tokens before the step)."""
+        assert self._groups is not None
+        p = _plan.decode(plan)
+        rows: dict[int, list[int]] = {}
+        for rid, copies in p["loads"].items():
+            index = self._index(rid)
+            for c in copies:
+                if c[2] == 1 and c[3] in index:
+                    row = self._row(rid, index[c[3]])
+                    if row is not None:
+                        rows[c[3]] = row
+        saves = {c[1] for c in p["saves"] if c[0] == 1}
+        for rid, computed in updated.items():
+            if not saves:
+                break
+            index = self._index(rid)
+            for b in saves:
+                pos = index.get(b)
+                row = self._row(rid, pos, computed) if pos is not None else None
+                if row is None or rows.get(b) == [NO_BLOCK] * len(row):
+                    continue
+                if NO_BLOCK in row:
+                    # This request held b at a position some group has freed
+                    # since: b may be reused by another request now, so the
+                    # save cannot tell whose bytes it reads. It fails.
+                    rows[b] = [NO_BLOCK] * len(row)
+                else:
+                    rows.setdefault(b, row)
+        # A save without a complete row fails in the worker (a stored block
+        # holds every layer) and leaves its destination invalid.
+        return _plan.with_group_rows(plan, self._groups.num_groups, rows)
+
+    def _index(self, rid: str) -> dict[int, int]:
+        return self._group_pos.get(rid, {})
 
     @guarded(lambda self: [])
     def take_events(self) -> list[Any]:

@@ -27,11 +27,11 @@ from kvbm.vllm_integration.connector._common import (
     VllmSide,
     _model_identity,
     _side_channel_secret,
-    _single_group,
     _tp,
     log,
 )
 from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
+from kvbm.vllm_integration.connector._groups import kv_groups
 
 if TYPE_CHECKING:
     from kvbm._core import Worker
@@ -64,10 +64,19 @@ class VllmConnectorWorker(VllmSide):
         self._rank = 0
         self._xfer_reported: dict[str, dict[str, float]] = {}
         self._stat_load_errors = 0
+        # Several KV cache groups: vLLM maps failed block ids to requests
+        # only with one group, so a load with any failed block fails its
+        # whole request (reported in failed_recving; vLLM recomputes it).
+        self._multi_group = False
+        self._failed_recving: set[str] = set()
+        self._group_load_errors: list[int] = []  # for the leader, through the worker metadata
 
     def _give_up_loads(self, loads: dict[str, list[int]]) -> set[str]:
         # Loads that will not complete: report them finished with every block
         # failed, so vLLM recomputes instead of waiting forever.
+        if self._multi_group:
+            self._failed_recving.update(loads)
+            return set(loads)
         for blocks in loads.values():
             self._load_errors.update(blocks)
             self._stat_load_errors += len(blocks)
@@ -91,11 +100,23 @@ class VllmConnectorWorker(VllmSide):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvbm._core import Worker
 
+        layer_groups: list[int] | None = None
         if self._kv_cache_config is not None:
-            _, why = _single_group(self._kv_cache_config)
-            if why is not None:
-                self._disable(why)
+            on_device = bool(kv_caches) and next(iter(kv_caches.values())).device.type != "cpu"
+            groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=on_device)
+            if groups is None:
+                self._disable(str(why))
                 return
+            if groups.num_groups > 1:  # one group needs no layer map, even with rows
+                from kvbm._layers import order_layers
+
+                names = order_layers(list(kv_caches))
+                missing = [n for n in names if n not in groups.layer_group]
+                if missing:
+                    self._disable(f"KV cache layers {missing} are in no KV cache group ({groups.describe()})")
+                    return
+                layer_groups = [groups.layer_group[n] for n in names]
+                self._multi_group = True
         try:
             tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
         except ValueError as e:
@@ -115,6 +136,7 @@ class VllmConnectorWorker(VllmSide):
             # TP > 1: the scheduler's leader handshakes with every rank over the
             # side channel; Worker returns at once (the scheduler does not exist yet).
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
+            layer_groups=layer_groups,
         )
         info = self._worker.info()
         self._g4 = bool(info.get("g4"))
@@ -227,6 +249,14 @@ class VllmConnectorWorker(VllmSide):
         except Exception as e:  # noqa: BLE001
             self._fail("get_finished", e)
             return None, (done | self._failed_finished()) or None
+        if self._multi_group and errors:
+            bad = set(errors)
+            failed = {rid for rid in loaded if bad.intersection(self._inflight_loads.get(rid, ()))}
+            self._failed_recving.update(failed)
+            self._group_load_errors.extend(errors)
+            log.warning("kvbm: %d block loads failed; vLLM recomputes the whole prompt of %d request(s)",
+                        len(errors), len(failed))
+            errors = []
         for rid in loaded:
             self._inflight_loads.pop(rid, None)
         if errors:
@@ -235,15 +265,23 @@ class VllmConnectorWorker(VllmSide):
             log.warning("kvbm: %d block loads failed; vLLM recomputes them", len(errors))
         return None, (done | set(loaded)) or None
 
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed (several KV cache groups only), for
+        vLLM's failed_recving; each is also reported finished."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
     @guarded(None)
     def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
-        if KVConnectorWorkerMetadata is None or self._worker is None or not self._g4:
+        errors, self._group_load_errors = self._group_load_errors, []
+        if KVConnectorWorkerMetadata is None or self._worker is None or not (self._g4 or errors):
             return None
         from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
 
-        rep = self._worker.g4_report()
+        rep = self._worker.g4_report() if self._g4 else b""
         # Only rank 0's acknowledgements name blocks the leader can look up.
-        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [])
+        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [],
+                              load_errors=[int(b) for b in errors])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

@@ -1,0 +1,131 @@
+"""kvbm with vLLM's hybrid KV cache manager on, against a real vLLM (CPU
+backend): a tiny Gemma-3-like model whose layers alternate full attention
+and a 64-token sliding window, so vLLM gives it two KV cache groups. A
+prompt stored from both groups, evicted from G1, comes back from G2 with
+the output vLLM computes without kvbm."""
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BS = 32  # vLLM's CPU attention needs a multiple of 32
+WINDOW = 2 * BS
+MODEL = {"dir": "/tmp/kvbm-tiny-sliding-window", "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+         "sliding_window": WINDOW}
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+A = prompt(1, 6 * BS + 7)  # 6 full blocks + a partial one, longer than the window
+B = prompt(2, 9 * BS + 3)
+
+
+def gen(tag, *prompts, max_tokens=8):
+    return {"generate": [list(p) for p in prompts], "tag": tag, "max_tokens": max_tokens}
+
+
+ACTIONS = [
+    gen("first", A),
+    {"reset": True, "tag": "reset"},  # vLLM's own prefix cache (G1) forgets A
+    gen("a_from_g2", A),
+    gen("b", B),
+    {"reset": True, "tag": "reset2"},
+    gen("a_again", A),
+]
+
+
+def test_sliding_window_model_keeps_hma_and_onboards_from_g2(harness):
+    engine = {"num_gpu_blocks_override": 32}
+    res = harness({"model": MODEL, "engine": engine, "actions": ACTIONS,
+                   "env": {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100}})
+    log = res["log"]
+    # vLLM kept its hybrid manager: no "Turning off" line, and kvbm's worker
+    # registered two groups (with the manager off vLLM makes one group of
+    # full-size KV for every layer).
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in log, log[-4000:]
+    assert "kvbm disabled" not in log and "kvbm failed" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    m0, m1 = t["first"]["metrics"], t["a_from_g2"]["metrics"]
+    assert m0["kvbm_offload_blocks_d2h"] == 6  # A's prompt and 8 generated tokens fill 6 blocks
+    assert m1["kvbm_onboard_blocks_h2d"] == 6
+    assert m1["kvbm_matched_tokens"] == 6 * BS
+    assert t["a_again"]["metrics"]["kvbm_onboard_blocks_h2d"] == 12
+
+    base = harness({"model": MODEL, "engine": engine, "actions": ACTIONS, "kvbm": False})
+    assert "Turning off hybrid kv cache manager" not in base["log"]
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("first", "a_from_g2", "b", "a_again"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag
+    assert t["a_from_g2"]["tokens"] == t["first"]["tokens"]
+
+
+SSM_MODEL = {"dir": "/tmp/kvbm-tiny-nemotron-h", "hidden": 128, "layers": 8, "heads": 4, "kv_heads": 2,
+             "arch": "nemotron_h"}
+
+
+def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
+    """A Mamba2 hybrid (NemotronH): kvbm cannot serve Mamba state yet. It
+    keeps vLLM's hybrid manager on, so the model starts (with the manager
+    off vLLM fails: "Failed to promote local KV cache specs to one unified
+    type"), turns itself off with a line naming the group kinds, and vLLM
+    serves the model with the output it computes without kvbm. (Prefix
+    caching is off: vLLM's CPU Mamba2 kernels fail with its 'align' state
+    cache mode, with or without a connector.)"""
+    engine = {"num_gpu_blocks_override": 64, "enable_prefix_caching": False}
+    actions = [gen("a", A), gen("b", B)]
+    res = harness({"model": SSM_MODEL, "engine": engine, "actions": actions})
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert ("kvbm disabled for this engine: KV cache groups of kind mamba are not served by kvbm yet "
+            "(this model's groups: mamba, full_attention)") in log, log[-4000:]
+    assert "kvbm failed" not in log
+    base = harness({"model": SSM_MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    t = {a["tag"]: a for a in res["actions"]}
+    b = {a["tag"]: a for a in base["actions"]}
+    assert t["a"]["tokens"] == b["a"]["tokens"] and t["b"]["tokens"] == b["b"]["tokens"]
+
+
+C = prompt(3, 8 * BS + 1)
+
+
+def test_sliding_window_model_disk_tier_and_corrupted_block(harness, tmp_path):
+    """G2 → G3 → G1 with two KV cache groups; a corrupted disk block fails
+    its request's whole load (vLLM takes failures per request with several
+    groups, and raises on block ids), and vLLM recomputes it: same output."""
+    spec = {
+        "model": MODEL,
+        "env": {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 200,
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        },
+        "engine": {"num_gpu_blocks_override": 32},
+        "actions": [
+            gen("a", A), gen("b", B), gen("c", C),
+            {"reset": True, "tag": "reset1"},
+            gen("a_from_disk", A),
+            {"corrupt_disk": True, "tag": "corrupt"},
+            {"reset": True, "tag": "reset2"},
+            gen("b_corrupted", B),
+        ],
+    }
+    res = harness(spec)
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in log
+    assert "kvbm failed" not in log and "Traceback" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["c"]["metrics"]["kvbm_offload_blocks_h2d"] > 0  # G2 → G3
+    assert t["a_from_disk"]["metrics"]["kvbm_onboard_blocks_d2d"] > 0
+    assert t["a_from_disk"]["tokens"] == t["a"]["tokens"]
+    assert t["corrupt"]["corrupted_files"] >= 1
+    assert t["b_corrupted"]["metrics"]["kvbm_load_errors"] > 0
+    assert "vLLM recomputes the whole prompt of 1 request(s)" in log
+    assert t["b_corrupted"]["tokens"] == t["b"]["tokens"]

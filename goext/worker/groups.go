@@ -18,7 +18,7 @@ import (
 
 // ErrNoGroupRow is wrapped by the error of a G1 copy on an engine with
 // several KV cache groups whose block the step's group rows do not name.
-var ErrNoGroupRow = errors.New("G1 block has no KV cache group row in this step's plan")
+var ErrNoGroupRow = errors.New("worker: G1 block has no KV cache group row in this step's plan")
 
 // g1Row returns the row of G1 block b: each group's block at b's position.
 // A save (read) needs every group's block, since a stored block holds every
@@ -28,7 +28,7 @@ var ErrNoGroupRow = errors.New("G1 block has no KV cache group row in this step'
 func (w *Worker) g1Row(rows map[int64][]int64, b int64, read bool) ([]int64, error) {
 	row, ok := rows[b]
 	if !ok {
-		return nil, fmt.Errorf("G1 block %d: %w", b, ErrNoGroupRow)
+		return nil, fmt.Errorf("G1 block %d: %w", b, ErrNoGroupRow) // errprefix: ErrNoGroupRow carries it
 	}
 	if len(row) != w.g1.NumGroups() {
 		return nil, fmt.Errorf("G1 block %d: group row %v has %d entries, the engine has %d KV cache groups",
@@ -54,7 +54,7 @@ func (w *Worker) gatherRows(rows [][]int64, dsts [][]byte) error {
 		return w.gather(oneGroup(rows, dsts))
 	}
 	if w.opts.G1 != nil {
-		return fmt.Errorf("%d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
+		return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
 	}
 	transfer.GatherRows(w.g1, rows, dsts)
 	return nil
@@ -65,14 +65,14 @@ func (w *Worker) scatterRows(rows [][]int64, srcs [][]byte) error {
 		return w.scatter(oneGroup(rows, srcs))
 	}
 	if w.opts.G1 != nil {
-		return fmt.Errorf("%d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
+		return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
 	}
 	transfer.ScatterRows(w.g1, rows, srcs)
 	return nil
 }
 
 // errGroupsDevice: the device copier moves whole blocks of one block table.
-var errGroupsDevice = errors.New("the device (CUDA) copier does not copy per KV cache group yet")
+var errGroupsDevice = errors.New("the device (CUDA) copier does not copy per KV cache group yet") // errprefix: wrapped by the worker: errors above
 
 // invalidate marks a G2 or G3 destination as holding no completed write.
 func (w *Worker) invalidate(t plan.Tier, b int64) {

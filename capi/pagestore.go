@@ -1,0 +1,273 @@
+package main
+
+/*
+#include "kvbm.h"
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"unsafe"
+
+	"github.com/kvbm/kvbm/goext/pagestore"
+)
+
+// The page store (goext/pagestore) behind the SGLang HiCache backend
+// (python/kvbm/sglang_integration): pages keyed by SGLang's own key strings,
+// held in the disk tier. Keys cross the ABI as one byte buffer and the end
+// offset of each key in it; pages as the addresses of PageBytes-long host
+// buffers (SGLang's host pool, CPU memory) that the call reads or fills.
+
+type pagestoreHandle struct {
+	lifetime
+	s *pagestore.Store
+}
+
+type pagestoreOptions struct {
+	// Identity: what makes two pages of one SGLang key interchangeable
+	// (model, parallel layout, page layout, dtype); hashed into the
+	// fingerprint that names the tier file and salts every key.
+	Identity  string            `json:"identity"`
+	PageBytes int64             `json:"page_bytes"`
+	Rank      int               `json:"rank"`
+	Env       map[string]string `json:"env"`
+}
+
+//export kvbm_pagestore_new
+func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	const fn = "kvbm_pagestore_new"
+	if err := healthy(); err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut(fn, ptr(out)); err != nil {
+		return finish(err, errOut)
+	}
+	if optsJSON == nil {
+		return finish(errorf(statusInvalid, "%s: null options", fn), errOut)
+	}
+	var o pagestoreOptions
+	if err := parseOptions(fn, optsJSON, &o); err != nil {
+		return finish(err, errOut)
+	}
+	switch {
+	case o.Identity == "":
+		return finish(errorf(statusInvalid, "%s: options: empty identity", fn), errOut)
+	case o.PageBytes <= 0:
+		return finish(errorf(statusInvalid, "%s: options: page_bytes=%d, must be > 0", fn, o.PageBytes), errOut)
+	case o.Rank < 0:
+		return finish(errorf(statusInvalid, "%s: options: rank=%d, must be >= 0", fn, o.Rank), errOut)
+	}
+	cfg, err := configFor(o.Env, false)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if !cfg.DiskEnabled() {
+		return finish(errorf(statusConfig, "%s: the disk tier is not configured: set DYN_KVBM_DISK_CACHE_GB "+
+			"(or DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS); pages are stored there", fn), errOut)
+	}
+	pages := cfg.DiskBlocks(o.PageBytes)
+	if pages <= 0 {
+		return finish(errorf(statusConfig, "%s: DYN_KVBM_DISK_CACHE_GB=%g holds no page of %d bytes", fn,
+			cfg.DiskCacheGB, o.PageBytes), errOut)
+	}
+	key, err := g3Key(cfg)
+	if err != nil {
+		return finish(withCode(statusConfig, err), errOut)
+	}
+	s, err := pagestore.Open(pagestore.Options{
+		Dir: cfg.DiskCacheDir, NumPages: pages, PageBytes: o.PageBytes, Identity: o.Identity, Rank: o.Rank,
+		Persist: cfg.DiskPersist, DisableODirect: cfg.DiskDisableODirect, OpenDirect: cfg.DiskAllocatorType == "open-direct",
+		Key: key, Logger: kvbmLogger(),
+	})
+	if err != nil {
+		return finish(withCode(statusIO, err), errOut)
+	}
+	*out = newHandle(&pagestoreHandle{s: s})
+	return statusOK
+}
+
+//export kvbm_pagestore_free
+func kvbm_pagestore_free(hd C.uint64_t) {
+	defer guardVoid()
+	freeHook()
+	freeHandle(hd, nil, func(h *pagestoreHandle) { _ = h.s.Close() })
+}
+
+//export kvbm_pagestore_info
+func kvbm_pagestore_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	const fn = "kvbm_pagestore_info"
+	if err := checkOut(fn, ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	b, err := json.Marshal(h.s.Stats())
+	if err != nil {
+		return finish(err, errOut)
+	}
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+// pageKeys splits the key buffer at ends (each key's end offset) and maps
+// every key to the store's.
+func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t) ([]pagestore.Key, error) {
+	if err := checkIn(fn, "keys", keys, keysLen); err != nil {
+		return nil, err
+	}
+	if err := checkIn(fn, "key_ends", unsafe.Pointer(ends), n); err != nil {
+		return nil, err
+	}
+	buf := goBytes(keys, keysLen)
+	var endv []C.int64_t
+	if n > 0 {
+		endv = unsafe.Slice(ends, int(n))
+	}
+	out := make([]pagestore.Key, len(endv))
+	start := int64(0)
+	for i, e := range endv {
+		if int64(e) < start || int64(e) > int64(keysLen) {
+			return nil, errorf(statusInvalid, "%s: key_ends[%d]=%d outside [%d, %d]", fn, i, int64(e), start, int64(keysLen))
+		}
+		out[i] = s.Key(buf[start:int64(e)])
+		start = int64(e)
+	}
+	return out, nil
+}
+
+// pageBufs views the page addresses as PageBytes-long buffers.
+func pageBufs(fn string, s *pagestore.Store, pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, want int) ([][]byte, error) {
+	if err := checkIn(fn, "pages", unsafe.Pointer(pages), pagesLen); err != nil {
+		return nil, err
+	}
+	if int64(pageBytes) != s.PageBytes() {
+		return nil, errorf(statusInvalid, "%s: page_bytes=%d, the store's pages have %d", fn, int64(pageBytes), s.PageBytes())
+	}
+	if int(pagesLen) != want {
+		return nil, errorf(statusInvalid, "%s: %d pages for %d keys", fn, int64(pagesLen), want)
+	}
+	var addrs []C.uint64_t
+	if pagesLen > 0 {
+		addrs = unsafe.Slice(pages, int(pagesLen))
+	}
+	out := make([][]byte, len(addrs))
+	for i, a := range addrs {
+		if a == 0 {
+			return nil, errorf(statusInvalid, "%s: pages[%d] is a null address", fn, i)
+		}
+		addr := uintptr(a)
+		p := *(*unsafe.Pointer)(unsafe.Pointer(&addr)) // C memory: outside Go's heap
+		out[i] = unsafe.Slice((*byte)(p), int(pageBytes))
+	}
+	return out, nil
+}
+
+func pageOK(fn string, ok []bool, out *C.uint8_t, outCap C.int64_t) error {
+	if err := checkIn(fn, "out_ok", unsafe.Pointer(out), outCap); err != nil {
+		return err
+	}
+	if int(outCap) < len(ok) {
+		return errorf(statusInvalid, "%s: out_ok holds %d results, want %d", fn, int64(outCap), len(ok))
+	}
+	if len(ok) == 0 {
+		return nil
+	}
+	dst := unsafe.Slice((*byte)(unsafe.Pointer(out)), len(ok))
+	for i, v := range ok {
+		dst[i] = 0
+		if v {
+			dst[i] = 1
+		}
+	}
+	return nil
+}
+
+// pageIO is the body of kvbm_pagestore_put and _get.
+func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t,
+	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, put bool) error {
+	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
+		return err
+	}
+	ks, err := pageKeys(fn, h.s, keys, keysLen, ends, n)
+	if err != nil {
+		return err
+	}
+	bufs, err := pageBufs(fn, h.s, pages, pagesLen, pageBytes, len(ks))
+	if err != nil {
+		return err
+	}
+	var ok []bool
+	if put {
+		ok, err = h.s.Put(ks, bufs)
+	} else {
+		ok, err = h.s.Get(ks, bufs)
+	}
+	if err != nil {
+		return withCode(statusIO, err)
+	}
+	return pageOK(fn, ok, outOK, outCap)
+}
+
+//export kvbm_pagestore_put
+func kvbm_pagestore_put(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
+	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	return finish(pageIO("kvbm_pagestore_put", h, keys, keysLen, keyEnds, n, pages, pagesLen, pageBytes, outOK, outCap, true), errOut)
+}
+
+//export kvbm_pagestore_get
+func kvbm_pagestore_get(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
+	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	return finish(pageIO("kvbm_pagestore_get", h, keys, keysLen, keyEnds, n, pages, pagesLen, pageBytes, outOK, outCap, false), errOut)
+}
+
+// kvbm_pagestore_exists: *out_hits is how many keys, from the first, the
+// store holds (HiCache's batch_exists).
+//
+//export kvbm_pagestore_exists
+func kvbm_pagestore_exists(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
+	outHits *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	const fn = "kvbm_pagestore_exists"
+	if err := checkOut(fn, ptr(outHits)); err != nil {
+		return finish(err, errOut)
+	}
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	ks, err := pageKeys(fn, h.s, keys, keysLen, keyEnds, n)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	*outHits = C.int64_t(h.s.Exists(ks))
+	return statusOK
+}
+
+//export kvbm_pagestore_clear
+func kvbm_pagestore_clear(hd C.uint64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	return finish(withCode(statusIO, h.s.Clear()), errOut)
+}

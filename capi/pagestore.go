@@ -15,8 +15,11 @@ import (
 // The page store (goext/pagestore) behind the SGLang HiCache backend
 // (python/kvbm/sglang_integration): pages keyed by SGLang's own key strings,
 // held in the disk tier. Keys cross the ABI as one byte buffer and the end
-// offset of each key in it; pages as the addresses of PageBytes-long host
-// buffers (SGLang's host pool, CPU memory) that the call reads or fills.
+// offset of each key in it; pages as (address, length) segments of host
+// memory (SGLang's host pool, CPU) that the call reads or fills: a strided
+// page (page-first: a K and a V half; layer-first: one piece per layer and
+// half) is gathered or scattered by the one copy to or from the tier's
+// aligned I/O buffer, with no staging copy in Python.
 
 type pagestoreHandle struct {
 	lifetime
@@ -140,29 +143,54 @@ func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int6
 	return out, nil
 }
 
-// pageBufs views the page addresses as PageBytes-long buffers.
-func pageBufs(fn string, s *pagestore.Store, pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, want int) ([][]byte, error) {
-	if err := checkIn(fn, "pages", unsafe.Pointer(pages), pagesLen); err != nil {
+// pageSegs views the pages: segs holds (address, length) pairs, page i is
+// segments [page_ends[i-1], page_ends[i]) (in pairs), in order; a page's
+// lengths add up to the store's page size.
+func pageSegs(fn string, s *pagestore.Store, segs *C.uint64_t, segsLen C.int64_t, ends *C.int64_t, endsLen C.int64_t,
+	want int) ([]pagestore.Page, error) {
+	if err := checkIn(fn, "segs", unsafe.Pointer(segs), segsLen); err != nil {
 		return nil, err
 	}
-	if int64(pageBytes) != s.PageBytes() {
-		return nil, errorf(statusInvalid, "%s: page_bytes=%d, the store's pages have %d", fn, int64(pageBytes), s.PageBytes())
+	if err := checkIn(fn, "page_ends", unsafe.Pointer(ends), endsLen); err != nil {
+		return nil, err
 	}
-	if int(pagesLen) != want {
-		return nil, errorf(statusInvalid, "%s: %d pages for %d keys", fn, int64(pagesLen), want)
+	if segsLen%2 != 0 {
+		return nil, errorf(statusInvalid, "%s: segs_len=%d: (address, length) pairs", fn, int64(segsLen))
 	}
-	var addrs []C.uint64_t
-	if pagesLen > 0 {
-		addrs = unsafe.Slice(pages, int(pagesLen))
+	if int(endsLen) != want {
+		return nil, errorf(statusInvalid, "%s: %d pages for %d keys", fn, int64(endsLen), want)
 	}
-	out := make([][]byte, len(addrs))
-	for i, a := range addrs {
-		if a == 0 {
-			return nil, errorf(statusInvalid, "%s: pages[%d] is a null address", fn, i)
+	var sv []C.uint64_t
+	if segsLen > 0 {
+		sv = unsafe.Slice(segs, int(segsLen))
+	}
+	var ev []C.int64_t
+	if endsLen > 0 {
+		ev = unsafe.Slice(ends, int(endsLen))
+	}
+	out := make([]pagestore.Page, len(ev))
+	start := int64(0)
+	for i, e := range ev {
+		end := int64(e)
+		if end < start || end > int64(segsLen)/2 {
+			return nil, errorf(statusInvalid, "%s: page_ends[%d]=%d outside [%d, %d]", fn, i, end, start, int64(segsLen)/2)
 		}
-		addr := uintptr(a)
-		p := *(*unsafe.Pointer)(unsafe.Pointer(&addr)) // C memory: outside Go's heap
-		out[i] = unsafe.Slice((*byte)(p), int(pageBytes))
+		total := int64(0)
+		page := make(pagestore.Page, 0, end-start)
+		for j := start; j < end; j++ {
+			addr, n := uintptr(sv[2*j]), uint64(sv[2*j+1])
+			if addr == 0 || n == 0 || n > uint64(s.PageBytes()) {
+				return nil, errorf(statusInvalid, "%s: page %d: segment %d: address %#x, %d bytes", fn, i, j, addr, n)
+			}
+			total += int64(n)
+			p := *(*unsafe.Pointer)(unsafe.Pointer(&addr)) // C memory: outside Go's heap
+			page = append(page, unsafe.Slice((*byte)(p), int(n)))
+		}
+		if total != s.PageBytes() {
+			return nil, errorf(statusInvalid, "%s: page %d has %d bytes, the store's pages have %d", fn, i, total, s.PageBytes())
+		}
+		out[i] = page
+		start = end
 	}
 	return out, nil
 }
@@ -189,7 +217,8 @@ func pageOK(fn string, ok []bool, out *C.uint8_t, outCap C.int64_t) error {
 
 // pageIO is the body of kvbm_pagestore_put and _get.
 func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t,
-	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, put bool) error {
+	segs *C.uint64_t, segsLen C.int64_t, pageEnds *C.int64_t, pagesLen C.int64_t, outOK *C.uint8_t, outCap C.int64_t,
+	put bool) error {
 	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
 		return err
 	}
@@ -197,7 +226,7 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	if err != nil {
 		return err
 	}
-	bufs, err := pageBufs(fn, h.s, pages, pagesLen, pageBytes, len(ks))
+	bufs, err := pageSegs(fn, h.s, segs, segsLen, pageEnds, pagesLen, len(ks))
 	if err != nil {
 		return err
 	}
@@ -215,26 +244,30 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 
 //export kvbm_pagestore_put
 func kvbm_pagestore_put(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
-	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	segs *C.uint64_t, segsLen C.int64_t, pageEnds *C.int64_t, pagesLen C.int64_t, outOK *C.uint8_t, outCap C.int64_t,
+	errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	h, done, err := acquire[*pagestoreHandle](hd)
 	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
-	return finish(pageIO("kvbm_pagestore_put", h, keys, keysLen, keyEnds, n, pages, pagesLen, pageBytes, outOK, outCap, true), errOut)
+	return finish(pageIO("kvbm_pagestore_put", h, keys, keysLen, keyEnds, n, segs, segsLen, pageEnds, pagesLen, outOK, outCap,
+		true), errOut)
 }
 
 //export kvbm_pagestore_get
 func kvbm_pagestore_get(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
-	pages *C.uint64_t, pagesLen C.int64_t, pageBytes C.int64_t, outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	segs *C.uint64_t, segsLen C.int64_t, pageEnds *C.int64_t, pagesLen C.int64_t, outOK *C.uint8_t, outCap C.int64_t,
+	errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	h, done, err := acquire[*pagestoreHandle](hd)
 	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
-	return finish(pageIO("kvbm_pagestore_get", h, keys, keysLen, keyEnds, n, pages, pagesLen, pageBytes, outOK, outCap, false), errOut)
+	return finish(pageIO("kvbm_pagestore_get", h, keys, keysLen, keyEnds, n, segs, segsLen, pageEnds, pagesLen, outOK, outCap,
+		false), errOut)
 }
 
 // kvbm_pagestore_exists: *out_hits is how many keys, from the first, the

@@ -19,12 +19,13 @@ var abiPage [64]byte
 // its page.
 func pagestoreIO() cCall {
 	return cCall{"keys": []byte("ab"), "key_ends": []int64{2},
-		"pages": []uint64{uint64(uintptr(unsafe.Pointer(&abiPage[0])))}, "page_bytes": 64, "out_ok": make([]byte, 1)}
+		"segs": []uint64{uint64(uintptr(unsafe.Pointer(&abiPage[0]))), 64}, "page_ends": []int64{1}, "out_ok": make([]byte, 1)}
 }
 
-// TestPagestoreRoundTrip: a page put through the ABI reads back byte-exact
-// under its key string, another key misses, and bad key offsets or a page
-// size other than the store's are refused before any memory is touched.
+// TestPagestoreRoundTrip: a page put through the ABI (in segments) reads
+// back byte-exact under its key string, another key misses, and bad key or
+// page offsets, a page size other than the store's or a null segment are
+// refused before any memory is touched.
 func TestPagestoreRoundTrip(t *testing.T) {
 	protos := parseHeader(t)
 	h := newTestHandle(t, protos, "kvbm_pagestore_new", pagestoreOpts)
@@ -35,8 +36,9 @@ func TestPagestoreRoundTrip(t *testing.T) {
 	}
 	addr := func(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 	ok := make([]byte, 2)
+	// The page in two segments.
 	r := invoke(t, protos["kvbm_pagestore_put"], kvbm_pagestore_put, cCall{"hd": h, "keys": []byte("k1"),
-		"key_ends": []int64{2}, "pages": []uint64{addr(src)}, "page_bytes": 64, "out_ok": ok})
+		"key_ends": []int64{2}, "segs": []uint64{addr(src), 10, addr(src[10:]), 54}, "page_ends": []int64{2}, "out_ok": ok})
 	require.Equal(t, statusOK, r.rc, "%s", r)
 	require.Equal(t, byte(1), ok[0])
 	var hits int64
@@ -45,23 +47,28 @@ func TestPagestoreRoundTrip(t *testing.T) {
 	require.Equal(t, statusOK, r.rc, "%s", r)
 	require.Equal(t, int64(1), hits)
 	r = invoke(t, protos["kvbm_pagestore_get"], kvbm_pagestore_get, cCall{"hd": h, "keys": []byte("k2k1"),
-		"key_ends": []int64{2, 4}, "pages": []uint64{addr(make([]byte, 64)), addr(dst)}, "page_bytes": 64, "out_ok": ok})
+		"key_ends": []int64{2, 4}, "segs": []uint64{addr(make([]byte, 64)), 64, addr(dst), 64}, "page_ends": []int64{1, 2},
+		"out_ok": ok})
 	require.Equal(t, statusOK, r.rc, "%s", r)
 	require.Equal(t, []byte{0, 1}, ok)
 	require.Equal(t, src, dst)
 
 	r = invoke(t, protos["kvbm_pagestore_get"], kvbm_pagestore_get, cCall{"hd": h, "keys": []byte("k2"),
-		"key_ends": []int64{3}, "pages": []uint64{addr(dst)}, "page_bytes": 64, "out_ok": ok})
+		"key_ends": []int64{3}, "segs": []uint64{addr(dst), 64}, "page_ends": []int64{1}, "out_ok": ok})
 	require.Equal(t, statusInvalid, r.rc)
 	require.Contains(t, r.msg, "key_ends[0]=3")
 	r = invoke(t, protos["kvbm_pagestore_get"], kvbm_pagestore_get, cCall{"hd": h, "keys": []byte("k2"),
-		"key_ends": []int64{2}, "pages": []uint64{addr(dst)}, "page_bytes": 32, "out_ok": ok})
+		"key_ends": []int64{2}, "segs": []uint64{addr(dst), 32}, "page_ends": []int64{1}, "out_ok": ok})
 	require.Equal(t, statusInvalid, r.rc)
-	require.Contains(t, r.msg, "page_bytes=32")
+	require.Contains(t, r.msg, "page 0 has 32 bytes, the store's pages have 64")
 	r = invoke(t, protos["kvbm_pagestore_get"], kvbm_pagestore_get, cCall{"hd": h, "keys": []byte("k2"),
-		"key_ends": []int64{2}, "pages": []uint64{0}, "page_bytes": 64, "out_ok": ok})
+		"key_ends": []int64{2}, "segs": []uint64{addr(dst), 64}, "page_ends": []int64{2}, "out_ok": ok})
 	require.Equal(t, statusInvalid, r.rc)
-	require.Contains(t, r.msg, "null address")
+	require.Contains(t, r.msg, "page_ends[0]=2")
+	r = invoke(t, protos["kvbm_pagestore_get"], kvbm_pagestore_get, cCall{"hd": h, "keys": []byte("k2"),
+		"key_ends": []int64{2}, "segs": []uint64{0, 64}, "page_ends": []int64{1}, "out_ok": ok})
+	require.Equal(t, statusInvalid, r.rc)
+	require.Contains(t, r.msg, "address 0x0")
 }
 
 // TestPagestoreNeedsTheDiskTier: without a disk tier size, attach fails

@@ -280,3 +280,21 @@ def test_signatures_match_sglang_base_class():
         base = list(inspect.signature(getattr(HiCacheStorage, name)).parameters)
         assert ours == base, f"{name}: {ours} vs SGLang's {base}"
     assert not KvbmHiCacheStorage.__abstractmethods__
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
+def test_page_segments_are_the_flat_page(layout):
+    """The segments kvbm gathers are the bytes of SGLang's flat page, in order."""
+    import ctypes
+
+    from kvbm.sglang_integration.storage import segments
+
+    pool = host_pool(layout)
+    idx = pool.alloc(2 * PAGE)
+    fill(pool, idx, seed=8)
+    index = int(idx[PAGE])
+    segs = segments(pool.get_data_page(index, flat=False))
+    want = {"page_first": 2, "layer_first": 2 * LAYERS, "page_first_direct": 2, "page_head": 2}[layout]
+    assert len(segs) == want
+    got = b"".join(ctypes.string_at(a, n) for a, n in segs)
+    assert got == pool.get_data_page(index, flat=True).contiguous().view(torch.uint8).numpy().tobytes()

@@ -256,10 +256,39 @@ func (s *Store) unindex(i int) {
 	*sl = slot{pins: sl.pins}
 }
 
+// Page is one page's bytes as segments, in order (a strided host page, e.g.
+// SGLang's page-first layout, is one segment per K/V half): their lengths add
+// up to PageBytes.
+type Page [][]byte
+
+func (p Page) len() int64 {
+	n := int64(0)
+	for _, s := range p {
+		n += int64(len(s))
+	}
+	return n
+}
+
+// gather copies p into buf.
+func (p Page) gather(buf []byte) {
+	off := 0
+	for _, s := range p {
+		off += copy(buf[off:], s)
+	}
+}
+
+// scatter copies buf into p.
+func (p Page) scatter(buf []byte) {
+	off := 0
+	for _, s := range p {
+		off += copy(s, buf[off:])
+	}
+}
+
 // Put stores page k from pages[k] (PageBytes each) under keys[k]. A key the
 // store holds already is kept as it is (SGLang's keys name their content).
 // ok[k] reports whether the store holds keys[k] afterwards.
-func (s *Store) Put(keys []Key, pages [][]byte) (ok []bool, err error) {
+func (s *Store) Put(keys []Key, pages []Page) (ok []bool, err error) {
 	if len(keys) != len(pages) {
 		return nil, fmt.Errorf("pagestore: put: %d keys, %d pages", len(keys), len(pages))
 	}
@@ -269,8 +298,8 @@ func (s *Store) Put(keys []Key, pages [][]byte) (ok []bool, err error) {
 	buf := *bp
 	var firstErr error
 	for k, key := range keys {
-		if int64(len(pages[k])) != s.pageBytes {
-			return ok, fmt.Errorf("pagestore: put: page %d has %d bytes, want %d", k, len(pages[k]), s.pageBytes)
+		if n := pages[k].len(); n != s.pageBytes {
+			return ok, fmt.Errorf("pagestore: put: page %d has %d bytes, want %d", k, n, s.pageBytes)
 		}
 		s.mu.Lock()
 		if i, have := s.index[key]; have {
@@ -289,7 +318,7 @@ func (s *Store) Put(keys []Key, pages [][]byte) (ok []bool, err error) {
 		s.slots[i].pins++
 		s.mu.Unlock()
 
-		copy(buf, pages[k])
+		pages[k].gather(buf)
 		clear(buf[s.pageBytes:])
 		sum := xxh3.Hash(buf[:s.pageBytes])
 		werr := s.d.WriteBlockHeader(i, buf, &storage.BlockHeader{
@@ -336,8 +365,8 @@ func anyTrue(b []bool) bool {
 
 // Get reads keys[k] into dsts[k] (PageBytes each). ok[k] is false for a key
 // the store does not hold, or whose page fails its checksum or MAC (the
-// page is then dropped): dsts[k] is then unspecified.
-func (s *Store) Get(keys []Key, dsts [][]byte) (ok []bool, err error) {
+// page is then dropped): dsts[k] is then left as it was.
+func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 	if len(keys) != len(dsts) {
 		return nil, fmt.Errorf("pagestore: get: %d keys, %d pages", len(keys), len(dsts))
 	}
@@ -346,8 +375,8 @@ func (s *Store) Get(keys []Key, dsts [][]byte) (ok []bool, err error) {
 	defer s.bufs.Put(bp)
 	buf := *bp
 	for k, key := range keys {
-		if int64(len(dsts[k])) != s.pageBytes {
-			return ok, fmt.Errorf("pagestore: get: page %d has %d bytes, want %d", k, len(dsts[k]), s.pageBytes)
+		if n := dsts[k].len(); n != s.pageBytes {
+			return ok, fmt.Errorf("pagestore: get: page %d has %d bytes, want %d", k, n, s.pageBytes)
 		}
 		s.mu.Lock()
 		i, have := s.index[key]
@@ -376,7 +405,7 @@ func (s *Store) Get(keys []Key, dsts [][]byte) (ok []bool, err error) {
 			s.log.Warn("kvbm: pagestore: dropping a page that does not verify", "slot", i, "err", rerr)
 			_ = s.d.InvalidateHeader(i)
 		} else {
-			copy(dsts[k], buf[:s.pageBytes])
+			dsts[k].scatter(buf[:s.pageBytes])
 		}
 		s.mu.Lock()
 		sl.pins--

@@ -39,6 +39,15 @@ func page(seed int) []byte {
 	return b
 }
 
+// pg makes pages of whole buffers; split cuts each in two segments.
+func pg(bufs ...[]byte) []Page {
+	out := make([]Page, len(bufs))
+	for i, b := range bufs {
+		out[i] = Page{b}
+	}
+	return out
+}
+
 func keys(s *Store, names ...string) []Key {
 	out := make([]Key, len(names))
 	for i, n := range names {
@@ -56,7 +65,7 @@ func privateDir(t *testing.T) string {
 func TestPutGetExistsAndRestart(t *testing.T) {
 	dir := privateDir(t)
 	s := open(t, dir, 8, "model=a")
-	ok, err := s.Put(keys(s, "p0", "p1", "p2"), [][]byte{page(0), page(1), page(2)})
+	ok, err := s.Put(keys(s, "p0", "p1", "p2"), []Page{{page(0)}, {page(1)[:7], page(1)[7:4096], page(1)[4096:]}, {page(2)}})
 	require.NoError(t, err)
 	require.Equal(t, []bool{true, true, true}, ok)
 	require.Equal(t, 3, s.Exists(keys(s, "p0", "p1", "p2", "p3")))
@@ -64,7 +73,10 @@ func TestPutGetExistsAndRestart(t *testing.T) {
 	require.Equal(t, 1, s.Exists(keys(s, "p0", "p3", "p1")))
 
 	dst := [][]byte{make([]byte, pageBytes), make([]byte, pageBytes), make([]byte, pageBytes)}
-	ok, err = s.Get(keys(s, "p2", "nope", "p0"), dst)
+	// Segmented pages: the bytes of one page in pieces, as a strided host page gives them.
+	seg := make([]byte, pageBytes)
+	ok, err = s.Get(keys(s, "p2", "nope", "p0"), []Page{{dst[0][:100], dst[0][100:]}, {dst[1]}, {seg[:4096], seg[4096:]}})
+	copy(dst[2], seg)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true, false, true}, ok)
 	require.True(t, bytes.Equal(page(2), dst[0]))
@@ -75,7 +87,7 @@ func TestPutGetExistsAndRestart(t *testing.T) {
 	defer func() { require.NoError(t, s.Close()) }()
 	require.Equal(t, 3, s.Stats().Recovered)
 	require.Equal(t, 3, s.Exists(keys(s, "p0", "p1", "p2")))
-	ok, err = s.Get(keys(s, "p1"), dst[:1])
+	ok, err = s.Get(keys(s, "p1"), pg(dst[0]))
 	require.NoError(t, err)
 	require.Equal(t, []bool{true}, ok)
 	require.True(t, bytes.Equal(page(1), dst[0]))
@@ -84,7 +96,7 @@ func TestPutGetExistsAndRestart(t *testing.T) {
 func TestIdentitySeparatesKeysAndFiles(t *testing.T) {
 	dir := privateDir(t)
 	a := open(t, dir, 4, "model=a")
-	_, err := a.Put(keys(a, "p0"), [][]byte{page(0)})
+	_, err := a.Put(keys(a, "p0"), pg(page(0)))
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	b := open(t, dir, 4, "model=b")
@@ -118,7 +130,7 @@ func TestCorruptPageIsMissingNeverReturned(t *testing.T) {
 		t.Run(fmt.Sprintf("restart=%v", restart), func(t *testing.T) {
 			dir := privateDir(t)
 			s := open(t, dir, 4, "model=a")
-			_, err := s.Put(keys(s, "p0", "p1"), [][]byte{page(0), page(1)})
+			_, err := s.Put(keys(s, "p0", "p1"), pg(page(0), page(1)))
 			require.NoError(t, err)
 			if restart {
 				require.NoError(t, s.Close())
@@ -126,7 +138,7 @@ func TestCorruptPageIsMissingNeverReturned(t *testing.T) {
 			}
 			corrupt(t, s, s.Key([]byte("p0")))
 			dst := [][]byte{make([]byte, pageBytes), make([]byte, pageBytes)}
-			ok, err := s.Get(keys(s, "p0", "p1"), dst)
+			ok, err := s.Get(keys(s, "p0", "p1"), pg(dst...))
 			require.NoError(t, err)
 			require.Equal(t, []bool{false, true}, ok)
 			require.False(t, bytes.Equal(page(0), dst[0]) && ok[0])
@@ -144,11 +156,11 @@ func TestCorruptPageIsMissingNeverReturned(t *testing.T) {
 func TestEvictsLeastRecentlyUsed(t *testing.T) {
 	s := open(t, privateDir(t), 2, "model=a")
 	defer func() { require.NoError(t, s.Close()) }()
-	_, err := s.Put(keys(s, "p0", "p1"), [][]byte{page(0), page(1)})
+	_, err := s.Put(keys(s, "p0", "p1"), pg(page(0), page(1)))
 	require.NoError(t, err)
-	_, err = s.Get(keys(s, "p0"), [][]byte{make([]byte, pageBytes)}) // p1 is now the oldest
+	_, err = s.Get(keys(s, "p0"), pg(make([]byte, pageBytes))) // p1 is now the oldest
 	require.NoError(t, err)
-	ok, err := s.Put(keys(s, "p2"), [][]byte{page(2)})
+	ok, err := s.Put(keys(s, "p2"), pg(page(2)))
 	require.NoError(t, err)
 	require.Equal(t, []bool{true}, ok)
 	require.Equal(t, 1, s.Exists(keys(s, "p0")))
@@ -160,9 +172,9 @@ func TestEvictsLeastRecentlyUsed(t *testing.T) {
 func TestClearAndBadPageSize(t *testing.T) {
 	dir := privateDir(t)
 	s := open(t, dir, 2, "model=a")
-	_, err := s.Put(keys(s, "p0"), [][]byte{page(0)})
+	_, err := s.Put(keys(s, "p0"), pg(page(0)))
 	require.NoError(t, err)
-	_, err = s.Put(keys(s, "p1"), [][]byte{make([]byte, 10)})
+	_, err = s.Put(keys(s, "p1"), pg(make([]byte, 10)))
 	require.ErrorContains(t, err, "want 5000")
 	require.NoError(t, s.Clear())
 	require.Equal(t, 0, s.Exists(keys(s, "p0")))

@@ -3,8 +3,8 @@ pages named by an engine's own key strings, held in the disk tier (G3),
 persistent across restarts when DYN_KVBM_DISK_PERSIST is on. The SGLang
 HiCache backend (kvbm.sglang_integration) is built on it.
 
-Pages cross as host addresses: the caller keeps the memory alive and
-``page_bytes`` long for the duration of the call.
+Pages cross as (address, length) segments of host memory, in order: the
+caller keeps the memory alive for the duration of the call.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ _native.register_signatures(
         "kvbm_pagestore_info": (c_int, [c_uint64, POINTER(POINTER(c_uint8)), POINTER(c_int64), _ERR]),
         "kvbm_pagestore_put": (
             c_int,
-            [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, POINTER(c_uint64), c_int64, c_int64,
-             c_void_p, c_int64, _ERR],
+            [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, POINTER(c_uint64), c_int64, POINTER(c_int64),
+             c_int64, c_void_p, c_int64, _ERR],
         ),
         "kvbm_pagestore_get": (
             c_int,
-            [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, POINTER(c_uint64), c_int64, c_int64,
-             c_void_p, c_int64, _ERR],
+            [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, POINTER(c_uint64), c_int64, POINTER(c_int64),
+             c_int64, c_void_p, c_int64, _ERR],
         ),
         "kvbm_pagestore_exists": (
             c_int,
@@ -71,24 +71,32 @@ class PageStore(_native.Handle):
         self._h = h.value
         self.page_bytes = int(page_bytes)
 
-    def _io(self, name: str, keys: Sequence[str], addrs: Sequence[int]) -> list[bool]:
-        if len(keys) != len(addrs):
-            raise ValueError(f"{len(keys)} keys for {len(addrs)} pages")
+    def _io(self, name: str, keys: Sequence[str], pages: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         if not keys:
             return []
         buf, n_bytes, ends, n = _keys(keys)
-        pages = (c_uint64 * n)(*addrs)
+        flat: list[int] = []
+        page_ends = (c_int64 * n)()
+        for i, segs in enumerate(pages):
+            for addr, length in segs:
+                flat += (addr, length)
+            page_ends[i] = len(flat) // 2
+        seg_arr = (c_uint64 * max(1, len(flat)))(*flat)
         ok = (c_uint8 * n)()
-        _native.call(name, self._h, buf, n_bytes, ends, n, pages, n, self.page_bytes, ok, n)
+        _native.call(name, self._h, buf, n_bytes, ends, n, seg_arr, len(flat), page_ends, n, ok, n)
         return [bool(v) for v in ok]
 
-    def put(self, keys: Sequence[str], addrs: Sequence[int]) -> list[bool]:
-        """Store the pages at ``addrs`` under ``keys``; True where the store holds the key after."""
-        return self._io("kvbm_pagestore_put", keys, addrs)
+    def put(self, keys: Sequence[str], pages: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
+        """Store pages under ``keys``; each page is its (address, length)
+        segments in order. True where the store holds the key after."""
+        return self._io("kvbm_pagestore_put", keys, pages)
 
-    def get(self, keys: Sequence[str], addrs: Sequence[int]) -> list[bool]:
-        """Read ``keys`` into ``addrs``; False for a key not held or a page that fails its checks."""
-        return self._io("kvbm_pagestore_get", keys, addrs)
+    def get(self, keys: Sequence[str], pages: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
+        """Read ``keys`` into the pages' segments; False for a key not held or
+        a page that fails its checks (its memory is then left as it was)."""
+        return self._io("kvbm_pagestore_get", keys, pages)
 
     def exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, the store holds."""

@@ -82,6 +82,26 @@ def _check_config(env: dict[str, str]) -> None:
     _native.take_buffer(buf, n)
 
 
+def segments(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(address, length) runs of a strided CPU tensor's memory, in the order
+    of its flattened elements. The innermost dimensions that are contiguous
+    form one run; the outer ones enumerate the runs (page-first: K and V,
+    two runs; layer-first: one per layer and half)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"kvbm: host pages must be in CPU memory, not {t.device}")
+    es = t.element_size()
+    shape, stride = list(t.shape), list(t.stride())
+    inner, k = 1, len(shape)
+    while k > 0 and (stride[k - 1] == inner or shape[k - 1] == 1):
+        inner *= shape[k - 1]
+        k -= 1
+    offsets = [0]
+    for d in range(k):
+        offsets = [o + i * stride[d] for o in offsets for i in range(shape[d])]
+    base = t.data_ptr()
+    return [(base + o * es, inner * es) for o in offsets]
+
+
 class KvbmHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage backend storing host pages in kvbm's disk tier."""
 
@@ -167,13 +187,12 @@ class KvbmHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy interface (interface_v1) --------------------------------
 
-    def _host_page(self, index: int) -> torch.Tensor:
-        """A flat, contiguous CPU view of the host page at token ``index`` when
-        the layout gives one (page_first_direct, page_head), else a copy."""
-        page = self.mem_pool_host.get_data_page(index, flat=False)
-        if page.is_contiguous():
-            return page.view(-1)
-        return page.flatten()
+    def _page_segments(self, index: int) -> list[tuple[int, int]]:
+        """The host page at token ``index`` as (address, length) segments of
+        the host pool's memory, in the order of its flat page
+        (``get_data_page(flat=True)``, what ``set_from_flat_data_page`` takes):
+        kvbm gathers and scatters them itself, no staging copy here."""
+        return segments(self.mem_pool_host.get_data_page(index, flat=False))
 
     def batch_set_v1(
         self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
@@ -184,8 +203,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return [True] * len(keys)  # the writer rank stores these pages
         store = self._need_store()
         t0 = time.perf_counter()
-        pages = [self._host_page(int(host_indices[i * self._page_size])) for i in range(len(keys))]
-        ok = store.put(keys, [p.data_ptr() for p in pages])
+        ok = store.put(keys, [self._page_segments(int(host_indices[i * self._page_size])) for i in range(len(keys))])
         self._record(self._backup_pgs, self._backup_bw, sum(ok), t0)
         return ok
 
@@ -196,19 +214,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             return []
         store = self._need_store()
         t0 = time.perf_counter()
-        pool = self.mem_pool_host
-        direct: list[Optional[torch.Tensor]] = []
-        for i in range(len(keys)):
-            page = pool.get_data_page(int(host_indices[i * self._page_size]), flat=False)
-            direct.append(page.view(-1) if page.is_contiguous() else None)
-        scratch = None
-        if any(d is None for d in direct):
-            scratch = torch.empty((len(keys), self._page_numel), dtype=self._dtype)
-        addrs = [d.data_ptr() if d is not None else scratch[i].data_ptr() for i, d in enumerate(direct)]  # type: ignore[index]
-        ok = store.get(keys, addrs)
-        for i, d in enumerate(direct):
-            if ok[i] and d is None:
-                pool.set_from_flat_data_page(int(host_indices[i * self._page_size]), scratch[i])  # type: ignore[index]
+        ok = store.get(keys, [self._page_segments(int(host_indices[i * self._page_size])) for i in range(len(keys))])
         self._record(self._prefetch_pgs, self._prefetch_bw, sum(ok), t0)
         return ok
 
@@ -237,7 +243,7 @@ class KvbmHiCacheStorage(HiCacheStorage):
             if not t.is_contiguous() or t.numel() * t.element_size() != store.page_bytes:
                 raise ValueError(f"kvbm: a target page must be contiguous and {store.page_bytes} bytes")
             targets.append(t)
-        ok = store.get(keys, [t.data_ptr() for t in targets])
+        ok = store.get(keys, [[(t.data_ptr(), store.page_bytes)] for t in targets])
         return [t if hit else None for t, hit in zip(targets, ok)]
 
     def set(
@@ -263,8 +269,8 @@ class KvbmHiCacheStorage(HiCacheStorage):
         store = self._need_store()
         if values is None or len(values) != len(keys):
             raise ValueError(f"kvbm: batch_set: {len(keys)} keys, values: {None if values is None else len(values)}")
-        pages = [v.contiguous().view(-1) for v in values]
-        return all(store.put(keys, [p.data_ptr() for p in pages]))
+        pages = [v.contiguous() for v in values]
+        return all(store.put(keys, [segments(p) for p in pages]))
 
     # -- housekeeping --------------------------------------------------------
 

@@ -272,10 +272,22 @@ def test_bad_settings_fail_at_attach_naming_them(tmp_path):
         attach(storage_config(tmp_path, "page_first", is_mla_model=True, tp_size=2), pool)
 
 
+def test_hybrid_pools_fail_at_attach(tmp_path):
+    """A hybrid model's controller registers its pools through v2: refused
+    there (the v2 calls are not implemented), not at the first prefetch."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = host_pool("page_first")
+    backend = attach(storage_config(tmp_path, "page_first"), pool)
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+    backend.close()
+
+
 def test_signatures_match_sglang_base_class():
     """The methods SGLang calls keep the base class's parameters."""
     for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "get", "set", "batch_get", "batch_set", "exists",
-                 "clear", "get_stats", "register_mem_pool_host"):
+                 "clear", "get_stats", "register_mem_pool_host", "register_mem_host_pool_v2"):
         ours = list(inspect.signature(getattr(KvbmHiCacheStorage, name)).parameters)
         base = list(inspect.signature(getattr(HiCacheStorage, name)).parameters)
         assert ours == base, f"{name}: {ours} vs SGLang's {base}"

@@ -180,6 +180,15 @@ class KvbmHiCacheStorage(HiCacheStorage):
             info["path"], info["num_pages"], page_bytes, info["recovered"], info["persistent"],
         )
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        # Hybrid models (Mamba, SWA, DSA pools) register their pools here and
+        # then use the v2 calls, which this backend does not implement yet:
+        # fail the attach rather than the first prefetch.
+        raise NotImplementedError(
+            f"kvbm: SGLang's hybrid host pools (here {host_pool_name!s}) and the v2 storage calls are not "
+            f"supported yet; use kvbm with a model whose HiCache has one KV pool"
+        )
+
     def _need_store(self) -> PageStore:
         if self._store is None:
             raise RuntimeError("kvbm: HiCache storage used before register_mem_pool_host")

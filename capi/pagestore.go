@@ -23,7 +23,8 @@ import (
 
 type pagestoreHandle struct {
 	lifetime
-	s *pagestore.Store
+	s         *pagestore.Store
+	releaseG4 func() // nil without G4
 }
 
 type pagestoreOptions struct {
@@ -78,15 +79,28 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 	if err != nil {
 		return finish(withCode(statusConfig, err), errOut)
 	}
-	s, err := pagestore.Open(pagestore.Options{
+	so := pagestore.Options{
 		Dir: cfg.DiskCacheDir, NumPages: pages, PageBytes: o.PageBytes, Identity: o.Identity, Rank: o.Rank,
 		Persist: cfg.DiskPersist, DisableODirect: cfg.DiskDisableODirect, OpenDirect: cfg.DiskAllocatorType == "open-direct",
 		Key: key, Logger: kvbmLogger(),
-	})
+	}
+	var release func()
+	if cfg.Object.Enabled {
+		// The object tier (DYN_KVBM_OBJECT_*), under the store's fingerprint.
+		obj, rel, err := openG4(cfg, pagestore.Fingerprint(o.Identity), o.PageBytes, uint64(o.Rank), kvbmLogger())
+		if err != nil {
+			return finish(err, errOut)
+		}
+		so.Object, release = obj, rel
+	}
+	s, err := pagestore.Open(so)
 	if err != nil {
+		if release != nil {
+			release()
+		}
 		return finish(withCode(statusIO, err), errOut)
 	}
-	*out = newHandle(&pagestoreHandle{s: s})
+	*out = newHandle(&pagestoreHandle{s: s, releaseG4: release})
 	return statusOK
 }
 
@@ -94,7 +108,12 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 func kvbm_pagestore_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
-	freeHandle(hd, nil, func(h *pagestoreHandle) { _ = h.s.Close() })
+	freeHandle(hd, nil, func(h *pagestoreHandle) {
+		_ = h.s.Close()
+		if h.releaseG4 != nil {
+			h.releaseG4()
+		}
+	})
 }
 
 //export kvbm_pagestore_info

@@ -59,7 +59,7 @@ def host_pool(layout: str) -> MHATokenToKVPoolHost:
 
 def storage_config(tmp_path, layout: str, *, model: str = "test/model", extra=None, **kw) -> HiCacheStorageConfig:
     d = tmp_path / "kvbm"
-    d.mkdir(mode=0o700, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
     cfg = {
         "backend_name": "kvbm",
         "module_path": "kvbm.sglang_integration",
@@ -268,8 +268,59 @@ def test_bad_settings_fail_at_attach_naming_them(tmp_path):
     del cfg.extra_config["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"]
     with pytest.raises(KvbmError, match="DYN_KVBM_DISK_CACHE_GB"):
         attach(cfg, pool)
-    with pytest.raises(ValueError, match="MLA"):
+    with pytest.raises(ValueError, match="MLA.*DYN_KVBM_OBJECT_ENABLED"):
         attach(storage_config(tmp_path, "page_first", is_mla_model=True, tp_size=2), pool)
+
+
+def _wait_exists(backend, keys: list[str], want: int) -> int:
+    """batch_exists once the background uploads landed (bounded wait)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while (n := backend.batch_exists(keys)) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+def test_object_tier_shares_pages_between_instances(tmp_path, s3_server):
+    """G4 on a real S3 server: pages one instance backed up are found and
+    read byte-exact by another instance with an empty disk tier (another
+    host), through the same SGLang calls; with MLA and TP = 2 the non-writer
+    rank finds the writer's pages there."""
+    g4 = s3_server.env("kvbm-sglang")
+    pool = host_pool("page_first")
+    a = attach(storage_config(tmp_path / "a", "page_first", extra=g4), pool)
+    host = pool.alloc(3 * PAGE)
+    fill(pool, host, seed=11)
+    want = pages(pool, host)
+    assert a.batch_set_v1(["g0", "g1", "g2"], host) == [True] * 3
+
+    pool_b = host_pool("page_first")
+    b = attach(storage_config(tmp_path / "b", "page_first", extra=g4), pool_b)
+    assert b.kvbm_info()["used"] == 0
+    assert _wait_exists(b, ["g0", "g1", "g2", "g3"], 3) == 3
+    dst = pool_b.alloc(3 * PAGE)
+    assert b.batch_get_v1(["g0", "g1", "g2"], dst) == [True] * 3
+    for x, y in zip(want, pages(pool_b, dst)):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    info = b.kvbm_info()
+    assert info["object_hits"] == 3 and info["used"] == 3, info
+    a.close()
+    b.close()
+
+    # MLA, TP = 2: rank 0 writes, rank 1 (no writes of its own) reads G4.
+    mla = dict(is_mla_model=True, tp_size=2, model="mla-model", extra=g4)
+    w = attach(storage_config(tmp_path / "w", "page_first", tp_rank=0, **mla), pool)
+    r = attach(storage_config(tmp_path / "r", "page_first", tp_rank=1, **mla), pool_b)
+    assert w.storage_config.is_storage_writer and not r.storage_config.is_storage_writer
+    assert r.batch_set_v1(["m0"], host[:PAGE]) == [True]  # SGLang skips it for a reader; nothing stored
+    assert r.kvbm_info()["used"] == 0
+    assert w.batch_set_v1(["m0"], host[:PAGE]) == [True]
+    assert _wait_exists(r, ["m0"], 1) == 1
+    assert r.batch_get_v1(["m0"], dst[:PAGE]) == [True]
+    assert torch.equal(pages(pool_b, dst[:PAGE])[0].view(torch.int16), want[0].view(torch.int16))
+    w.close()
+    r.close()
 
 
 def test_hybrid_pools_fail_at_attach(tmp_path):

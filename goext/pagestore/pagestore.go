@@ -18,6 +18,7 @@ package pagestore
 import (
 	"cmp"
 	"container/list"
+	"context"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -50,6 +51,21 @@ type Options struct {
 	OpenDirect     bool
 	Key            integrity.Key // authenticates a persistent file's pages
 	Logger         *slog.Logger
+	// Object, when set, is the shared object tier (G4, *object.Store):
+	// every page stored is also uploaded in the background, and a page the
+	// disk tier lacks is looked up and downloaded (verified) there, then
+	// kept on disk. Its objects are keyed by the fingerprint and the low
+	// half of the page key.
+	Object ObjectTier
+	// LookupTimeout bounds one Exists' requests to Object (0: 2 s).
+	LookupTimeout time.Duration
+}
+
+// ObjectTier is what the store uses of goext/object.Store.
+type ObjectTier interface {
+	Enqueue(seqHash, parent uint64, payload []byte) bool
+	Download(ctx context.Context, seqHash uint64, dst []byte) error
+	Lookup(ctx context.Context, hashes []uint64) int
 }
 
 // Key is a page's key in the store: a 128-bit hash of the fingerprint and
@@ -96,6 +112,8 @@ type Stats struct {
 	Hits            int64          `json:"hits"`
 	Misses          int64          `json:"misses"`
 	Corrupt         int64          `json:"corrupt"`
+	ObjectHits      int64          `json:"object_hits"`
+	ObjectUploads   int64          `json:"object_uploads"`
 	Evictions       int64          `json:"evictions"`
 	BytesWritten    int64          `json:"bytes_written"`
 	BytesRead       int64          `json:"bytes_read"`
@@ -121,7 +139,10 @@ type Store struct {
 	discarded map[string]int
 	recSecs   float64
 
-	puts, dups, putFail, hits, misses, corrupt, evictions, bytesW, bytesR atomic.Int64
+	obj           ObjectTier
+	lookupTimeout time.Duration
+
+	puts, dups, putFail, hits, misses, corrupt, evictions, bytesW, bytesR, objHits, objUploads atomic.Int64
 }
 
 // Open creates or reopens the store's tier file.
@@ -146,7 +167,11 @@ func Open(o Options) (*Store, error) {
 		return nil, fmt.Errorf("pagestore: %w", err)
 	}
 	s := &Store{d: d, fp: fp, pageBytes: o.PageBytes, log: log, index: map[Key]int{},
-		slots: make([]slot, o.NumPages), lru: list.New(), discarded: map[string]int{}}
+		slots: make([]slot, o.NumPages), lru: list.New(), discarded: map[string]int{},
+		obj: o.Object, lookupTimeout: o.LookupTimeout}
+	if s.lookupTimeout <= 0 {
+		s.lookupTimeout = 2 * time.Second
+	}
 	stride := int(d.Stride())
 	s.bufs.New = func() any { b := alignedBuf(stride); return &b }
 	s.recover()
@@ -215,6 +240,20 @@ func (s *Store) Key(str []byte) Key { return KeyOf(s.fp, str) }
 
 // Exists returns how many of keys, from the first, the store holds.
 func (s *Store) Exists(keys []Key) int {
+	n := s.localPrefix(keys)
+	if n == len(keys) || s.obj == nil {
+		return n
+	}
+	hashes := make([]uint64, len(keys)-n)
+	for i, k := range keys[n:] {
+		hashes[i] = k.Lo
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.lookupTimeout)
+	defer cancel()
+	return n + s.obj.Lookup(ctx, hashes)
+}
+
+func (s *Store) localPrefix(keys []Key) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, k := range keys {
@@ -301,57 +340,72 @@ func (s *Store) Put(keys []Key, pages []Page) (ok []bool, err error) {
 		if n := pages[k].len(); n != s.pageBytes {
 			return ok, fmt.Errorf("pagestore: put: page %d has %d bytes, want %d", k, n, s.pageBytes)
 		}
-		s.mu.Lock()
-		if i, have := s.index[key]; have {
-			s.lru.MoveToFront(s.slots[i].elem)
-			s.mu.Unlock()
-			s.dups.Add(1)
+		pages[k].gather(buf)
+		stored, dup, werr := s.putLocal(key, buf)
+		if dup {
 			ok[k] = true
 			continue
 		}
-		i := s.take()
-		if i < 0 {
-			s.mu.Unlock()
-			s.putFail.Add(1)
-			continue
+		if werr != nil && firstErr == nil {
+			firstErr = werr
 		}
-		s.slots[i].pins++
-		s.mu.Unlock()
-
-		pages[k].gather(buf)
-		clear(buf[s.pageBytes:])
-		sum := xxh3.Hash(buf[:s.pageBytes])
-		werr := s.d.WriteBlockHeader(i, buf, &storage.BlockHeader{
-			SeqHash: key.Lo, Parent: key.Hi, HasParent: true, PayloadSum: sum, WrittenAt: time.Now().UnixNano()})
-
-		s.mu.Lock()
-		sl := &s.slots[i]
-		sl.pins--
-		_, raced := s.index[key] // another writer stored it meanwhile
-		if werr != nil || raced {
-			s.free = append(s.free, i)
-		} else {
-			sl.key, sl.sum, sl.used = key, sum, true
-			sl.elem = s.lru.PushFront(i)
-			s.index[key] = i
+		// Uploaded whatever the disk did: the object tier is shared.
+		if s.obj != nil && s.obj.Enqueue(key.Lo, key.Hi, buf[:s.pageBytes]) {
+			s.objUploads.Add(1)
+			stored = true
 		}
-		s.mu.Unlock()
-		if werr != nil {
-			s.putFail.Add(1)
-			if firstErr == nil {
-				firstErr = werr
-			}
-			s.log.Warn("kvbm: pagestore: write failed", "slot", i, "err", werr)
-			continue
-		}
-		s.puts.Add(1)
-		s.bytesW.Add(s.pageBytes)
-		ok[k] = true
+		ok[k] = stored
 	}
 	if firstErr != nil && !anyTrue(ok) {
 		return ok, firstErr
 	}
 	return ok, nil
+}
+
+// putLocal writes the page in buf (a full aligned I/O buffer) to a slot
+// under key: stored; dup when the key was held already (kept as it is).
+func (s *Store) putLocal(key Key, buf []byte) (stored, dup bool, err error) {
+	s.mu.Lock()
+	if i, have := s.index[key]; have {
+		s.lru.MoveToFront(s.slots[i].elem)
+		s.mu.Unlock()
+		s.dups.Add(1)
+		return true, true, nil
+	}
+	i := s.take()
+	if i < 0 {
+		s.mu.Unlock()
+		s.putFail.Add(1)
+		return false, false, nil
+	}
+	s.slots[i].pins++
+	s.mu.Unlock()
+
+	clear(buf[s.pageBytes:])
+	sum := xxh3.Hash(buf[:s.pageBytes])
+	werr := s.d.WriteBlockHeader(i, buf, &storage.BlockHeader{
+		SeqHash: key.Lo, Parent: key.Hi, HasParent: true, PayloadSum: sum, WrittenAt: time.Now().UnixNano()})
+
+	s.mu.Lock()
+	sl := &s.slots[i]
+	sl.pins--
+	_, raced := s.index[key] // another writer stored it meanwhile
+	if werr != nil || raced {
+		s.free = append(s.free, i)
+	} else {
+		sl.key, sl.sum, sl.used = key, sum, true
+		sl.elem = s.lru.PushFront(i)
+		s.index[key] = i
+	}
+	s.mu.Unlock()
+	if werr != nil {
+		s.putFail.Add(1)
+		s.log.Warn("kvbm: pagestore: write failed", "slot", i, "err", werr)
+		return false, false, werr
+	}
+	s.puts.Add(1)
+	s.bytesW.Add(s.pageBytes)
+	return true, false, nil
 }
 
 func anyTrue(b []bool) bool {
@@ -382,7 +436,7 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 		i, have := s.index[key]
 		if !have {
 			s.mu.Unlock()
-			s.misses.Add(1)
+			ok[k] = s.getObject(key, dsts[k], buf)
 			continue
 		}
 		sl := &s.slots[i]
@@ -418,9 +472,29 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 			s.hits.Add(1)
 			s.bytesR.Add(s.pageBytes)
 			ok[k] = true
+		} else {
+			ok[k] = s.getObject(key, dsts[k], buf)
 		}
 	}
 	return ok, nil
+}
+
+// getObject reads a page the disk tier lacks from the object tier
+// (verified there) into dst, and keeps it on disk.
+func (s *Store) getObject(key Key, dst Page, buf []byte) bool {
+	if s.obj == nil {
+		s.misses.Add(1)
+		return false
+	}
+	if err := s.obj.Download(context.Background(), key.Lo, buf[:s.pageBytes]); err != nil {
+		s.misses.Add(1)
+		return false
+	}
+	dst.scatter(buf[:s.pageBytes])
+	s.objHits.Add(1)
+	s.bytesR.Add(s.pageBytes)
+	_, _, _ = s.putLocal(key, buf)
+	return true
 }
 
 // Clear drops every page (their headers are invalidated on disk).
@@ -456,6 +530,7 @@ func (s *Store) Stats() Stats {
 		Recovered: s.recovered, Discarded: disc,
 		Puts: s.puts.Load(), PutDuplicates: s.dups.Load(), PutFailures: s.putFail.Load(),
 		Hits: s.hits.Load(), Misses: s.misses.Load(), Corrupt: s.corrupt.Load(), Evictions: s.evictions.Load(),
+		ObjectHits: s.objHits.Load(), ObjectUploads: s.objUploads.Load(),
 		BytesWritten: s.bytesW.Load(), BytesRead: s.bytesR.Load(), RecoverySeconds: s.recSecs,
 	}
 }

@@ -2,9 +2,12 @@ package pagestore
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -182,4 +185,82 @@ func TestClearAndBadPageSize(t *testing.T) {
 	s = open(t, dir, 2, "model=a")
 	defer func() { require.NoError(t, s.Close()) }()
 	require.Equal(t, 0, s.Stats().Recovered, "a cleared page does not come back")
+}
+
+// fakeObjects is an object tier in memory (goext/object's own tests cover
+// the real store against an S3 server).
+type fakeObjects struct {
+	mu   sync.Mutex
+	objs map[uint64][]byte
+}
+
+func (f *fakeObjects) Enqueue(h, _ uint64, p []byte) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.objs[h] = bytes.Clone(p)
+	return true
+}
+
+func (f *fakeObjects) Download(_ context.Context, h uint64, dst []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	p, ok := f.objs[h]
+	if !ok {
+		return errors.New("not found")
+	}
+	copy(dst, p)
+	return nil
+}
+
+func (f *fakeObjects) Lookup(_ context.Context, hs []uint64) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for i, h := range hs {
+		if _, ok := f.objs[h]; !ok {
+			return i
+		}
+	}
+	return len(hs)
+}
+
+// TestObjectTierSharesPagesAcrossStores: a page one store put is found and
+// read by another store (another host's disk) through the object tier, then
+// kept on that store's disk; a page corrupt on disk is read from the object
+// tier instead.
+func TestObjectTierSharesPagesAcrossStores(t *testing.T) {
+	objs := &fakeObjects{objs: map[uint64][]byte{}}
+	openObj := func(dir string) *Store {
+		s, err := Open(Options{Dir: dir, NumPages: 4, PageBytes: pageBytes, Identity: "model=a", Persist: true,
+			DisableODirect: true, Key: testKey(t, "pagestore test secret"), Object: objs,
+			Logger: slog.New(slog.NewTextHandler(t.Output(), nil))})
+		require.NoError(t, err)
+		return s
+	}
+	a := openObj(privateDir(t))
+	defer func() { require.NoError(t, a.Close()) }()
+	ok, err := a.Put(keys(a, "p0", "p1"), pg(page(0), page(1)))
+	require.NoError(t, err)
+	require.Equal(t, []bool{true, true}, ok)
+	require.Equal(t, int64(2), a.Stats().ObjectUploads)
+
+	b := openObj(privateDir(t))
+	defer func() { require.NoError(t, b.Close()) }()
+	require.Equal(t, 2, b.Exists(keys(b, "p0", "p1", "p2")))
+	dst := [][]byte{make([]byte, pageBytes), make([]byte, pageBytes)}
+	ok, err = b.Get(keys(b, "p1", "p0"), pg(dst...))
+	require.NoError(t, err)
+	require.Equal(t, []bool{true, true}, ok)
+	require.Equal(t, page(1), dst[0])
+	require.Equal(t, page(0), dst[1])
+	st := b.Stats()
+	require.Equal(t, int64(2), st.ObjectHits)
+	require.Equal(t, 2, st.Used, "downloaded pages are kept on disk")
+
+	corrupt(t, a, a.Key([]byte("p0")))
+	ok, err = a.Get(keys(a, "p0"), pg(dst[0]))
+	require.NoError(t, err)
+	require.Equal(t, []bool{true}, ok)
+	require.Equal(t, page(0), dst[0])
+	require.Equal(t, int64(1), a.Stats().Corrupt)
+	require.Equal(t, int64(1), a.Stats().ObjectHits)
 }

@@ -3,7 +3,8 @@
 SGLang's HiCache moves KV between GPU and host memory and hands host pages to
 a pluggable ``HiCacheStorage``. :class:`KvbmHiCacheStorage` stores them in
 kvbm's disk tier (G3): checksummed and MAC'd, and persistent across restarts
-unless ``DYN_KVBM_DISK_PERSIST=false``. Launch::
+unless ``DYN_KVBM_DISK_PERSIST=false``; with ``DYN_KVBM_OBJECT_ENABLED`` also in
+its shared object tier (G4), where every instance on the bucket finds them. Launch::
 
     python -m sglang.launch_server ... --enable-hierarchical-cache \\
       --hicache-storage-backend dynamic \\

@@ -34,6 +34,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvbm import _native
+from kvbm._envs import TRUTHY
 from kvbm._pagestore import PageStore
 
 log = logging.getLogger("kvbm.sglang")
@@ -119,13 +120,15 @@ class KvbmHiCacheStorage(HiCacheStorage):
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
         c = storage_config
-        if c.is_mla_model and c.tp_size > 1:
+        if c.is_mla_model and c.tp_size > 1 and self._env.get("DYN_KVBM_OBJECT_ENABLED", "").strip().lower() not in TRUTHY:
             # The disk tier is per process and only the writer rank backs
-            # pages up: the other ranks' stores stay empty, and SGLang's
-            # prefetch takes the minimum hit over the TP group.
+            # pages up: without the shared object tier the other ranks'
+            # stores stay empty, and SGLang's prefetch takes the minimum hit
+            # over the TP group.
             raise ValueError(
-                "kvbm: an MLA model with tp_size > 1 is not supported yet: kvbm's disk tier is per rank and "
-                "SGLang backs MLA pages up from one rank only, so the other ranks would never hit"
+                "kvbm: an MLA model with tp_size > 1 needs the object tier (DYN_KVBM_OBJECT_ENABLED=1 and its "
+                "DYN_KVBM_OBJECT_* settings): kvbm's disk tier is per rank and SGLang backs MLA pages up from one "
+                "rank only, so the other ranks would find them only there"
             )
 
     # -- identity ----------------------------------------------------------

@@ -264,3 +264,52 @@ func TestObjectTierSharesPagesAcrossStores(t *testing.T) {
 	require.Equal(t, int64(1), a.Stats().Corrupt)
 	require.Equal(t, int64(1), a.Stats().ObjectHits)
 }
+
+// TestConcurrentPutGetUnderEviction: writers and readers on overlapping keys
+// in a store much smaller than the key set (constant eviction): every read
+// that succeeds returns its key's page, never another's or a torn one.
+func TestConcurrentPutGetUnderEviction(t *testing.T) {
+	s := open(t, privateDir(t), 4, "model=a")
+	defer func() { require.NoError(t, s.Close()) }()
+	const nkeys, rounds = 12, 60
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for w := range 4 {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			for r := range rounds {
+				k := (r*7 + w) % nkeys
+				if _, err := s.Put(keys(s, fmt.Sprint(k)), pg(page(k))); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			dst := make([]byte, pageBytes)
+			for r := range rounds {
+				k := (r*5 + w) % nkeys
+				ok, err := s.Get(keys(s, fmt.Sprint(k)), pg(dst))
+				if err != nil {
+					errs <- err
+					return
+				}
+				if ok[0] && !bytes.Equal(dst, page(k)) {
+					errs <- fmt.Errorf("key %d: read another page", k)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	st := s.Stats()
+	require.LessOrEqual(t, st.Used, 4)
+	require.Positive(t, st.Evictions)
+	require.Zero(t, st.Corrupt)
+}

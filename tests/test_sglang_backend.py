@@ -258,6 +258,28 @@ def test_identity_separates_setups(tmp_path):
     a.close()
 
 
+def test_new_weights_under_one_path_do_not_find_old_pages(tmp_path):
+    """The model identity carries a digest of the checkpoint's config and
+    weight-file heads when the model name is a local path."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"hidden_size": 16}')
+    (ckpt / "model.safetensors").write_bytes(b"weights-v1" * 100)
+    pool = host_pool("page_first")
+    a = attach(storage_config(tmp_path, "page_first", model=str(ckpt)), pool)
+    host = pool.alloc(PAGE)
+    fill(pool, host, seed=12)
+    assert a.batch_set_v1(["k"], host) == [True]
+    a.close()
+    b = attach(storage_config(tmp_path, "page_first", model=str(ckpt)), pool)
+    assert b.batch_exists(["k"]) == 1, "the same checkpoint finds its pages"
+    b.close()
+    (ckpt / "model.safetensors").write_bytes(b"weights-v2" * 100)
+    c = attach(storage_config(tmp_path, "page_first", model=str(ckpt)), pool)
+    assert c.batch_exists(["k"]) == 0
+    c.close()
+
+
 def test_bad_settings_fail_at_attach_naming_them(tmp_path):
     pool = host_pool("page_first")
     with pytest.raises(KvbmError, match="DYN_KVBM_DISK_CACHE_GB"):

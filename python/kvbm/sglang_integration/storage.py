@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvbm import _native
 from kvbm._envs import TRUTHY
+from kvbm._model_digest import model_identity
 from kvbm._pagestore import PageStore
 
 log = logging.getLogger("kvbm.sglang")
@@ -137,7 +138,12 @@ class KvbmHiCacheStorage(HiCacheStorage):
         c = self.storage_config
         return {
             "scheme": _IDENTITY_SCHEME,
-            "model": c.model_name or "",
+            # The name (SGLang passes the model path, tagged with the host
+            # pool's page format when it has one) with, for a local
+            # checkpoint or a cached hub snapshot, its snapshot commit and a
+            # digest of its config and weight-file heads: new weights under an
+            # old path do not find the old weights' pages.
+            "model": model_identity(c.model_name or ""),
             "tp_size": c.tp_size,
             # MLA KV is the same on every TP rank.
             "tp_rank": None if c.is_mla_model else c.tp_rank,

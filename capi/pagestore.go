@@ -245,6 +245,9 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	if err != nil {
 		return err
 	}
+	if int(outCap) < len(ks) { // before any I/O
+		return errorf(statusInvalid, "%s: out_ok holds %d results, want %d", fn, int64(outCap), len(ks))
+	}
 	bufs, err := pageSegs(fn, h.s, segs, segsLen, pageEnds, pagesLen, len(ks))
 	if err != nil {
 		return err

@@ -41,8 +41,12 @@ from kvbm._pagestore import PageStore
 log = logging.getLogger("kvbm.sglang")
 
 # Keys of SGLang's extra config that are SGLang's own (the dynamic loader's,
-# the zero-copy switch) rather than kvbm settings.
-_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+# the zero-copy switch, the prefetch knobs its controller pops before the
+# backend sees the config) rather than kvbm settings.
+_SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
+    "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+})
 
 # Bump when the identity's fields or their meaning change: old files are then
 # kept but not reused.

@@ -125,7 +125,8 @@ class KvbmHiCacheStorage(HiCacheStorage):
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
         c = storage_config
-        if c.is_mla_model and c.tp_size > 1 and self._env.get("DYN_KVBM_OBJECT_ENABLED", "").strip().lower() not in TRUTHY:
+        g4 = self._env.get("DYN_KVBM_OBJECT_ENABLED", "").strip().lower() in TRUTHY
+        if c.is_mla_model and c.tp_size > 1 and not g4:
             # The disk tier is per process and only the writer rank backs
             # pages up: without the shared object tier the other ranks'
             # stores stay empty, and SGLang's prefetch takes the minimum hit

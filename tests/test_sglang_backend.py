@@ -4,8 +4,10 @@ own, because importing sglang patches transformers for the whole process
 (sglang/__init__.py applies its Hugging Face patches at import), which must
 not reach the vLLM tests of this run.
 
-Without sglang this is skipped with a reason, except under CI where it
-fails: .ci/python-deps.sh installs it (--no-deps).
+The interpreter: .venv-sglang/bin/python (made by .ci/python-deps.sh: sglang
+without its dependencies, over .venv's packages) when it exists, else this
+one if it has sglang. Without either this is skipped with a reason, except
+under CI where it fails.
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SGLANG_PY = os.path.join(os.path.dirname(HERE), ".venv-sglang", "bin", "python")
 
 
 def test_sglang_contract():
-    if importlib.util.find_spec("sglang") is None:
+    if os.path.exists(SGLANG_PY):
+        py = SGLANG_PY
+    elif importlib.util.find_spec("sglang") is not None:
+        py = sys.executable
+    else:
+        why = "sglang not installed: .ci/python-deps.sh makes .venv-sglang (install_sglang_env)"
         if os.environ.get("CI"):
-            pytest.fail("sglang not installed: .ci/python-deps.sh installs it (--no-deps)")
-        pytest.skip("sglang not installed: .ci/python-deps.sh installs it (--no-deps)")
+            pytest.fail(why)
+        pytest.skip(why)
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "--rootdir", os.path.dirname(HERE),
+        [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "--rootdir", os.path.dirname(HERE),
          os.path.join(HERE, "sglang_contract.py")],
         capture_output=True, text=True, timeout=900,
     )

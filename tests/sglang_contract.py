@@ -358,6 +358,9 @@ def test_hybrid_pools_fail_at_attach(tmp_path):
     with pytest.raises(NotImplementedError, match="hybrid"):
         backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
     backend.close()
+    # An anchor pool without flat pages (a pool group) is refused by name.
+    with pytest.raises(NotImplementedError, match="SimpleNamespace has no flat pages"):
+        attach(storage_config(tmp_path, "page_first"), types.SimpleNamespace(page_size=PAGE))
 
 
 def test_signatures_match_sglang_base_class():

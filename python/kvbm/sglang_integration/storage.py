@@ -181,6 +181,12 @@ class KvbmHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         if self._store is not None:
             return
+        if not all(hasattr(mem_pool_host, m) for m in ("get_dummy_flat_data_page", "get_data_page",
+                                                       "set_from_flat_data_page", "page_size")):
+            raise NotImplementedError(
+                f"kvbm: SGLang host pool {type(mem_pool_host).__name__} has no flat pages (a hybrid model's pool "
+                f"group?): not supported yet; use kvbm with a model whose HiCache has one KV pool"
+            )
         dummy = mem_pool_host.get_dummy_flat_data_page()
         self._page_size = int(mem_pool_host.page_size)
         self._page_numel = dummy.numel()

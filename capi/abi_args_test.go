@@ -60,6 +60,14 @@ var abiExports = map[string]any{
 	"kvbm_consolidator_new":   kvbm_consolidator_new,
 	"kvbm_consolidator_stats": kvbm_consolidator_stats,
 	"kvbm_consolidator_free":  kvbm_consolidator_free,
+
+	"kvbm_pagestore_new":    kvbm_pagestore_new,
+	"kvbm_pagestore_free":   kvbm_pagestore_free,
+	"kvbm_pagestore_info":   kvbm_pagestore_info,
+	"kvbm_pagestore_put":    kvbm_pagestore_put,
+	"kvbm_pagestore_get":    kvbm_pagestore_get,
+	"kvbm_pagestore_exists": kvbm_pagestore_exists,
+	"kvbm_pagestore_clear":  kvbm_pagestore_clear,
 }
 
 // abiTagged: exports of kvbm.h that only builds with a tag have; they take
@@ -107,6 +115,13 @@ var abiValid = map[string]cCall{
 
 	"kvbm_consolidator_new":   {"opts_json": consolidatorOpts},
 	"kvbm_consolidator_stats": {},
+
+	"kvbm_pagestore_new":    {"opts_json": pagestoreOpts},
+	"kvbm_pagestore_info":   {},
+	"kvbm_pagestore_put":    pagestoreIO(),
+	"kvbm_pagestore_get":    pagestoreIO(),
+	"kvbm_pagestore_exists": {"keys": []byte("ab"), "key_ends": []int64{2}},
+	"kvbm_pagestore_clear":  {},
 }
 
 // kvbm_tokens_from_pylist is written in C (pylist.c, called with the GIL
@@ -126,6 +141,7 @@ func TestExportsRejectBadArguments(t *testing.T) {
 		"leader":       newTestHandle(t, protos, "kvbm_leader_new", leaderOpts),
 		"worker":       newTestHandle(t, protos, "kvbm_worker_new", workerOpts(t)),
 		"consolidator": newTestHandle(t, protos, "kvbm_consolidator_new", consolidatorOpts),
+		"pagestore":    newTestHandle(t, protos, "kvbm_pagestore_new", pagestoreOpts),
 	}
 	t.Cleanup(func() {
 		for kind, h := range handles {

@@ -34,6 +34,8 @@ func TestFreeRacingCalls(t *testing.T) {
 			"kvbm_worker_recovered", "kvbm_worker_g4_report", "kvbm_worker_wait_loads"}},
 		{"consolidator", func() string { return consolidatorOpts }, []string{"kvbm_consolidator_stats",
 			"kvbm_consolidator_stats"}},
+		{"pagestore", func() string { return pagestoreOpts }, []string{"kvbm_pagestore_info", "kvbm_pagestore_put",
+			"kvbm_pagestore_get", "kvbm_pagestore_exists"}},
 	}
 	for _, k := range kinds {
 		t.Run(k.kind, func(t *testing.T) {

@@ -94,6 +94,23 @@ int kvbm_consolidator_new(char *opts_json, uint64_t *out, char **err);
 int kvbm_consolidator_stats(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
 void kvbm_consolidator_free(uint64_t hd);
 
+/* page store over the disk tier, keyed by an engine's key strings (SGLang HiCache's L3 backend): keys is the
+ * concatenated key bytes, key_ends each key's end offset in it; segs (address, length) pairs of host memory, page i
+ * being pairs [page_ends[i-1], page_ends[i]) whose lengths add up to the store's page size; out_ok[i] = 1 where key i
+ * was stored / read (a page failing its checksum or MAC reads as missing) */
+int kvbm_pagestore_new(char *opts_json, uint64_t *out, char **err);
+void kvbm_pagestore_free(uint64_t hd);
+int kvbm_pagestore_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_pagestore_put(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_ends, int64_t n, uint64_t *segs,
+                       int64_t segs_len, int64_t *page_ends, int64_t pages_len, uint8_t *out_ok, int64_t out_cap,
+                       char **err);
+int kvbm_pagestore_get(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_ends, int64_t n, uint64_t *segs,
+                       int64_t segs_len, int64_t *page_ends, int64_t pages_len, uint8_t *out_ok, int64_t out_cap,
+                       char **err);
+int kvbm_pagestore_exists(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_ends, int64_t n, int64_t *out_hits,
+                          char **err);
+int kvbm_pagestore_clear(uint64_t hd, char **err);
+
 /* test-only exports, present in libkvbm_debug.so (built with -tags kvbm_debug) */
 int kvbm_debug_panic(char **err);
 void kvbm_debug_panic_in_free(void);

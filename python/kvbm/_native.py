@@ -107,6 +107,7 @@ OPTIONAL_SYMBOLS = frozenset({"kvbm_debug_panic", "kvbm_debug_panic_in_free", "k
 def signatures() -> dict[str, Signature]:
     """Every ctypes signature the package declares: name -> (restype, argtypes)."""
     import kvbm._core  # noqa: F401  (registers leader, worker, consolidator)
+    import kvbm._pagestore  # noqa: F401  (registers the page store)
 
     return {**_BASE_SIGNATURES, **_EXTRA_SIGNATURES}
 

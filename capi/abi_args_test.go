@@ -118,8 +118,8 @@ var abiValid = map[string]cCall{
 
 	"kvbm_pagestore_new":    {"opts_json": pagestoreOpts},
 	"kvbm_pagestore_info":   {},
-	"kvbm_pagestore_put":    pagestoreIO(),
-	"kvbm_pagestore_get":    pagestoreIO(),
+	"kvbm_pagestore_put":    pagestoreIO(&abiPutPage),
+	"kvbm_pagestore_get":    pagestoreIO(&abiGetPage),
 	"kvbm_pagestore_exists": {"keys": []byte("ab"), "key_ends": []int64{2}},
 	"kvbm_pagestore_clear":  {},
 }

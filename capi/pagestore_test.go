@@ -12,14 +12,16 @@ import (
 const pagestoreOpts = `{"identity":"abi-test","page_bytes":64,"env":{"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS":"2",` +
 	`"DYN_KVBM_DISK_DISABLE_O_DIRECT":"true"}}`
 
-// abiPage is the page the argument checks' valid put and get use.
-var abiPage [64]byte
+// abiPutPage and abiGetPage are the pages the argument checks' valid put
+// and get use: separate, since TestFreeRacingCalls runs a put and a get at
+// once (a get writes its page while a put reads its own).
+var abiPutPage, abiGetPage [64]byte
 
 // pagestoreIO is a valid kvbm_pagestore_put / _get call: one key, "ab", and
 // its page.
-func pagestoreIO() cCall {
+func pagestoreIO(page *[64]byte) cCall {
 	return cCall{"keys": []byte("ab"), "key_ends": []int64{2},
-		"segs": []uint64{uint64(uintptr(unsafe.Pointer(&abiPage[0]))), 64}, "page_ends": []int64{1}, "out_ok": make([]byte, 1)}
+		"segs": []uint64{uint64(uintptr(unsafe.Pointer(&page[0]))), 64}, "page_ends": []int64{1}, "out_ok": make([]byte, 1)}
 }
 
 // TestPagestoreRoundTrip: a page put through the ABI (in segments) reads

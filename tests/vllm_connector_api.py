@@ -28,11 +28,11 @@ HANDLING: dict[str, str] = {
     'get_handshake_metadata': 'kvbm: the recovered persistent disk tier index',
     'get_kv_connector_kv_cache_events': "base: kvbm's tier events go through take_events (scheduler side)",
     'get_kv_connector_stats': 'kvbm',
-    'get_loaded_kv_cache_group_ids': 'base: kvbm serves one KV cache group (hybrid models are bypassed)',
+    'get_loaded_kv_cache_group_ids': "base: the prefix-cacheable groups; a kvbm block holds every layer of each",
     'get_mem_pool_context': 'kvbm',
     'get_num_new_matched_tokens': 'kvbm: None while a G4 lookup is pending',
     'get_required_kvcache_layout': 'base: kvbm reads whichever layout vLLM allocates',
-    'get_transfer_results': 'base: wraps get_finished',
+    'get_transfer_results': "kvbm: the base's answer plus, with several KV cache groups, requests whose load failed (vLLM takes those per request)",
     'handle_preemptions': "base: offloads finish inside wait_for_save of their step, so a preempted request's blocks hold no pending save",
     'has_connector_metadata': 'base',
     'has_pending_block_frees': "base: kvbm never holds vLLM's blocks past get_finished",
@@ -53,7 +53,7 @@ HANDLING: dict[str, str] = {
     'set_xfer_handshake_metadata_pp_aware': 'base: forwards pp rank 0 to set_xfer_handshake_metadata (kvbm has no pipeline parallelism)',
     'shutdown': 'kvbm',
     'start_load_kv': 'kvbm',
-    'supports_divergent_local_hybrid_hits': 'base: False, hybrid models are bypassed',
+    'supports_divergent_local_hybrid_hits': 'base: False, kvbm serves no state (Mamba) groups',
     'supports_sleep_mode': "kvbm: False with a log line; the KV cache remap would leave kvbm's worker with stale addresses",
     'take_events': 'kvbm',
     'unregister_kv_caches': 'kvbm: kvbm declines sleep mode (supports_sleep_mode); reached anyway it turns kvbm off before the memory goes',
@@ -185,6 +185,6 @@ CALL_SITES: list[str] = [
 # Methods called there that are not KVConnectorBase_V1's: other connectors'
 # interfaces, called only on connectors that have them.
 OTHER_INTERFACES: dict[str, str] = {
-    "request_finished_all_groups": "SupportsHMA connectors only (hybrid models); kvbm bypasses hybrid models",
+    "request_finished_all_groups": "SupportsHMA (hybrid models): DynamoConnector implements it",
     "get_aligned_num_cpu_blocks": "vLLM's SimpleCPUOffloadConnector only",
 }

@@ -189,6 +189,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		h.release()
 		return err
 	}
+	h.g4TierEvents(g4opts)
 	l, err := leader.New(leader.Options{
 		G4:               g4opts,
 		Config:           cfg,

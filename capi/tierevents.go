@@ -11,6 +11,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/leader"
 )
 
 // withTierEvents adds the leader's tier event buffer to sink when the
@@ -26,9 +27,18 @@ func (h *leaderHandle) withTierEvents(o leaderOptions, sink events.Sink) events.
 	return events.Tee{sink, h.tierEvents}
 }
 
+// g4TierEvents has the leader's G4 registry changes kept with the tier
+// events (G4 on and tier events asked for).
+func (h *leaderHandle) g4TierEvents(g4 *leader.G4Options) {
+	if g4 != nil && h.tierEvents != nil {
+		g4.Events = h.tierEvents
+	}
+}
+
 // tierEvent is one entry of kvbm_leader_take_events, a msgpack array:
-// [removed, tier (2: host G2, 3: disk G3), seq_hash, parent (nil for the
-// first block of a sequence or a removal), tokens (stores only)].
+// [removed, tier (2: host G2, 3: disk G3, 4: object store G4), seq_hash,
+// parent (nil for the first block of a sequence, a removal or a G4 block:
+// the G4 registry knows hashes only), tokens (G2/G3 stores only)].
 type tierEvent struct {
 	_msgpack struct{} `msgpack:",as_array"`
 	Removed  bool
@@ -47,7 +57,7 @@ type tierEventsReply struct {
 	Dropped  uint64
 }
 
-// kvbm_leader_take_events drains the G2/G3 store and removal events the
+// kvbm_leader_take_events drains the G2/G3/G4 store and removal events the
 // leader kept since the last call (a leader created with "tier_events"),
 // msgpack-encoded (tierEventsReply); without tier events the answer is
 // empty.

@@ -23,7 +23,9 @@ Two input formats, both as already-decoded Python values:
 
 With ``per_medium=True`` it reads vLLM's own event stream, where each tier
 reports its own stores and removals under the same block hash (``medium``
-GPU, CPU, STORAGE), as routers that track a block's tiers do: a block is
+GPU, CPU, STORAGE; a non-LOCAL ``locality`` makes another tier, named
+``STORAGE@REMOTE`` for object storage), as routers that track a block's
+tiers do: a block is
 stored once per medium (again in the same medium is ``DUPLICATE_STORE``),
 removed per medium (from a medium that does not hold it is
 ``REMOVE_UNKNOWN``) and leaves the index when no medium holds it; its
@@ -165,6 +167,7 @@ class RouterIndex:
                 tokens = ev.get("token_ids", [])
                 block_size = ev.get("block_size", 0)
                 medium = ev.get("medium")
+                locality = ev.get("locality")
             else:
                 tag = ev[0]
                 hashes = ev[1] if len(ev) > 1 else []
@@ -175,7 +178,12 @@ class RouterIndex:
                     medium = ev[6] if len(ev) > 6 else None
                 else:
                     medium = ev[2] if tag == "BlockRemoved" and len(ev) > 2 else None
+                locality = None
             medium = medium or "GPU"
+            if locality not in (None, "LOCAL"):
+                # A remote tier of the same medium is another tier (vLLM's
+                # object-storage tier: STORAGE, REMOTE).
+                medium = f"{medium}@{locality}"
             if tag == "BlockStored":
                 if not block_size or block_size <= 0:
                     self._bad(worker, f"BlockStored with block_size {block_size}")

@@ -273,6 +273,69 @@ def test_tier_events_in_vllm_stream(env):
         fake.worker.shutdown()
 
 
+def test_g4_tier_events_in_vllm_stream(env, s3_server):
+    """G4 in vLLM's stream: every block uploaded to the bucket is announced
+    as medium STORAGE, locality REMOTE (vLLM's object-storage tier) when the
+    leader's G4 registry takes it, under its vLLM hash with its tokens, and
+    removed when the registry lets it go (LRU, here 8 blocks for 15
+    uploaded); G2 evictions and a reset leave the G4 copies known. A router
+    index fed only these events stays consistent throughout."""
+    env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "6")
+    env.setenv("DYN_KVBM_OBJECT_NUM_BLOCKS", "8")
+    for k, v in s3_server.env("kvbm-events").items():
+        env.setenv(k, v)
+    fake = make_fake(events=True)
+    idx = RouterIndex(per_medium=True)
+    vllm_hashes: dict = {}
+    remote: list = []  # G4 events, in order
+
+    def drain():
+        evs = fake.sched.take_events()
+        for ev in evs:
+            assert (ev.medium, ev.locality) in {("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")}
+            if ev.locality == "REMOTE":
+                remote.append(ev)
+        if evs:
+            idx.apply_all(decode_stream([KVEventBatch(ts=time.time(), events=evs)]))
+        idx.assert_consistent()
+
+    try:
+        prompts = [prompt(s + 40, 3 * BS + 1) for s in range(5)]  # 15 distinct full blocks
+        for i, p in enumerate(prompts):
+            req = HashedRequest(f"r{i}", p)
+            for j, h in enumerate(req.block_hashes):
+                vllm_hashes[maybe_convert_block_hash(h)] = tuple(p[j * BS:(j + 1) * BS])
+            fake.add(req)
+            while not fake.idle():
+                fake.step()
+                drain()
+        deadline = time.monotonic() + 60
+        while sum(isinstance(ev, BlockStored) for ev in remote) < 15:
+            assert time.monotonic() < deadline, f"G4 stores announced: {len(remote)} events"
+            time.sleep(0.05)
+            fake.step()  # the worker's upload acknowledgements reach the leader with a step's output
+            drain()
+        stores = [ev for ev in remote if isinstance(ev, BlockStored)]
+        removes = [ev for ev in remote if isinstance(ev, BlockRemoved)]
+        assert len({ev.block_hashes[0] for ev in stores}) == 15
+        assert len(removes) == 7, "the registry keeps 8: the 7 least recent leave it"
+        for ev in stores:
+            assert vllm_hashes[ev.block_hashes[0]] == tuple(ev.token_ids)
+        assert any(ev.parent_block_hash is not None for ev in stores)
+        g4 = idx.blocks_in("STORAGE@REMOTE")
+        assert len(g4) == 8
+        assert g4 - idx.blocks_in("CPU"), "blocks held only in G4 are known"
+
+        assert fake.sched.reset_cache()
+        drain()
+        assert idx.blocks_in("CPU") == set()
+        assert set(idx.blocks()) == g4, "after the reset the router knows the G4 blocks only"
+        assert fake.sched.get_kv_connector_stats().counter("kv_events_unmapped") == 0
+    finally:
+        fake.sched.shutdown()
+        fake.worker.shutdown()
+
+
 def test_no_tier_events_without_vllm_kv_events(env):
     fake = make_fake(events=False)
     try:

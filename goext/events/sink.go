@@ -10,6 +10,10 @@ const (
 	HolderEngine   Holder = 1 // vLLM or TensorRT-LLM G1
 	HolderKvbmHost Holder = 2 // kvbm G2
 	HolderKvbmDisk Holder = 3 // kvbm G3
+	// HolderKvbmObject: kvbm G4, the blocks this leader's G4 registry
+	// believes the object store holds (tier events only, never the
+	// consolidator's).
+	HolderKvbmObject Holder = 4
 )
 
 func (h Holder) String() string {
@@ -20,6 +24,8 @@ func (h Holder) String() string {
 		return "KvbmHost"
 	case HolderKvbmDisk:
 		return "KvbmDisk"
+	case HolderKvbmObject:
+		return "KvbmObject"
 	}
 	return "Unknown"
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 )
@@ -70,6 +71,14 @@ type G4Options struct {
 	// rank 0's fingerprint with its first step's output, which vLLM runs even
 	// while every request waits.
 	StoreWait time.Duration
+	// Events, when set, receives a store (events.HolderKvbmObject) for
+	// every block that enters the leader's G4 registry and a removal for
+	// every block that leaves it (evicted from the registry, or dropped
+	// after a failed or unverifiable download): the blocks this leader
+	// believes the bucket holds. Blocks already in the registry when the
+	// leader starts watching it are announced then; when SetG4Store replaces
+	// the registry, the old one's blocks are removed first.
+	Events events.Sink
 }
 
 type g4State struct {
@@ -77,7 +86,8 @@ type g4State struct {
 	storeWait time.Time // Async without a store: Pending until then
 	reg       *object.Registry
 	probes    map[string]*g4Probe
-	release   []tierHash // G2 blocks to release next step (write-through off)
+	release   []tierHash      // G2 blocks to release next step (write-through off)
+	unwatch   func() []uint64 // stops the Events watch of reg (nil without Events)
 }
 
 type g4Probe struct{ done bool }
@@ -107,7 +117,37 @@ func newG4State(o *G4Options) *g4State {
 	} else if reg == nil {
 		reg = object.NewRegistry(100000)
 	}
-	return &g4State{opts: opts, reg: reg, probes: make(map[string]*g4Probe)}
+	g := &g4State{opts: opts, reg: reg, probes: make(map[string]*g4Probe)}
+	g.watch()
+	return g
+}
+
+// watch announces g.reg's blocks to opts.Events and follows its changes.
+func (g *g4State) watch() {
+	sink := g.opts.Events
+	if sink == nil {
+		return
+	}
+	held, stop := g.reg.Watch(func(h uint64, added bool) {
+		sink.Publish(events.BlockEvent{Removed: !added, Holder: events.HolderKvbmObject, SeqHash: h})
+	})
+	for _, h := range held {
+		sink.Publish(events.BlockEvent{Holder: events.HolderKvbmObject, SeqHash: h})
+	}
+	g.unwatch = stop
+}
+
+// unwatchAll stops following g.reg and announces its blocks removed (the
+// leader no longer answers for them).
+func (g *g4State) unwatchAll() {
+	if g == nil || g.unwatch == nil {
+		return
+	}
+	held := g.unwatch()
+	g.unwatch = nil
+	for _, h := range held {
+		g.opts.Events.Publish(events.BlockEvent{Removed: true, Holder: events.HolderKvbmObject, SeqHash: h})
+	}
 }
 
 // SetG4Store gives the leader rank 0's store once known (see G4Options);
@@ -120,8 +160,21 @@ func (l *Leader) SetG4Store(s *object.Store) bool {
 		return false
 	}
 	l.g4.opts.Store = s
+	l.g4.unwatchAll()
 	l.g4.reg = s.Registry()
+	l.g4.watch()
 	return true
+}
+
+// StopG4Events stops publishing G4 registry changes to G4Options.Events
+// (the leader is going away; a shared store's registry lives on).
+func (l *Leader) StopG4Events() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.g4 != nil && l.g4.unwatch != nil {
+		l.g4.unwatch()
+		l.g4.unwatch = nil
+	}
 }
 
 // G4Store is rank 0's store, nil until known or without G4.

@@ -105,9 +105,10 @@ func (l *Leader) wakeSideChannel() {
 }
 
 // Close stops the background loop (an operation in flight is cancelled and
-// committed failed) and waits for it. The leader's other methods keep
+// committed failed) and waits for it, and stops G4's registry events. The leader's other methods keep
 // working; Close is idempotent.
 func (l *Leader) Close() {
+	l.StopG4Events()
 	if l.sc == nil {
 		return
 	}

@@ -11,9 +11,11 @@ import (
 type Registry struct {
 	cap int
 
-	mu sync.Mutex // guards the fields below
-	ll *list.List // front: most recent
-	m  map[uint64]*list.Element
+	mu       sync.Mutex // guards the fields below
+	ll       *list.List // front: most recent
+	m        map[uint64]*list.Element
+	watchers map[int]func(h uint64, added bool)
+	nextW    int
 }
 
 // NewRegistry returns an empty registry of at most capacity hashes (≥ 1).
@@ -30,10 +32,13 @@ func (r *Registry) Add(h uint64) {
 		return
 	}
 	r.m[h] = r.ll.PushFront(h)
+	r.notify(h, true)
 	for r.ll.Len() > r.cap {
 		e := r.ll.Back()
 		r.ll.Remove(e)
-		delete(r.m, e.Value.(uint64))
+		old := e.Value.(uint64)
+		delete(r.m, old)
+		r.notify(old, false)
 	}
 }
 
@@ -64,6 +69,47 @@ func (r *Registry) Remove(h uint64) {
 	if e, ok := r.m[h]; ok {
 		r.ll.Remove(e)
 		delete(r.m, h)
+		r.notify(h, false)
+	}
+}
+
+// Watch calls fn for every hash that enters (added) or leaves the registry
+// (evicted or removed), in the order of those changes: fn runs under the
+// registry's lock, so it must be quick and must not call the registry.
+// It returns the hashes held when watching started (least recent first),
+// which fn will not be told about, and stop, after which fn is not called;
+// stop returns the hashes held then, so that a watcher that announced the
+// registry's contents can withdraw exactly them.
+func (r *Registry) Watch(fn func(h uint64, added bool)) (held []uint64, stop func() []uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.watchers == nil {
+		r.watchers = make(map[int]func(uint64, bool))
+	}
+	id := r.nextW
+	r.nextW++
+	r.watchers[id] = fn
+	return r.hashes(), func() []uint64 {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		delete(r.watchers, id)
+		return r.hashes()
+	}
+}
+
+// hashes lists the registry, least recent first. r.mu held.
+func (r *Registry) hashes() []uint64 {
+	held := make([]uint64, 0, r.ll.Len())
+	for e := r.ll.Back(); e != nil; e = e.Prev() {
+		held = append(held, e.Value.(uint64))
+	}
+	return held
+}
+
+// notify tells the watchers about h. r.mu held.
+func (r *Registry) notify(h uint64, added bool) {
+	for _, fn := range r.watchers {
+		fn(h, added)
 	}
 }
 

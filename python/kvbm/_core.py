@@ -192,18 +192,19 @@ class WorkerStats(TypedDict):
 
 
 class TierEvent(NamedTuple):
-    """A G2/G3 store or removal (:meth:`Leader.take_events`)."""
+    """A G2/G3/G4 store or removal (:meth:`Leader.take_events`)."""
 
     removed: bool
-    tier: int  # TIER_HOST (G2) or TIER_DISK (G3)
+    tier: int  # TIER_HOST (G2), TIER_DISK (G3) or TIER_OBJECT (G4)
     seq_hash: int  # kvbm's sequence hash of the block
-    parent: int | None  # the parent's sequence hash (stores; None for a first block)
-    tokens: list[int]  # the block's tokens (stores)
+    parent: int | None  # the parent's sequence hash (G2/G3 stores; None for a first block)
+    tokens: list[int]  # the block's tokens (G2/G3 stores: G4's registry knows hashes only)
 
 
 # TierEvent.tier values (goext/events Holder).
 TIER_HOST = 2
 TIER_DISK = 3
+TIER_OBJECT = 4  # the blocks the leader's G4 registry believes the bucket holds
 
 
 class ConsolidatorStats(TypedDict):
@@ -326,7 +327,7 @@ class Leader(_native.Handle):
             # short of it, so the engine computes only the last token.
             opts["load_full_hit"] = True
         if tier_events:
-            # Keep G2/G3 store and removal events for take_events.
+            # Keep G2/G3/G4 store and removal events for take_events.
             opts["tier_events"] = True
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
@@ -438,7 +439,7 @@ class Leader(_native.Handle):
         super().close()
 
     def take_events(self) -> tuple[list[TierEvent], int]:
-        """The G2/G3 store and removal events since the last call, oldest
+        """The G2/G3/G4 store and removal events since the last call, oldest
         first (a leader created with ``tier_events``; none otherwise), and
         how many events were dropped so far because nobody took them."""
         data = _buffer_call("kvbm_leader_take_events", self._h)

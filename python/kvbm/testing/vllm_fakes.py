@@ -276,6 +276,8 @@ class FakeVllm:
             ext, is_async = 0, False
             if req.num_computed_tokens == 0:
                 ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
+                if ext is None:  # the connector's lookup still runs: vLLM skips it and asks next step
+                    continue
                 req.external_hits.append(ext)
             n = 0 if is_async else min(req.num_tokens - req.num_computed_tokens - ext, budget)
             if self._alloc(req, req.num_computed_tokens + ext + n) is None:
@@ -362,7 +364,8 @@ class FakeVllm:
                 if len(req.output) >= req.max_tokens:
                     self.running.remove(req)
                     self._finish(req)
-        out = SimpleNamespace(finished_recving=recving, finished_sending=sending, invalid_block_ids=invalid)
+        out = SimpleNamespace(finished_recving=recving, finished_sending=sending, invalid_block_ids=invalid,
+                              kv_connector_worker_meta=w.build_connector_worker_meta())
         self.sched.update_connector_output(out)
         # kv_load_failure_policy "recompute": a loading request keeps the
         # valid prefix before its first failed block.

@@ -9,6 +9,9 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "engine": {...LLM kwargs overrides...},
        "kvbm": true|false, "env": {...},
        "events": false | {"endpoint": "tcp://*:5557"},
+       "collect": {name: endpoint} (ZMQ subscribers; "consolidated" is kvbm's),
+       "settle_collectors": seconds (collectors other than "consolidated" are
+           complete once nothing arrived for that long after the last action),
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
                    {"each": [[ids...], ...], "max_tokens": 1, "check_tokens": 16, "tag": "timed"},
                    {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
@@ -149,6 +152,16 @@ def _wait_for(pred: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _settle(c: FrameCollector, quiet_s: float, timeout: float = 60) -> None:
+    """Wait until c received nothing new for quiet_s seconds."""
+    end = time.time() + timeout
+    last, since = len(c.frames), time.time()
+    while time.time() < end and time.time() - since < quiet_s:
+        time.sleep(0.05)
+        if len(c.frames) != last:
+            last, since = len(c.frames), time.time()
 
 
 def _decode_frames(frames: Sequence[Sequence[bytes]]) -> list[Any]:
@@ -360,6 +373,12 @@ def run(spec: dict) -> dict:
 
             if not _wait_for(complete, 60):
                 raise RuntimeError(f"consolidated events: received {cons.events()}, published {want()}")
+        for name, c in collectors.items():
+            if name != "consolidated" and spec.get("settle_collectors"):
+                # The engine's own stream has no published count to wait
+                # for: it is complete when nothing more arrives for a while
+                # (the last action left the engine idle).
+                _settle(c, spec["settle_collectors"])
         result["collected"] = {name: _decode_frames(c.close()) for name, c in collectors.items()}
     del llm
     return result

@@ -1,9 +1,17 @@
-"""kvbm's host (G2) and disk (G3) tiers in vLLM's own KV event stream
-(``--kv-events-config``): the scheduler-side connector's ``take_events``
-returns vLLM ``BlockStored`` / ``BlockRemoved`` events for them, with the
-medium vLLM's native offloading uses (``CPU`` for G2, ``STORAGE`` for G3,
-locality ``LOCAL``), so a router reading vLLM's events sees kvbm's tiers
-without the consolidator.
+"""kvbm's host (G2), disk (G3) and object store (G4) tiers in vLLM's own KV
+event stream (``--kv-events-config``): the scheduler-side connector's
+``take_events`` returns vLLM ``BlockStored`` / ``BlockRemoved`` events for
+them, with the medium and locality vLLM's native offloading uses (``CPU`` /
+``LOCAL`` for G2, ``STORAGE`` / ``LOCAL`` for G3, and ``STORAGE`` /
+``REMOTE`` for G4, as vLLM's object-storage tier), so a router reading vLLM's
+events sees kvbm's tiers without the consolidator.
+
+G4's events say what this instance believes the bucket holds: a block is
+stored when it enters the leader's G4 registry (an upload acknowledged, a
+lookup that found it) and removed when it leaves it (LRU eviction from the
+registry, a failed or unverifiable download). The registry knows hashes
+only: a G4 store takes its tokens and parent from the request that named the
+block.
 
 The Go leader names blocks by kvbm's sequence hashes; vLLM's events name
 them by vLLM's block hashes. Every full block the leader is sent is mapped
@@ -44,6 +52,7 @@ except Exception:  # pragma: no cover - vLLM absent
     MEDIUM_CPU, MEDIUM_STORAGE = "CPU", "STORAGE"
 
 LOCALITY = "LOCAL"
+REMOTE = "REMOTE"  # G4: the bucket, shared by every instance
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -76,13 +85,16 @@ def _block_hashes(request: Any, block_size: int, hash_block_size: int) -> list[A
 
 
 class _Block:
-    __slots__ = ("external", "lora_id", "lora_name", "media")
+    __slots__ = ("external", "lora_id", "lora_name", "media", "parent", "tokens")
 
-    def __init__(self, external: Any, lora_id: int | None, lora_name: str | None) -> None:
+    def __init__(self, external: Any, lora_id: int | None, lora_name: str | None,
+                 parent: int | None = None, tokens: tuple = ()) -> None:
         self.external = external
         self.lora_id = lora_id
         self.lora_name = lora_name
-        self.media: set[str] = set()  # the tiers that announced it
+        self.media: set[tuple[str, str]] = set()  # the tiers (medium, locality) that announced it
+        self.parent = parent  # kvbm sequence hash of the previous block (G4 stores)
+        self.tokens = tokens  # the block's tokens (G4 stores)
 
 
 class TierEvents:
@@ -90,9 +102,10 @@ class TierEvents:
     leader). Not thread-safe: vLLM's scheduler calls it from one thread."""
 
     def __init__(self, block_size: int, hash_block_size: int, max_pending: int) -> None:
-        from kvbm._core import TIER_DISK, TIER_HOST  # with the leader: the native handles are loaded
+        from kvbm._core import TIER_DISK, TIER_HOST, TIER_OBJECT  # with the leader: the native handles are loaded
 
-        self._medium = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_STORAGE}
+        self._medium = {TIER_HOST: (MEDIUM_CPU, LOCALITY), TIER_DISK: (MEDIUM_STORAGE, LOCALITY),
+                        TIER_OBJECT: (MEDIUM_STORAGE, REMOTE)}
         self._bs = block_size
         self._hash_bs = hash_block_size
         # kvbm sequence hash → block, for blocks some kvbm tier announced ...
@@ -126,7 +139,8 @@ class TierEvents:
             h = seq[i]
             if h in self._held:
                 continue
-            self._pending[h] = _Block(_external(ext[i]), lora_id, lora_name)
+            self._pending[h] = _Block(_external(ext[i]), lora_id, lora_name, parent=seq[i - 1] if i else None,
+                                      tokens=tuple(tokens[i * self._bs:(i + 1) * self._bs]))
             self._pending.move_to_end(h)
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
@@ -140,21 +154,22 @@ class TierEvents:
         evs, self.dropped = leader.take_events()
         out: list[Any] = []
         for ev in evs:
-            medium = self._medium.get(ev.tier)
-            if medium is None:
+            tier = self._medium.get(ev.tier)
+            if tier is None:
                 continue
+            medium, locality = tier
             if ev.removed:
                 b = self._held.get(ev.seq_hash)
-                if b is None or medium not in b.media:
+                if b is None or tier not in b.media:
                     self.unmapped += 1  # never announced in this tier
                     continue
-                b.media.discard(medium)
+                b.media.discard(tier)
                 if not b.media:  # no kvbm tier holds it: may be stored again
                     del self._held[ev.seq_hash]
                     self._pending[ev.seq_hash] = b
                     if len(self._pending) > self._max_pending:
                         self._pending.popitem(last=False)
-                out.append(BlockRemoved(block_hashes=[b.external], medium=medium, group_idx=0, locality=LOCALITY))
+                out.append(BlockRemoved(block_hashes=[b.external], medium=medium, group_idx=0, locality=locality))
                 continue
             b = self._held.get(ev.seq_hash)
             if b is None:
@@ -163,14 +178,16 @@ class TierEvents:
                     self.unmapped += 1
                     continue
                 self._held[ev.seq_hash] = b
-            if medium in b.media:
+            if tier in b.media:
                 continue
-            b.media.add(medium)
-            parent = self._held.get(ev.parent) if ev.parent is not None else None
+            b.media.add(tier)
+            # G4 events carry the hash only: the request gave the rest.
+            parent_hash = ev.parent if ev.tokens else b.parent
+            parent = self._held.get(parent_hash) if parent_hash is not None else None
             out.append(BlockStored(
                 block_hashes=[b.external], parent_block_hash=parent.external if parent is not None else None,
-                token_ids=list(ev.tokens), block_size=self._bs, lora_id=b.lora_id, medium=medium,
-                lora_name=b.lora_name, group_idx=0, locality=LOCALITY))
+                token_ids=list(ev.tokens or b.tokens), block_size=self._bs, lora_id=b.lora_id, medium=medium,
+                lora_name=b.lora_name, group_idx=0, locality=locality))
         return out
 
     @property

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/kvbm/kvbm/goext/internal/checked"
 )
 
 // MaxBlocks is the most blocks a tier may hold: pools index blocks with
@@ -104,7 +106,7 @@ func (c *Config) CheckBlocks(bytesPerBlockAllWorkers int64) error {
 				"gives %d blocks of %d bytes; a tier holds at most %d blocks", n, bytesPerBlockAllWorkers, MaxBlocks)})
 			return
 		}
-		bytes, ok := mulSizes(n, bytesPerBlockAllWorkers)
+		bytes, ok := checked.Mul(n, bytesPerBlockAllWorkers)
 		if !ok {
 			errs = append(errs, &VarError{Name: name, Value: value, Reason: fmt.Sprintf(
 				"%d blocks × %d bytes per block overflows a 64-bit size", n, bytesPerBlockAllWorkers)})

@@ -2,8 +2,6 @@ package config
 
 import (
 	"fmt"
-	"math"
-	"math/bits"
 )
 
 // Hard caps on the count settings that size an allocation (or bound one).
@@ -76,22 +74,4 @@ func (p *parser) capped(name string, def, min int) int {
 		return def
 	}
 	return int(n)
-}
-
-// mulSizes multiplies non-negative sizes; ok is false when the product
-// overflows int64 (the caller's error names the factors), never a wrapped
-// product.
-func mulSizes(factors ...int64) (product int64, ok bool) {
-	var p uint64 = 1
-	for _, f := range factors {
-		if f < 0 {
-			return 0, false
-		}
-		hi, lo := bits.Mul64(p, uint64(f))
-		if hi != 0 || lo > math.MaxInt64 {
-			return 0, false
-		}
-		p = lo
-	}
-	return int64(p), true
 }

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/internal/checked"
 )
 
 // TestCountCaps: every count variable that sizes an allocation takes values
@@ -149,7 +151,7 @@ func TestMulSizes(t *testing.T) {
 		{[]int64{0, math.MaxInt64, 2}, 0, true},
 		{[]int64{-1, 4}, 0, false},
 	} {
-		got, ok := mulSizes(tc.in...)
+		got, ok := checked.Mul(tc.in...)
 		require.Equal(t, tc.ok, ok, "%v", tc.in)
 		if ok {
 			require.Equal(t, tc.want, got, "%v", tc.in)

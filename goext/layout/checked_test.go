@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/internal/checked"
 )
 
 // TestNewEngineSizeOverflow: every dimension and stride within bounds, but
@@ -58,7 +60,7 @@ func TestMulChecked(t *testing.T) {
 		{[]int64{1 << 40, 1 << 40}, 0, false},
 		{[]int64{-2, 2}, 0, false},
 	} {
-		got, ok := mulChecked(tc.in...)
+		got, ok := checked.Mul(tc.in...)
 		require.Equal(t, tc.ok, ok, "%v", tc.in)
 		if ok {
 			require.Equal(t, tc.want, got)

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+
+	"github.com/kvbm/kvbm/goext/internal/checked"
 )
 
 // ErrLayout is wrapped by every error NewEngine returns, so callers can tell
@@ -211,7 +213,7 @@ func NewEngine(s Spec) (*Engine, error) {
 	// The layers of a per-layer layout are as many as the tensors given, so
 	// a block's bytes can exceed 64 bits: a wrapped size would pass every
 	// later check.
-	if _, ok := mulChecked(int64(e.NumLayers), int64(outerDim), e.ChunkBytes); !ok {
+	if _, ok := checked.Mul(int64(e.NumLayers), int64(outerDim), e.ChunkBytes); !ok {
 		return nil, fmt.Errorf("%w: %v shape %v: %d layers × %d (K/V) × %d-byte chunks per block overflows 64 bits",
 			ErrLayout, kind, shape, e.NumLayers, outerDim, e.ChunkBytes)
 	}
@@ -336,7 +338,7 @@ func checkNoOverlap(kind Kind, shape, strides []int64, dims []int, chunkElems in
 		}
 		// Both are at most 2^40: the product is checked, not wrapped.
 		var ok bool
-		if extent, ok = mulChecked(d.stride, d.size); !ok || extent > maxDim {
+		if extent, ok = checked.Mul(d.stride, d.size); !ok || extent > maxDim {
 			return fmt.Errorf("%w: %v shape %v strides %v span more than 2^40 elements", ErrLayout, kind, shape, strides)
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 )
@@ -204,7 +205,7 @@ func (g *g4State) off() bool { return g.opts.Store != nil && g.opts.Store.Unavai
 
 // g4Match returns how many leading hashes of rest are in G4, or pending.
 // Called with l.mu held.
-func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
+func (l *Leader) g4Match(reqID string, salt uint64, rest []uint64) (n int, pending bool) {
 	g := l.g4
 	if g == nil || len(rest) == 0 || g.off() {
 		return 0, false
@@ -217,7 +218,7 @@ func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
 			p = &g4Probe{}
 			g.probes[reqID] = p
 			ask := append([]uint64(nil), rest[n:min(len(rest), n+g.opts.MaxLookupBlocks)]...)
-			go l.g4Lookup(g.opts.Store, p, ask)
+			go l.g4Lookup(g.opts.Store, p, salt, ask)
 			if g.opts.Async {
 				return 0, true
 			}
@@ -232,10 +233,10 @@ func (l *Leader) g4Match(reqID string, rest []uint64) (n int, pending bool) {
 }
 
 // g4Lookup runs one request's lookup off the scheduler's thread.
-func (l *Leader) g4Lookup(s *object.Store, p *g4Probe, hashes []uint64) {
+func (l *Leader) g4Lookup(s *object.Store, p *g4Probe, salt uint64, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
-	s.Lookup(ctx, hashes) // found hashes join the registry
+	s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
 	l.mu.Lock()
 	p.done = true
 	l.mu.Unlock()
@@ -269,12 +270,13 @@ func (l *Leader) releaseSource(src source) {
 }
 
 // planUpload queues G2 block idx (just saved under h) for G4. l.mu held.
-func (l *Leader) planUpload(st *plan.Step, idx int, h, parent uint64) {
+func (l *Leader) planUpload(st *plan.Step, idx int, h, parent, salt uint64) {
 	g := l.g4
 	if g == nil || g.off() || g.reg.Contains(h) {
 		return
 	}
 	st.Uploads = append(st.Uploads, plan.Upload{Block: int64(idx), Hash: h, Parent: parent})
+	noteSalt(st, h, salt)
 	if !g.opts.WriteThrough {
 		g.release = append(g.release, tierHash{idx, h})
 	}
@@ -313,5 +315,13 @@ func (l *Leader) G4Stored(hashes []uint64) {
 func (l *Leader) g4LoadFailed(h uint64) {
 	if l.g4 != nil {
 		l.g4.reg.Remove(h)
+	}
+}
+
+// noteSalt records the salt of a salted block st's G4 copies or uploads
+// name (its object key carries the salt's tag).
+func noteSalt(st *plan.Step, h, salt uint64) {
+	if salt != 0 && salt != hashing.DefaultSaltHash {
+		st.G4Salts = append(st.G4Salts, plan.SaltRef{Hash: h, Salt: salt})
 	}
 }

@@ -110,7 +110,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	}
 	if l.g4 != nil {
 		rest := query[len(srcs):]
-		n, pending := l.g4Match(reqID, rest)
+		n, pending := l.g4Match(reqID, s.salt, rest)
 		if pending {
 			return Pending, false // nothing pinned; the engine asks again
 		}

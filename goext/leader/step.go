@@ -125,6 +125,9 @@ func (l *Leader) emitLoads(st *plan.Step) {
 			l.inflight[s.id] = il
 		}
 		for _, src := range s.staged {
+			if src.tier == plan.G4 {
+				noteSalt(st, src.hash, s.salt)
+			}
 			l.loadsByG1[src.g1] = loadRef{reqID: s.id, k: len(il.sources), src: src}
 			il.sources = append(il.sources, src)
 			il.done = append(il.done, false)
@@ -262,7 +265,7 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 		if tier == plan.G2 {
 			l.m.OffloadD2H.Inc()
 			l.noteHostRegistration(dst, h)
-			l.planUpload(st, dst, h, parent)
+			l.planUpload(st, dst, h, parent, s.salt)
 		} else {
 			l.m.OffloadD2D.Inc()
 		}

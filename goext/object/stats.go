@@ -21,6 +21,7 @@ type counters struct {
 	errors         atomic.Uint64 // failed requests (PUT, GET, HEAD)
 	verifyFailures atomic.Uint64 // downloads that did not verify (damaged, forged, another key)
 	corrupt        atomic.Uint64 // objects proven damaged (the same wrong bytes twice) and deleted
+	purged         atomic.Uint64 // objects deleted by a purge or the expiry sweeper (purge.go)
 	queued         atomic.Int64  // uploads waiting or running
 	breakerOpen    atomic.Int64  // stores whose breaker is open
 }

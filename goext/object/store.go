@@ -121,8 +121,8 @@ type Store struct {
 }
 
 type upload struct {
-	hash, parent uint64
-	body         *[]byte // payload in place; the uploader seals the header
+	salt, hash, parent uint64
+	body               *[]byte // payload in place; the uploader seals the header
 }
 
 // NewStore starts the upload goroutines.
@@ -220,8 +220,18 @@ func (s *Store) Fingerprint() fingerprint.Fingerprint { return s.fp }
 // Registry is the store's registry of known stored hashes.
 func (s *Store) Registry() *Registry { return s.reg }
 
-// Key is the object key of seqHash.
+// Key is the object key of seqHash for a request without cache salt or
+// LoRA (hashing.DefaultSaltHash).
 func (s *Store) Key(seqHash uint64) string { return Key(s.fp, seqHash) }
+
+// KeyFor is the object key of seqHash for a request of salt hash salt: a
+// salted block's key carries the salt's tag (SaltKey, salt.go).
+func (s *Store) KeyFor(salt, seqHash uint64) string {
+	if tag := s.SaltTag(salt); tag != "" {
+		return SaltKey(tag, s.fp, seqHash)
+	}
+	return Key(s.fp, seqHash)
+}
 
 // QueueLen and QueueCap are the uploads waiting and the most that may wait.
 func (s *Store) QueueLen() int { return len(s.queue) }
@@ -235,6 +245,12 @@ func (s *Store) Available() bool { return !s.br.isOpen() }
 // breaker or a closed store drops the upload and returns false (counted).
 // A hash the registry already holds is not uploaded again (true).
 func (s *Store) Enqueue(seqHash, parent uint64, payload []byte) bool {
+	return s.EnqueueSalted(0, seqHash, parent, payload)
+}
+
+// EnqueueSalted is Enqueue for a block of a request of salt hash salt (0:
+// the default), stored under KeyFor(salt, seqHash).
+func (s *Store) EnqueueSalted(salt, seqHash, parent uint64, payload []byte) bool {
 	if len(payload) != s.bpb {
 		s.log.Warn("kvbm G4: upload of a block of the wrong size ignored", "bytes", len(payload), "want", s.bpb)
 		stats.dropped.Add(1)
@@ -259,7 +275,7 @@ func (s *Store) Enqueue(seqHash, parent uint64, payload []byte) bool {
 	copy((*b)[HeaderSize:], payload)
 	s.pending.Add(1)
 	select {
-	case s.queue <- upload{hash: seqHash, parent: parent, body: b}:
+	case s.queue <- upload{salt: salt, hash: seqHash, parent: parent, body: b}:
 		stats.queued.Add(1)
 		return true
 	default:
@@ -290,13 +306,13 @@ func (s *Store) put(u upload) {
 	}
 	seal(*u.body, s.key, s.fp, u.hash, u.parent)
 	ctx, cancel := context.WithTimeout(s.ctx, s.timeout)
-	created, err := s.c.PutIfAbsent(ctx, s.Key(u.hash), *u.body)
+	created, err := s.c.PutIfAbsent(ctx, s.KeyFor(u.salt, u.hash), *u.body)
 	cancel()
 	s.done(err)
 	if err != nil {
 		stats.errors.Add(1)
 		stats.dropped.Add(1)
-		s.log.Debug("kvbm G4: upload failed", "key", s.Key(u.hash), "err", err)
+		s.log.Debug("kvbm G4: upload failed", "key", s.KeyFor(u.salt, u.hash), "err", err)
 		return
 	}
 	s.reg.Add(u.hash)
@@ -366,13 +382,19 @@ func (s *Store) Flush(ctx context.Context) error {
 // them costs the other instances their copy. dst's contents are undefined
 // after an error.
 func (s *Store) Download(ctx context.Context, seqHash uint64, dst []byte) error {
+	return s.DownloadSalted(ctx, 0, seqHash, dst)
+}
+
+// DownloadSalted is Download of a block of a request of salt hash salt
+// (0: the default), stored under KeyFor(salt, seqHash).
+func (s *Store) DownloadSalted(ctx context.Context, salt, seqHash uint64, dst []byte) error {
 	if len(dst) != s.bpb {
 		return fmt.Errorf("object: G4 download into %d bytes, want %d", len(dst), s.bpb)
 	}
 	if !s.allow() {
 		return ErrUnavailable
 	}
-	key := s.Key(seqHash)
+	key := s.KeyFor(salt, seqHash)
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	b := s.bufs.Get().(*[]byte)
@@ -466,6 +488,12 @@ func (s *Store) logVerifyFailure(key string, err error, deleted bool) {
 // whole store) until ctx ends. Found hashes join the registry. With the
 // breaker open only the registry answers.
 func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
+	return s.LookupSalted(ctx, 0, hashes)
+}
+
+// LookupSalted is Lookup of the blocks of a request of salt hash salt (0:
+// the default), stored under KeyFor(salt, hash).
+func (s *Store) LookupSalted(ctx context.Context, salt uint64, hashes []uint64) int {
 	known := s.reg.PrefixLen(hashes)
 	rest := hashes[known:]
 	if len(rest) == 0 || s.br.refusing() {
@@ -473,7 +501,7 @@ func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 	}
 	// The first unknown block decides most lookups: a prefix nobody stored
 	// costs one request, not one per block.
-	if !s.head(ctx, rest[0]) {
+	if !s.head(ctx, salt, rest[0]) {
 		return known
 	}
 	found := make([]bool, len(rest))
@@ -495,7 +523,7 @@ func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 		wg.Add(1)
 		go func() {
 			defer func() { <-s.lookupSem; wg.Done() }()
-			found[i] = s.head(ctx, h)
+			found[i] = s.head(ctx, salt, h)
 		}()
 	}
 	wg.Wait()
@@ -510,7 +538,7 @@ func (s *Store) Lookup(ctx context.Context, hashes []uint64) int {
 }
 
 // head asks the store whether h is stored; a found hash joins the registry.
-func (s *Store) head(ctx context.Context, h uint64) bool {
+func (s *Store) head(ctx context.Context, salt, h uint64) bool {
 	if s.reg.Contains(h) {
 		return true
 	}
@@ -518,7 +546,7 @@ func (s *Store) head(ctx context.Context, h uint64) bool {
 		return false
 	}
 	stats.heads.Add(1)
-	ok, err := s.c.Head(ctx, s.Key(h))
+	ok, err := s.c.Head(ctx, s.KeyFor(salt, h))
 	if ctx.Err() != nil {
 		s.br.abandon() // our deadline, not the store's failure
 		return false

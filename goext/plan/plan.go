@@ -95,6 +95,9 @@ type Step struct {
 	// worker copies each into its upload queue at once; the network part
 	// runs in the background).
 	Uploads []Upload `msgpack:"u,omitempty"`
+	// G4Salts names the salt of each salted block among Uploads and the
+	// G4 sources of Loads (salts.go).
+	G4Salts []SaltRef `msgpack:"gs,omitempty"`
 	// G1Groups gives, for an engine with several KV cache groups, the
 	// block of every group at each G1 block this step copies (groups.go).
 	G1Groups *GroupRows `msgpack:"g,omitempty"`
@@ -174,7 +177,8 @@ func parseCopies(b []byte) ([]Copy, error) {
 func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	n := 1
 	for _, present := range []bool{len(s.Loads) > 0, len(s.Moves) > 0, len(s.Saves) > 0, len(s.Drops) > 0,
-		len(s.Tags) > 0, len(s.Uploads) > 0, len(s.HostTags) > 0, len(s.TagRefs) > 0, s.G1Groups != nil} {
+		len(s.Tags) > 0, len(s.Uploads) > 0, len(s.HostTags) > 0, len(s.TagRefs) > 0, s.G1Groups != nil,
+		len(s.G4Salts) > 0} {
 		if present {
 			n++
 		}
@@ -233,6 +237,7 @@ func (s *Step) EncodeMsgpack(enc *msgpack.Encoder) error {
 	}{
 		{"ht", func(b []byte) []byte { return appendHostTags(b, s.HostTags) }, len(s.HostTags)},
 		{"tr", func(b []byte) []byte { return appendTagRefs(b, s.TagRefs) }, len(s.TagRefs)},
+		{"gs", func(b []byte) []byte { return appendSaltRefs(b, s.G4Salts) }, len(s.G4Salts)},
 	} {
 		if f.n == 0 {
 			continue
@@ -365,15 +370,18 @@ func (s *Step) DecodeMsgpack(dec *msgpack.Decoder) error {
 			if s.Tags, err = parseTags(b); err != nil {
 				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode
 			}
-		case "ht", "tr":
+		case "ht", "tr", "gs":
 			b, err := dec.DecodeBytes()
 			if err != nil {
 				return err
 			}
-			if key == "ht" {
+			switch key {
+			case "ht":
 				s.HostTags, err = parseHostTags(b)
-			} else {
+			case "tr":
 				s.TagRefs, err = parseTagRefs(b)
+			default:
+				s.G4Salts, err = parseSaltRefs(b)
 			}
 			if err != nil {
 				return fmt.Errorf("%q: %w", key, err) // errprefix: wrapped by Decode

@@ -25,7 +25,7 @@ const g4Downloads = 16
 // recomputes the block.
 //
 // errprefix: its errors are the copies', logged by execLoads, never returned.
-func (w *Worker) runDownloads(ops []plan.Copy) []error {
+func (w *Worker) runDownloads(ops []plan.Copy, saltOf func(uint64) uint64) []error {
 	errs := make([]error, len(ops))
 	if len(ops) == 0 {
 		return errs
@@ -52,7 +52,7 @@ func (w *Worker) runDownloads(ops []plan.Copy) []error {
 		go func() {
 			defer func() { <-sem; wg.Done() }()
 			dst := int(c.DstBlock)
-			if err := w.opts.G4.Download(context.Background(), uint64(c.SrcBlock), w.host.Block(dst)); err != nil {
+			if err := w.opts.G4.DownloadSalted(context.Background(), saltOf(uint64(c.SrcBlock)), uint64(c.SrcBlock), w.host.Block(dst)); err != nil {
 				errs[i] = err
 				return
 			}
@@ -92,7 +92,7 @@ func splitDownloads(staging []plan.Copy) (g4, rest []plan.Copy) {
 // queueUploads hands the step's G2 → G4 uploads to the store's queue. A
 // block whose save did not complete is not uploaded; a full queue or an
 // unavailable store drops the upload (counted by the store).
-func (w *Worker) queueUploads(ups []plan.Upload) {
+func (w *Worker) queueUploads(ups []plan.Upload, saltOf func(uint64) uint64) {
 	if len(ups) == 0 || w.opts.G4 == nil {
 		return
 	}
@@ -105,7 +105,7 @@ func (w *Worker) queueUploads(ups []plan.Upload) {
 		if !w.hostValid[u.Block].Load() {
 			continue
 		}
-		if w.opts.G4.Enqueue(u.Hash, u.Parent, w.host.Block(int(u.Block))) {
+		if w.opts.G4.EnqueueSalted(saltOf(u.Hash), u.Hash, u.Parent, w.host.Block(int(u.Block))) {
 			moved += w.bpb
 		}
 	}

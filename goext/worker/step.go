@@ -108,7 +108,7 @@ func (w *Worker) StartLoad() {
 	w.fence("load")
 	go func() {
 		defer w.loadFinished()
-		w.runLoads(s.Loads, s.G1Groups.Map())
+		w.runLoads(s.Loads, s.G1Groups.Map(), s.SaltOf())
 	}()
 }
 
@@ -128,8 +128,8 @@ func (w *Worker) waitLoadsLocked() {
 	}
 }
 
-func (w *Worker) runLoads(loads []plan.Load, rows map[int64][]int64) {
-	failed := w.execLoads(loads, rows)
+func (w *Worker) runLoads(loads []plan.Load, rows map[int64][]int64, saltOf func(uint64) uint64) {
+	failed := w.execLoads(loads, rows, saltOf)
 	w.mu.Lock()
 	for _, ld := range loads {
 		w.loaded = append(w.loaded, ld.ReqID)
@@ -140,7 +140,7 @@ func (w *Worker) runLoads(loads []plan.Load, rows map[int64][]int64) {
 
 // execLoads copies loads' blocks, staging copies (into G2) before copies into
 // G1, and returns the G1 blocks whose copy failed.
-func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64) (failed []int64) {
+func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64, saltOf func(uint64) uint64) (failed []int64) {
 	var staging, direct []plan.Copy
 	for _, ld := range loads {
 		for _, c := range ld.Copies {
@@ -152,7 +152,7 @@ func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64) (failed []
 		}
 	}
 	downloads, staging := splitDownloads(staging)
-	if errs := w.runDownloads(downloads); countErrs(errs) > 0 {
+	if errs := w.runDownloads(downloads, saltOf); countErrs(errs) > 0 {
 		w.logFailures("G4 download", downloads, errs)
 	}
 	if errs := w.runOps(staging, nil); countErrs(errs) > 0 {
@@ -196,7 +196,7 @@ func (w *Worker) WaitForSave() {
 	if errs := w.runOps(s.Saves, s.G1Groups.Map()); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
 	}
-	w.queueUploads(s.Uploads)
+	w.queueUploads(s.Uploads, s.SaltOf())
 	w.mu.Lock()
 	if s.Seq > w.savedSeq {
 		w.savedSeq = s.Seq
@@ -278,7 +278,7 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 	w.stageTags(s)
 	if len(s.Loads) > 0 {
 		w.fence("load")
-		loadErrors = w.execLoads(s.Loads, s.G1Groups.Map())
+		loadErrors = w.execLoads(s.Loads, s.G1Groups.Map(), s.SaltOf())
 	}
 	if len(s.Saves) > 0 {
 		w.fence("save")
@@ -292,7 +292,7 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 		w.logFailures("save", s.Saves, errs)
 		failed = append(failed, fmt.Errorf("%d of %d saves failed: %w", countErrs(errs), len(s.Saves), firstErr(errs))) // errprefix: wrapped by Run's error below
 	}
-	w.queueUploads(s.Uploads)
+	w.queueUploads(s.Uploads, s.SaltOf())
 	if len(failed) > 0 {
 		return loadErrors, fmt.Errorf("worker: rank %d: run step: %w", w.opts.Rank, errors.Join(failed...))
 	}

@@ -184,6 +184,8 @@ type Config struct {
 	ZMQMaxMessageMB int // MiB; larger ZeroMQ messages disconnect their sender
 
 	Object Object // G4 (object.go)
+	// Lifecycle: TTLs and the operator endpoint (lifecycle.go).
+	Lifecycle Lifecycle
 
 	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
 	// instead of their defaults (secret.go). Never logged.
@@ -286,7 +288,8 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		ZMQMaxMessageMB: p.capped(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 
-		Object: p.object(),
+		Object:    p.object(),
+		Lifecycle: p.lifecycle(),
 
 		StorageSecret: p.storageSecret(),
 	}

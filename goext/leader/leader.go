@@ -107,6 +107,7 @@ type Leader struct {
 	fullHit  bool         // Options.LoadFullHit
 	g4       *g4State     // nil: no G4 tier (g4.go)
 	sc       *sideChannel // background loop; nil without Options.SideChannel
+	life     *lifecycle   // purge tombstones and expiry (purge.go, lifecycle.go)
 	hits     *hitWindow
 	workerID uint64
 	m        *metrics.Metrics
@@ -228,6 +229,10 @@ func New(opts Options) (*Leader, error) {
 		}
 		l.g4.storeWait = l.now().Add(l.g4.opts.StoreWait)
 	}
+	l.life = newLifecycle(cfg, l.tagSteps())
+	if l.disk != nil {
+		l.disk.SetClock(func() int64 { return l.now().UnixNano() })
+	}
 	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
 		l.filter = newFreqFilter(l.now)
 	}
@@ -240,6 +245,7 @@ func New(opts Options) (*Leader, error) {
 	if opts.SideChannel != nil {
 		l.startSideChannel(opts.SideChannel, opts.BroadcastTimeout)
 	}
+	l.startLifecycle()
 	return l, nil
 }
 

@@ -163,12 +163,17 @@ func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 		}
 		byHash[b.SeqHash] = b
 	}
-	// Parents first: order by depth in the recovered forest.
-	depth := recoveredDepths(byHash)
 	blocks := make([]RecoveredBlock, 0, len(byHash))
 	for _, b := range byHash {
 		blocks = append(blocks, b)
 	}
+	blocks = l.restoreFilter(blocks, &st) // purged and expired (lifecycle.go)
+	clear(byHash)
+	for _, b := range blocks {
+		byHash[b.SeqHash] = b
+	}
+	// Parents first: order by depth in the recovered forest.
+	depth := recoveredDepths(byHash)
 	slices.SortFunc(blocks, func(a, b RecoveredBlock) int {
 		return cmp.Or(cmp.Compare(depth[a.SeqHash], depth[b.SeqHash]), cmp.Compare(a.Block, b.Block))
 	})
@@ -176,7 +181,7 @@ func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 	lru := make([]int, len(blocks))
 	for k, b := range blocks {
 		entries[k] = pool.Restored{Index: int(b.Block), SeqHash: b.SeqHash, Parent: b.Parent, HasParent: b.HasParent,
-			Tokens: b.Tokens, Priority: int(b.Priority)}
+			Tokens: b.Tokens, Priority: int(b.Priority), Born: b.WrittenAt}
 		lru[k] = k
 	}
 	slices.SortStableFunc(lru, func(a, b int) int { return cmp.Compare(blocks[a].WrittenAt, blocks[b].WrittenAt) })

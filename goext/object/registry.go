@@ -119,3 +119,18 @@ func (r *Registry) Len() int {
 	defer r.mu.Unlock()
 	return r.ll.Len()
 }
+
+// RemoveAll forgets every hash (watchers are told about each) and returns
+// how many there were.
+func (r *Registry) RemoveAll() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := r.ll.Len()
+	for e := r.ll.Back(); e != nil; e = r.ll.Back() {
+		h := e.Value.(uint64)
+		r.ll.Remove(e)
+		delete(r.m, h)
+		r.notify(h, false)
+	}
+	return n
+}

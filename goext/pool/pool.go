@@ -63,6 +63,7 @@ type block struct {
 	// never written after creation.
 	tokens    []uint32
 	tick      uint64 // last-returned tick (LRU key within a priority)
+	born      int64  // registration time, Unix ns (0 without a clock; scan.go)
 	priority  int32
 	refs      int32 // pins: staged loads, pending moves, the allocating caller
 	prev      int32 // neighbours in the inactive list of its priority (-1: none)
@@ -92,6 +93,8 @@ type Pool struct {
 	tick     uint64
 
 	evictions uint64 // registered blocks evicted to make room (stats)
+
+	clock func() int64 // stamps registrations (SetClock); nil: none
 }
 
 // New creates a pool of numBlocks free blocks for tier. Registrations and
@@ -322,6 +325,9 @@ func (p *Pool) registerShared(idx int, seqHash, parent uint64, hasParent bool, t
 	b.hasParent = hasParent
 	b.tokens = tokens
 	b.priority = int32(priority)
+	if p.clock != nil {
+		b.born = p.clock()
+	}
 	p.registry[seqHash] = int32(idx)
 	if p.sink != nil {
 		p.sink.Publish(events.BlockEvent{

@@ -8,6 +8,7 @@ type Restored struct {
 	HasParent bool
 	Tokens    []uint32 // kept (not copied) and never modified
 	Priority  int
+	Born      int64 // when it was written (Unix ns); 0: now, by the clock
 }
 
 // RestoreAll registers recovered blocks at their own indexes, as inactive
@@ -27,6 +28,9 @@ func (p *Pool) RestoreAll(entries []Restored, lru []int) int {
 			continue
 		}
 		p.registerShared(e.Index, e.SeqHash, e.Parent, e.HasParent, e.Tokens, e.Priority)
+		if e.Born != 0 {
+			p.blocks[e.Index].born = e.Born
+		}
 		ok[k] = true
 		n++
 	}

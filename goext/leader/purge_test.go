@@ -1,0 +1,247 @@
+package leader
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/consolidator"
+	"github.com/kvbm/kvbm/goext/events"
+	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+var (
+	saltA = hashing.SaltHash("tenant-a", true, "", false)
+	saltB = hashing.SaltHash("tenant-b", true, "", false)
+)
+
+// routerIndex replays consolidated events as a KV-aware router does: the
+// set of block hashes it believes some holder caches.
+type routerIndex struct {
+	tr  *consolidator.Tracker
+	set map[uint64]bool
+}
+
+func newRouterIndex() *routerIndex {
+	return &routerIndex{tr: consolidator.NewTracker(consolidator.EngineVllm, nil), set: map[uint64]bool{}}
+}
+
+// feed applies kvbm's tier events and returns the router hashes removed.
+func (r *routerIndex) feed(t *testing.T, evs []events.BlockEvent) (removed []uint64) {
+	t.Helper()
+	for i := range evs {
+		r.tr.ApplyKvbm(&evs[i])
+	}
+	for _, ce := range r.tr.Drain(nil) {
+		switch ce.Kind {
+		case events.KindStored:
+			r.set[ce.BlockHash] = true
+		case events.KindRemoved:
+			require.True(t, r.set[ce.BlockHash], "REMOVE of a block the router never saw")
+			delete(r.set, ce.BlockHash)
+			removed = append(removed, ce.BlockHash)
+		}
+	}
+	return removed
+}
+
+type tenantPrompt struct {
+	id     string
+	salt   uint64
+	tokens []uint32
+}
+
+// saveAll runs one step saving every prompt (3 full blocks each) into G2,
+// then one that moves them to G3 (the offload filter is off).
+func saveAll(t *testing.T, e *env, ps []tenantPrompt) {
+	t.Helper()
+	var ups []RequestUpdate
+	for k, p := range ps {
+		ids := []int64{int64(10 * k), int64(10*k + 1), int64(10*k + 2)}
+		ups = append(ups, RequestUpdate{ReqID: p.id, NewTokens: p.tokens, NewBlockIDs: ids, NumScheduledTokens: len(p.tokens), Salt: p.salt})
+	}
+	e.step(t, ups...)
+	e.step(t)
+}
+
+func filterOff(c *config.Config) { c.DisableDiskOffloadFilter = true }
+
+// TestPurgeSalt: a purge of salt A forgets exactly A's blocks in G2 and G3
+// (rehashing identifies them; nothing stores the salt), publishes their
+// removal, drops them in the next step, and the router index built from
+// the consolidator removes exactly A's blocks: a prompt that salt B also
+// caches keeps its router entry (router keys carry no salt), other salts'
+// prompts still match in kvbm.
+func TestPurgeSalt(t *testing.T) {
+	e := newEnv(t, 32, 32, filterOff)
+	pa, pb, shared, pd := toks(100, 12), toks(200, 12), toks(500, 12), toks(300, 12)
+	ps := []tenantPrompt{{"a1", saltA, pa}, {"a2", saltA, shared}, {"b1", saltB, pb}, {"b2", saltB, shared}, {"d", 0, pd}}
+	saveAll(t, e, ps)
+	require.Equal(t, 15, e.l.host.NumRegistered())
+	require.Equal(t, 15, e.l.disk.NumRegistered())
+	idx := newRouterIndex()
+	idx.feed(t, e.sink.take())
+	before := len(idx.set)
+
+	res, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
+	require.NoError(t, err)
+	require.Equal(t, PurgeResult{HostBlocks: 6, DiskBlocks: 6}, res)
+	removed := idx.feed(t, e.sink.take())
+	require.Len(t, removed, 3, "the router forgets pa's three blocks; shared is still B's")
+	require.Len(t, idx.set, before-3)
+
+	for _, p := range ps {
+		hs := seqHashesSalt(p.tokens, cmpOr(p.salt, hashing.DefaultSaltHash))
+		want := 3
+		if p.salt == saltA {
+			want = 0
+		}
+		require.Equal(t, want, e.l.host.MatchLen(hs), p.id)
+		require.Equal(t, want, e.l.disk.MatchLen(hs), p.id)
+	}
+	n, _ := e.l.GetNumNewMatchedTokens("again-a", pa, saltA, 0)
+	require.Zero(t, n, "salt A recomputes")
+	n, _ = e.l.GetNumNewMatchedTokens("again-b", pb, saltB, 0)
+	require.Positive(t, n, "salt B still hits")
+
+	st := e.step(t)
+	require.Len(t, st.Drops, 12, "every purged block is dropped by the workers")
+
+	// The default salt names no tenant; empty or mixed requests are refused.
+	for _, bad := range []PurgeRequest{{}, {Salts: []uint64{hashing.DefaultSaltHash}}, {All: true, Salts: []uint64{saltB}},
+		{Prefix: toks(1, bs-1)}} {
+		_, err := e.l.Purge(context.Background(), bad)
+		require.ErrorContains(t, err, "leader: purge:")
+	}
+}
+
+func cmpOr(a, b uint64) uint64 {
+	if a != 0 {
+		return a
+	}
+	return b
+}
+
+// TestPurgePrefix: a prefix purge forgets the prefix's blocks and every
+// block continuing them, in both tiers, and nothing else.
+func TestPurgePrefix(t *testing.T) {
+	e := newEnv(t, 32, 32, filterOff)
+	long, other := toks(100, 12), toks(700, 12)
+	saveAll(t, e, []tenantPrompt{{"l", saltB, long}, {"o", saltB, other}})
+	res, err := e.l.Purge(context.Background(), PurgeRequest{Prefix: long[:bs+1], PrefixSalt: saltB})
+	require.NoError(t, err)
+	require.Equal(t, 3, res.HostBlocks, "the first block and its two descendants")
+	require.Equal(t, 3, res.DiskBlocks)
+	require.Zero(t, e.l.host.MatchLen(seqHashesSalt(long, saltB)))
+	require.Equal(t, 3, e.l.host.MatchLen(seqHashesSalt(other, saltB)))
+
+	all, err := e.l.Purge(context.Background(), PurgeRequest{All: true})
+	require.NoError(t, err)
+	require.Equal(t, PurgeResult{HostBlocks: 3, DiskBlocks: 3}, all)
+	require.Zero(t, e.l.host.NumRegistered()+e.l.disk.NumRegistered())
+}
+
+// TestPurgePersistentRestart: purged blocks of a persistent G3 tier are not
+// recovered by a restart, even one before any later step reached the
+// workers (a crash right after the purge), nor by a second restart; other
+// salts' blocks are, and the purged ones are dropped in the first step.
+func TestPurgePersistentRestart(t *testing.T) {
+	dir := t.TempDir()
+	persist := func(c *config.Config) { c.DiskPersist = true; c.DiskCacheDir = dir }
+	e := newEnv(t, 0, 16, persist) // disk only: saves go G1→G3 with tags
+	st := e.step(t,
+		RequestUpdate{ReqID: "a", NewTokens: toks(100, 12), NewBlockIDs: []int64{1, 2, 3}, NumScheduledTokens: 12, Salt: saltA},
+		RequestUpdate{ReqID: "b", NewTokens: toks(100, 12), NewBlockIDs: []int64{4, 5, 6}, NumScheduledTokens: 12, Salt: saltB})
+	require.Len(t, st.Tags, 6)
+	res, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
+	require.NoError(t, err)
+	require.Equal(t, 3, res.DiskBlocks)
+	var aBlocks []int64
+	for _, tg := range st.Tags[:3] {
+		aBlocks = append(aBlocks, tg.Block)
+	}
+
+	for restart := range 2 { // the second: the first never stepped
+		e2 := newEnv(t, 0, 16, persist)
+		got, err := e2.l.RestoreDisk([][]RecoveredBlock{recoveredFrom(st.Tags, 1000)})
+		require.NoError(t, err)
+		require.Equal(t, 3, got.Registered, "restart %d", restart)
+		require.Equal(t, 3, got.Skipped[SkipPurged], "restart %d", restart)
+		require.Zero(t, e2.l.disk.MatchLen(seqHashesSalt(toks(100, 12), saltA)))
+		require.Equal(t, 3, e2.l.disk.MatchLen(seqHashesSalt(toks(100, 12), saltB)))
+		if restart == 1 {
+			s := e2.step(t)
+			var dropped []int64
+			for _, d := range s.Drops {
+				require.Equal(t, plan.G3, d.Src)
+				dropped = append(dropped, d.SrcBlock)
+			}
+			slices.Sort(dropped)
+			require.Equal(t, aBlocks, dropped, "the first step drops the purged blocks on disk")
+		}
+	}
+}
+
+// TestDiskTTL: the G3 expiry sweep examines at most DiskSweepSlots slots a
+// pass (so a pass costs the same whatever the tier's size), forgets what
+// is older than the TTL and nothing younger, and a restart skips expired
+// blocks.
+func TestDiskTTL(t *testing.T) {
+	const capacity = 2*DiskSweepSlots + 100
+	e := newEnv(t, 0, capacity, func(c *config.Config) { c.Lifecycle.DiskTTL = time.Hour })
+	e.l.Close() // the test runs the passes itself
+	old := toks(0, (capacity-50)*bs)
+	seed(t, e.l.disk, old, seqRange(capacity-50)...)
+	e.clock.Advance(time.Hour + time.Second)
+	fresh := toks(1<<24, 10*bs)
+	seed(t, e.l.disk, fresh, seqRange(10)...)
+	e.sink.take()
+
+	total := 0
+	for pass := 0; pass < 3; pass++ {
+		n := e.l.SweepDisk()
+		require.LessOrEqual(t, n, DiskSweepSlots)
+		total += n
+	}
+	require.Equal(t, capacity-50, total, "three passes cover the tier once")
+	require.Equal(t, 10, e.l.disk.NumRegistered(), "younger blocks stay")
+	require.Zero(t, e.l.SweepDisk())
+	removed := 0
+	for _, ev := range e.sink.take() {
+		if ev.Removed {
+			removed++
+		}
+	}
+	require.Equal(t, capacity-50, removed)
+	require.Equal(t, uint64(capacity-50), e.l.Stats().Lifecycle.ExpiredDisk)
+
+	// A restart skips blocks written before the TTL.
+	dir := t.TempDir()
+	e2 := newEnv(t, 0, 8, func(c *config.Config) {
+		c.DiskPersist, c.DiskCacheDir, c.Lifecycle.DiskTTL = true, dir, time.Hour
+	})
+	e2.l.Close()
+	hs := seqHashes(toks(100, 8))
+	now := e2.clock.Now().UnixNano()
+	rec := []RecoveredBlock{
+		{BlockTag: plan.BlockTag{Block: 0, SeqHash: hs[0], Tokens: toks(100, bs)}, WrittenAt: now - int64(2*time.Hour)},
+		{BlockTag: plan.BlockTag{Block: 1, SeqHash: hs[1], Parent: hs[0], HasParent: true, Tokens: toks(100+bs, bs)}, WrittenAt: now - int64(time.Minute)},
+	}
+	got, err := e2.l.RestoreDisk([][]RecoveredBlock{rec})
+	require.NoError(t, err)
+	require.Equal(t, 1, got.Registered)
+	require.Equal(t, 1, got.Skipped[SkipExpired])
+}
+
+func seqRange(n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = i
+	}
+	return out
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/object/s3test"
 	"github.com/kvbm/kvbm/goext/plan"
 )
 
@@ -244,4 +245,43 @@ func seqRange(n int) []int {
 		out[i] = i
 	}
 	return out
+}
+
+// TestPurgeG4 (versitygw): a salted request's uploads carry its salt in the
+// step (workers key the objects by the salt's tag); a purge of the salt
+// deletes its objects in the bucket and forgets them in the G4 registry
+// (G4 tier REMOVE events), while another salt's objects stay and match.
+func TestPurgeG4(t *testing.T) {
+	srv := s3test.Start(t)
+	s := g4Store(t, srv)
+	buf := events.NewBuffer(0)
+	e := newG4Env(t, 16, &G4Options{Store: s, WriteThrough: true, Events: buf})
+	pa, pb := toks(100, 12), toks(200, 12)
+	st := e.step(t,
+		RequestUpdate{ReqID: "a", NewTokens: pa, NewBlockIDs: []int64{1, 2, 3}, NumScheduledTokens: 12, Salt: saltA},
+		RequestUpdate{ReqID: "b", NewTokens: pb, NewBlockIDs: []int64{4, 5, 6}, NumScheduledTokens: 12, Salt: saltB})
+	require.Len(t, st.Uploads, 6)
+	require.Len(t, st.G4Salts, 6)
+	saltOf := st.SaltOf()
+	payload := make([]byte, 64)
+	for _, u := range st.Uploads { // what the worker does with the step
+		require.True(t, s.EnqueueSalted(saltOf(u.Hash), u.Hash, u.Parent, payload))
+	}
+	require.NoError(t, s.Flush(context.Background()))
+	ha, hb := seqHashesSalt(pa, saltA), seqHashesSalt(pb, saltB)
+	held := map[uint64]bool{}
+	g4Held(t, held, buf.Drain())
+	require.Len(t, held, 6)
+
+	res, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
+	require.NoError(t, err)
+	require.Equal(t, 3, res.G4Deleted)
+	require.Equal(t, 3, res.G4Listed)
+	require.Equal(t, 3, res.G4Forgotten)
+	g4Held(t, held, buf.Drain())
+	require.Equal(t, map[uint64]bool{hb[0]: true, hb[1]: true, hb[2]: true}, held)
+	ctx := context.Background()
+	s.Registry().RemoveAll()
+	require.Zero(t, s.LookupSalted(ctx, saltA, ha), "the bucket holds no object of salt A")
+	require.Equal(t, 3, s.LookupSalted(ctx, saltB, hb))
 }

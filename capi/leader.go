@@ -17,6 +17,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
+	"github.com/kvbm/kvbm/goext/admin"
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
@@ -84,6 +85,7 @@ type leaderHandle struct {
 	g4Close      func()                     // releases the G4 store; nil without one
 	g4mu         sync.Mutex                 // kvbm_leader_set_g4_fingerprint vs close
 	tierEvents   *events.Buffer             // nil unless leaderOptions.TierEvents
+	admin        *admin.Server              // operator endpoint (admin.go); nil when off
 
 	// For a G4 store opened after start (kvbm_leader_set_g4_fingerprint).
 	cfg           *config.Config
@@ -112,6 +114,7 @@ func (h *leaderHandle) close() {
 // release stops what start started around the leader (metrics endpoint,
 // consolidator, G4 store); each only once.
 func (h *leaderHandle) release() {
+	h.stopAdmin()
 	if h.metrics != nil {
 		_ = h.metrics.Close()
 		h.metrics = nil
@@ -214,6 +217,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		_ = object.RegisterMetrics(h.m.Registry)
 	}
 	restoreInProcess(l, cfg, max(o.NumWorkers, 1), h.m, log)
+	h.startAdmin(cfg, log)
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
 		// process (TP=1: the engine's only worker shares it).

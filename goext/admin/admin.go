@@ -219,8 +219,7 @@ func (s *Server) handle(c *net.UnixConn) {
 	}
 	if subtle.ConstantTimeCompare([]byte(req.Token), s.token) != 1 {
 		s.log.Warn("kvbm operator endpoint: request without the right token refused")
-		reply(c, nil, errors.New("admin: unauthenticated: the request does not carry this engine's token "+
-			"(read it from "+s.tokenF+")"))
+		reply(c, nil, fmt.Errorf("admin: unauthenticated: the request does not carry this engine's token (read it from %s)", s.tokenF))
 		return
 	}
 	_ = c.SetDeadline(time.Now().Add(RequestTimeout))

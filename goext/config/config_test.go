@@ -51,6 +51,7 @@ func TestDefaults(t *testing.T) {
 		ConsolidatorMode:         "dedup",
 		NatsServer:               "nats://localhost:4222",
 		ZMQMaxMessageMB:          64,
+		Lifecycle:                Lifecycle{Admin: true},
 	}, c)
 	require.False(t, c.HostEnabled())
 	require.False(t, c.DiskEnabled())
@@ -490,4 +491,17 @@ func TestUnsupportedVariablesWarn(t *testing.T) {
 	c.WarnOnce(func(m string) { logged = append(logged, m) })
 	c.WarnOnce(func(m string) { logged = append(logged, m) })
 	require.Len(t, logged, 1, "once per process")
+}
+
+// TestLifecycleSettings: TTLs in whole seconds up to ten years (0: off),
+// the endpoint on by default; bad values name their variable.
+func TestLifecycleSettings(t *testing.T) {
+	c, err := load(t, map[string]string{EnvObjectTTLSecs: "86400", EnvDiskTTLSecs: "0", EnvAdmin: "false",
+		EnvAdminDir: "/run/kvbm-x"})
+	require.NoError(t, err)
+	require.Equal(t, Lifecycle{ObjectTTL: 24 * time.Hour, AdminDir: "/run/kvbm-x"}, c.Lifecycle)
+	for name, v := range map[string]string{EnvObjectTTLSecs: "-1", EnvDiskTTLSecs: "315360001", EnvAdmin: "maybe"} {
+		_, err := load(t, map[string]string{name: v})
+		require.ErrorContains(t, err, name)
+	}
 }

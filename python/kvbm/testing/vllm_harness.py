@@ -14,6 +14,8 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
            complete once nothing arrived for that long after the last action),
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
                    {"each": [[ids...], ...], "max_tokens": 1, "check_tokens": 16, "tag": "timed"},
+                   {"generate": [...], "salt": "tenant"} (vLLM's cache_salt),
+                   {"purge": {"salt": "tenant"} | {"all": true} | ...} (kvbm.admin.purge),
                    {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
                    {"quiesce": true},
                    {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
@@ -291,6 +293,9 @@ def run(spec: dict) -> dict:
         elif "generate" in act:
             sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in act["generate"]]
+            if act.get("salt") is not None:  # vLLM's cache_salt: kvbm's salt hash (design §3)
+                for pr in prompts:
+                    pr["cache_salt"] = act["salt"]
             t = time.time()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             rec["secs"] = time.time() - t
@@ -302,6 +307,12 @@ def run(spec: dict) -> dict:
                 ft = getattr(m, "first_token_latency", None) if m is not None else None
                 ttfts.append(ft)
             rec["ttft_s"] = ttfts
+        elif act.get("purge"):
+            # The operator endpoint of the engine's leader (kvbm.admin), as
+            # `python -m kvbm purge` reaches it.
+            from kvbm import admin
+
+            rec["purge"] = admin.purge(**act["purge"])
         elif act.get("reset"):
             # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
             rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))

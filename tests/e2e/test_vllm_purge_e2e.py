@@ -1,0 +1,57 @@
+"""Purge on a running vLLM engine (CPU backend), through the operator endpoint
+as `python -m kvbm purge --salt` reaches it: after purging salt S1, a request
+with S1 recomputes (no kvbm hit, G2 and G3 both forgot it) with the same
+output, while the same prompt under salt S2 is still served by kvbm."""
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BS = 32
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+P = prompt(31, 5 * BS + 9)  # 5 full blocks
+
+
+def by_tag(res):
+    return {a["tag"]: a for a in res["actions"]}
+
+
+def test_purge_salt_on_running_engine(harness, tmp_path):
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_ADMIN_DIR": str(tmp_path / "admin"),
+    }
+    res = harness({"env": env, "engine": {"num_gpu_blocks_override": 16}, "actions": [
+        {"generate": [P], "salt": "s1", "tag": "s1"},
+        {"generate": [P], "salt": "s2", "tag": "s2"},
+        {"quiesce": True, "tag": "q"},
+        # vLLM's own prefix cache goes (it is salted too, and kvbm does not
+        # own it); kvbm's tiers stay.
+        {"reset": True, "reset_connector": False, "tag": "reset"},
+        {"purge": {"salt": "s1"}, "tag": "purge"},
+        {"generate": [P], "salt": "s1", "tag": "s1_again"},
+        {"generate": [P], "salt": "s2", "tag": "s2_again"},
+    ]})
+    t = by_tag(res)
+    assert t["reset"]["reset"] is True
+    purged = t["purge"]["purge"]
+    assert purged["host_blocks"] == 5 and purged["disk_blocks"] == 5, purged
+    m0 = t["purge"]["metrics"]
+    m1 = t["s1_again"]["metrics"]
+    m2 = t["s2_again"]["metrics"]
+    assert m1["kvbm_matched_tokens"] == m0["kvbm_matched_tokens"], "salt s1 recomputes: no kvbm hit"
+    assert m2["kvbm_matched_tokens"] - m1["kvbm_matched_tokens"] == 5 * BS, "salt s2 is still served"
+    assert m2.get("kvbm_load_errors", 0) == 0
+    assert t["s1_again"]["tokens"] == t["s1"]["tokens"]
+    assert t["s2_again"]["tokens"] == t["s2"]["tokens"] == t["s1"]["tokens"]

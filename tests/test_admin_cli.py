@@ -23,7 +23,7 @@ def leader(tmp_path, monkeypatch):
     d = tmp_path / "adm"
     monkeypatch.setenv("DYN_KVBM_ADMIN_DIR", str(d))
     monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "32")
-    ld = Leader(block_size=BS, bytes_per_block=64)
+    ld = Leader(block_size=BS, bytes_per_block=64, tier_events=True)
     yield ld, str(d)
     ld.close()
 
@@ -38,8 +38,13 @@ def test_purge_salt_from_python_and_cli(leader):
     st = admin.stats(directory=d)
     assert st["block_size"] == BS and st["host_blocks"] == 32 and st["host_registered"] == 6
 
+    ld.take_events()
     res = admin.purge(salt="tenant-a", directory=d)
     assert res["host_blocks"] == 3 and res["disk_blocks"] == 0
+    # vLLM's KV event stream (connector/_events.py) reports the removals: exactly salt A's blocks.
+    evs, _ = ld.take_events()
+    want = set(_native.sequence_hashes(prompt, BS, salt_hash=_native.salt_hash("tenant-a")))
+    assert all(e.removed for e in evs) and {e.seq_hash for e in evs} == want and len(evs) == 3
     got, _ = ld.match("again-a", prompt, _native.salt_hash("tenant-a"), 0)
     assert got == 0, "salt A recomputes"
     got, _ = ld.match("again-b", prompt, _native.salt_hash("tenant-b"), 0)

@@ -2,6 +2,7 @@ package leader
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -40,11 +41,17 @@ type lifecycle struct {
 
 	cancel context.CancelFunc // stops the sweeper; nil when none runs
 	done   chan struct{}
+
+	// Re-checks of salt purges (purge.go): bg ends them at Close.
+	bg       context.Context
+	bgCancel context.CancelFunc
+	bgWG     sync.WaitGroup
 }
 
 // newLifecycle reads the TTLs; the sweeper starts in startLifecycle.
 func newLifecycle(cfg *config.Config, persistentDisk bool) *lifecycle {
 	lc := &lifecycle{diskTTL: cfg.Lifecycle.DiskTTL, objTTL: cfg.Lifecycle.ObjectTTL}
+	lc.bg, lc.bgCancel = context.WithCancel(context.Background())
 	if persistentDisk {
 		lc.tombs = newTombstones(cfg.DiskCacheDir)
 	}
@@ -85,6 +92,8 @@ func (l *Leader) startLifecycle() {
 
 // stopLifecycle stops the sweeper and waits for it.
 func (l *Leader) stopLifecycle() {
+	l.life.bgCancel()
+	l.life.bgWG.Wait()
 	if lc := l.life; lc.cancel != nil {
 		lc.cancel()
 		<-lc.done

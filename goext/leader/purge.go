@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
@@ -171,6 +172,7 @@ func (l *Leader) Purge(ctx context.Context, req PurgeRequest) (PurgeResult, erro
 			g.Failed += one.Failed
 			err = errors.Join(err, e)
 		}
+		l.recheckLater(store, req.Salts)
 	}
 	if !req.All && prefix == nil {
 		res.G4Forgotten += max(before-store.Registry().Len(), 0)
@@ -245,4 +247,35 @@ func (l *Leader) purgePool(p *pool.Pool, match func(pool.BlockInfo) bool, tombs 
 		n++
 	}
 	return n, tombs
+}
+
+// PurgeRecheck is how long after a salt purge its G4 prefix is listed and
+// purged once more: uploads the workers had queued before the purge (at
+// most 256 per rank, written within seconds) may land after the first pass.
+var PurgeRecheck = 30 * time.Second
+
+// recheckLater runs that second pass in the background (ended by Close).
+func (l *Leader) recheckLater(store *object.Store, salts []uint64) {
+	lc := l.life
+	salts = append([]uint64(nil), salts...)
+	wait := PurgeRecheck
+	lc.bgWG.Add(1)
+	go func() {
+		defer lc.bgWG.Done()
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case <-lc.bg.Done():
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(lc.bg, time.Minute)
+		defer cancel()
+		for _, s := range salts {
+			res, err := store.PurgeSalt(ctx, s)
+			if res.Deleted > 0 || err != nil {
+				l.log.Info("kvbm purge: second pass over the salt's G4 objects", "deleted", res.Deleted, "err", err)
+			}
+		}
+	}()
 }

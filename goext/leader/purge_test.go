@@ -256,6 +256,7 @@ func TestPurgeG4(t *testing.T) {
 	s := g4Store(t, srv)
 	buf := events.NewBuffer(0)
 	e := newG4Env(t, 16, &G4Options{Store: s, WriteThrough: true, Events: buf})
+	t.Cleanup(e.l.Close)
 	pa, pb := toks(100, 12), toks(200, 12)
 	st := e.step(t,
 		RequestUpdate{ReqID: "a", NewTokens: pa, NewBlockIDs: []int64{1, 2, 3}, NumScheduledTokens: 12, Salt: saltA},
@@ -284,4 +285,24 @@ func TestPurgeG4(t *testing.T) {
 	s.Registry().RemoveAll()
 	require.Zero(t, s.LookupSalted(ctx, saltA, ha), "the bucket holds no object of salt A")
 	require.Equal(t, 3, s.LookupSalted(ctx, saltB, hb))
+}
+
+// TestPurgeRecheck (versitygw): an upload of the purged salt that lands
+// after the purge (queued before it) is deleted by the second pass.
+func TestPurgeRecheck(t *testing.T) {
+	old := PurgeRecheck
+	PurgeRecheck = 50 * time.Millisecond
+	t.Cleanup(func() { PurgeRecheck = old })
+	srv := s3test.Start(t)
+	s := g4Store(t, srv)
+	e := newG4Env(t, 16, &G4Options{Store: s, WriteThrough: true})
+	_, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
+	require.NoError(t, err)
+	require.True(t, s.EnqueueSalted(saltA, 42, 0, make([]byte, 64))) // a straggler
+	require.NoError(t, s.Flush(context.Background()))
+	require.Eventually(t, func() bool {
+		s.Registry().RemoveAll()
+		return s.LookupSalted(context.Background(), saltA, []uint64{42}) == 0
+	}, 10*time.Second, 20*time.Millisecond)
+	e.l.Close()
 }

@@ -39,7 +39,7 @@ func (s *Store) PurgeSalt(ctx context.Context, salt uint64) (PurgeResult, error)
 		return PurgeResult{}, errors.New("object: purge of the default salt (no cache salt, no LoRA): " +
 			"its objects share the unsalted keys; purge prefixes or everything instead")
 	}
-	return s.purgeListed(ctx, prefix, time.Time{}, 0, "")
+	return s.purgeListed(ctx, prefix)
 }
 
 // PurgeAll deletes every object of this format in the bucket (every model,
@@ -49,7 +49,7 @@ func (s *Store) PurgeAll(ctx context.Context, all bool) (PurgeResult, error) {
 	if !all {
 		return PurgeResult{}, ErrPurgeAll
 	}
-	return s.purgeListed(ctx, KeyPrefix, time.Time{}, 0, "")
+	return s.purgeListed(ctx, KeyPrefix)
 }
 
 // PurgeHashes deletes the objects of hashes (blocks of a request of salt
@@ -77,9 +77,9 @@ func (s *Store) Sweep(ctx context.Context, now time.Time, ttl time.Duration, max
 	return next, res, err
 }
 
-// purgeListed deletes the objects listed under prefix (all of them).
-func (s *Store) purgeListed(ctx context.Context, prefix string, before time.Time, maxList int, startAfter string) (PurgeResult, error) {
-	res, _, err := s.list(ctx, prefix, before, maxList, startAfter)
+// purgeListed deletes every object listed under prefix.
+func (s *Store) purgeListed(ctx context.Context, prefix string) (PurgeResult, error) {
+	res, _, err := s.list(ctx, prefix, time.Time{}, 0, "")
 	return res, err
 }
 
@@ -112,6 +112,13 @@ func (s *Store) list(ctx context.Context, prefix string, before time.Time, maxLi
 			cancel()
 			break
 		}
+		if len(keys) >= listPage { // delete page by page: memory stays bounded on any bucket
+			if err := s.deleteKeys(ctx, keys, &res); err != nil {
+				listErr = err
+				break
+			}
+			keys = keys[:0]
+		}
 	}
 	err := s.deleteKeys(ctx, keys, &res)
 	if maxList == 0 || res.Listed < maxList || listErr != nil {
@@ -123,6 +130,7 @@ func (s *Store) list(ctx context.Context, prefix string, before time.Time, maxLi
 // deleteKeys deletes keys (purgeDeletes at a time), counting into res; a
 // deleted key's hash leaves the registry.
 func (s *Store) deleteKeys(ctx context.Context, keys []string, res *PurgeResult) error {
+	deleted0 := res.Deleted
 	var (
 		mu       sync.Mutex
 		firstErr error
@@ -153,7 +161,7 @@ func (s *Store) deleteKeys(ctx context.Context, keys []string, res *PurgeResult)
 		}()
 	}
 	wg.Wait()
-	stats.purged.Add(uint64(res.Deleted))
+	stats.purged.Add(uint64(res.Deleted - deleted0))
 	return firstErr
 }
 

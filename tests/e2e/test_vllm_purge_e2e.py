@@ -55,3 +55,42 @@ def test_purge_salt_on_running_engine(harness, tmp_path):
     assert m2.get("kvbm_load_errors", 0) == 0
     assert t["s1_again"]["tokens"] == t["s1"]["tokens"]
     assert t["s2_again"]["tokens"] == t["s2"]["tokens"] == t["s1"]["tokens"]
+
+
+def test_purge_survives_restart_of_persistent_disk(harness, tmp_path):
+    """Engine 1 (persistent G3) caches P under salts s1 and s2, purges s1 and
+    exits without another step (its workers never saw the drops); engine 2
+    on the same directory recovers s2's blocks and serves them, and s1's
+    stay gone (the purge's tombstones), so s1 recomputes."""
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_PERSIST": "true",
+        "DYN_KVBM_ADMIN_DIR": str(tmp_path / "admin"),
+    }
+    engine = {"num_gpu_blocks_override": 16}
+    first = by_tag(harness({"env": env, "engine": engine, "actions": [
+        {"generate": [P], "salt": "s1", "tag": "s1"},
+        {"generate": [P], "salt": "s2", "tag": "s2"},
+        {"quiesce": True, "tag": "q"},
+        {"purge": {"salt": "s1"}, "tag": "purge"},
+    ]}))
+    assert first["q"]["metrics"]["kvbm_disk_blocks_registered"] >= 10, first["q"]["metrics"]
+    assert first["purge"]["purge"]["disk_blocks"] == 5, first["purge"]["purge"]
+    assert (tmp_path / "kvbm-g3-purged.tomb").exists()
+
+    second = harness({"env": env, "engine": engine, "actions": [
+        {"quiesce": True, "tag": "start"},
+        {"generate": [P], "salt": "s1", "tag": "s1_again"},
+        {"generate": [P], "salt": "s2", "tag": "s2_again"},
+    ]})
+    t = by_tag(second)
+    ms = t["start"]["metrics"]
+    assert ms["kvbm_disk_blocks_registered"] == 5, ms
+    m1, m2 = t["s1_again"]["metrics"], t["s2_again"]["metrics"]
+    assert m1["kvbm_matched_tokens"] == 0, "s1 was purged before the restart: recomputed"
+    assert m2["kvbm_matched_tokens"] == 5 * BS, "s2 is recovered from the persistent tier"
+    assert m2.get("kvbm_load_errors", 0) == 0
+    assert t["s1_again"]["tokens"] == t["s2_again"]["tokens"] == first["s1"]["tokens"]

@@ -4,7 +4,8 @@ Format (goext/plan): a msgpack map {"q": seq, "l": [{"r": req_id, "c": copies}],
 "m": copies, "v": copies, "x": copies, "g": group rows}; ``copies`` is a bin of little-endian
 18-byte records (src tier u8, src block i64, dst tier u8, dst block i64).
 Tiers: 1 = G1 (engine), 2 = G2 (host), 3 = G3 (disk), 4 = G4 (object storage;
-its block is the sequence hash). "u" (G2 → G4 uploads) is for the workers only.
+its block is the sequence hash). "u" (G2 → G4 uploads) and "gs" (salts of salted G4
+blocks, goext/plan/salts.go) are for the workers only.
 "g" (KV cache groups): a bin of little-endian int64s, the number of groups n,
 then per G1 block the plan copies: that block, then each group's block at its
 position (-1: none) (:func:`group_rows`, :func:`with_group_rows`).

@@ -197,3 +197,36 @@ func TestG4UploadNeverBlocksWithoutStore(t *testing.T) {
 	require.Equal(t, uint64(40), after.Dropped-before.Dropped)
 	require.Equal(t, uint64(0), after.Uploaded-before.Uploaded)
 }
+
+// TestG4SaltedKeys: a step's G4Salts make the worker store and load salted
+// blocks under their salt's tag: another instance finds them with the salt
+// and loads them byte-exact, and not without it.
+func TestG4SaltedKeys(t *testing.T) {
+	srv := s3test.Start(t)
+	fp := fingerprint.Inputs{Model: "m", DType: "bf16", BlockSize: bs, TPSize: 1}.Sum()
+	const salt = 0x5a17
+	ga := newG1(t, layout.FlashAttn)
+	bpb := int(ga.e.BytesPerBlock())
+	sa := g4Store(t, srv, fp, bpb)
+	wa := newWorker(t, ga, Options{HostBlocks: 4, G4: sa})
+	_, failed := run(t, wa, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{9}, plan.G2, []int64{0}),
+		Uploads: []plan.Upload{{Block: 0, Hash: 0xb1}}, G4Salts: []plan.SaltRef{{Hash: 0xb1, Salt: salt}}})
+	require.Empty(t, failed)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, sa.Flush(ctx))
+
+	gb := newG1(t, layout.FlashAttn)
+	sb := g4Store(t, srv, fp, bpb)
+	wb := newWorker(t, gb, Options{HostBlocks: 4, G4: sb})
+	require.Zero(t, sb.Lookup(ctx, []uint64{0xb1}), "not under the unsalted key")
+	require.Equal(t, 1, sb.LookupSalted(ctx, salt, []uint64{0xb1}))
+	ld := plan.Load{ReqID: "r", Copies: []plan.Copy{
+		{Src: plan.G4, SrcBlock: 0xb1, Dst: plan.G2, DstBlock: 1},
+		{Src: plan.G2, SrcBlock: 1, Dst: plan.G1, DstBlock: 20},
+	}}
+	loaded, failed := run(t, wb, &plan.Step{Seq: 1, Loads: []plan.Load{ld}, G4Salts: []plan.SaltRef{{Hash: 0xb1, Salt: salt}}})
+	require.Equal(t, []string{"r"}, loaded)
+	require.Empty(t, failed)
+	require.Equal(t, ga.block(9), gb.block(20))
+}

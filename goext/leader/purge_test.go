@@ -306,3 +306,32 @@ func TestPurgeRecheck(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond)
 	e.l.Close()
 }
+
+// TestObjectTTL (versitygw): the leader's G4 expiry pass deletes objects
+// older than DYN_KVBM_OBJECT_TTL_SECS (here: by advancing the leader's
+// clock past it), at most ObjectSweepObjects per pass, and their registry
+// entries; nothing younger goes.
+func TestObjectTTL(t *testing.T) {
+	srv := s3test.Start(t)
+	s := g4Store(t, srv)
+	e := &env{sink: &recSink{}, clock: &fakeClock{t: time.Now()}}
+	l, err := New(Options{
+		Config: &config.Config{CPUCacheOverrideBlocks: 8, CacheStatsMaxRequests: 10,
+			Lifecycle: config.Lifecycle{ObjectTTL: time.Hour}},
+		BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1, Now: e.clock.Now,
+		G4: &G4Options{Store: s, WriteThrough: true},
+	})
+	require.NoError(t, err)
+	l.Close() // the test runs the passes itself
+	for h := uint64(1); h <= 4; h++ {
+		require.True(t, s.EnqueueSalted(saltA, h, 0, make([]byte, 64)))
+	}
+	require.NoError(t, s.Flush(context.Background()))
+	require.Zero(t, l.SweepObjects(context.Background()).Deleted, "nothing is an hour old")
+	e.clock.Advance(2 * time.Hour)
+	res := l.SweepObjects(context.Background())
+	require.Equal(t, 4, res.Deleted)
+	require.Equal(t, uint64(4), l.Stats().Lifecycle.ExpiredObjects)
+	require.Zero(t, s.Registry().Len())
+	require.Zero(t, s.LookupSalted(context.Background(), saltA, []uint64{1}))
+}

@@ -66,7 +66,7 @@ def test_purge_salt_from_python_and_cli(leader):
 
 def test_bad_requests_and_no_token(leader):
     _, d = leader
-    sock = admin.endpoints(d)[os.getpid()]
+    (sock,) = admin.endpoints(d)[os.getpid()]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(sock))
         s.sendall(b'{"op": "purge", "all": true}\n')
@@ -78,3 +78,17 @@ def test_bad_requests_and_no_token(leader):
         admin.purge(prefix_tokens=[-1], directory=d)
     with pytest.raises(admin.AdminError, match="no kvbm engine with pid"):
         admin.stats(pid=1, directory=d)
+
+
+def test_two_leaders_in_one_process(leader):
+    ld, d = leader
+    other = Leader(block_size=8, bytes_per_block=64)
+    try:
+        socks = admin.endpoints(d)[os.getpid()]
+        assert len(socks) == 2
+        with pytest.raises(admin.AdminError, match="several kvbm engines"):
+            admin.stats(directory=d)
+        assert {admin.stats(socket=str(p))["block_size"] for p in socks} == {BS, 8}
+    finally:
+        other.close()
+    assert len(admin.endpoints(d)[os.getpid()]) == 1, "a closed leader removes its socket"

@@ -34,6 +34,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -69,9 +70,14 @@ func Dir(dir string) string {
 	return filepath.Join(os.TempDir(), "kvbm-"+strconv.Itoa(os.Geteuid()))
 }
 
-// SocketName and TokenName are the endpoint files of process pid.
-func SocketName(pid int) string { return fmt.Sprintf("kvbm-%d.sock", pid) }
-func TokenName(pid int) string  { return fmt.Sprintf("kvbm-%d.token", pid) }
+// SocketName and TokenName are the files of endpoint n (1, 2, ... in the
+// order a process starts them: a process may hold several leaders) of
+// process pid.
+func SocketName(pid, n int) string { return fmt.Sprintf("kvbm-%d-%d.sock", pid, n) }
+func TokenName(pid, n int) string  { return fmt.Sprintf("kvbm-%d-%d.token", pid, n) }
+
+// started numbers the endpoints of this process.
+var started atomic.Int64
 
 // Server is a running endpoint.
 type Server struct {
@@ -97,15 +103,15 @@ func Start(dir string, t Target, log *slog.Logger) (*Server, error) {
 	if err := integrity.PrivateDir(dir); err != nil {
 		return nil, fmt.Errorf("admin: endpoint directory: %w", err)
 	}
-	pid := os.Getpid()
-	s := &Server{sock: filepath.Join(dir, SocketName(pid)), tokenF: filepath.Join(dir, TokenName(pid)), t: t, log: log,
+	pid, n := os.Getpid(), int(started.Add(1))
+	s := &Server{sock: filepath.Join(dir, SocketName(pid, n)), tokenF: filepath.Join(dir, TokenName(pid, n)), t: t, log: log,
 		sem: make(chan struct{}, maxConns)}
 	raw := make([]byte, 32)
 	if _, err := rand.Read(raw); err != nil {
 		return nil, fmt.Errorf("admin: token: %w", err)
 	}
 	s.token = []byte(hex.EncodeToString(raw))
-	_ = os.Remove(s.tokenF) // a stale one of a dead process with this pid
+	_ = os.Remove(s.tokenF) // a stale one of a dead process that had this pid
 	f, err := os.OpenFile(s.tokenF, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("admin: token file: %w", err)

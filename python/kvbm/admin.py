@@ -1,9 +1,9 @@
 """Operator calls to a running engine's kvbm: purge and stats.
 
 The leader of every engine started with kvbm listens on a Unix socket
-``kvbm-<pid>.sock`` in a directory private to the user (``DYN_KVBM_ADMIN_DIR``,
+``kvbm-<pid>-<n>.sock`` in a directory private to the user (``DYN_KVBM_ADMIN_DIR``,
 else ``$XDG_RUNTIME_DIR/kvbm``, else ``/tmp/kvbm-<uid>``), beside a token file
-``kvbm-<pid>.token`` (0600). A call reads the token and sends it with the
+``kvbm-<pid>-<n>.token`` (0600). A call reads the token and sends it with the
 request; the engine also checks that the caller runs as the same user.
 
     import kvbm.admin
@@ -53,19 +53,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def endpoints(directory: Optional[str] = None) -> dict[int, Path]:
-    """Sockets of running engines, by process id."""
-    out: dict[int, Path] = {}
+def endpoints(directory: Optional[str] = None) -> dict[int, list[Path]]:
+    """Sockets of running engines, by process id (a process may hold several
+    leaders: ``kvbm-<pid>-<n>.sock``)."""
+    out: dict[int, list[Path]] = {}
     d = endpoint_dir(directory)
     if not d.is_dir():
         return out
-    for p in d.glob("kvbm-*.sock"):
+    for p in sorted(d.glob("kvbm-*-*.sock")):
         try:
-            pid = int(p.name[len("kvbm-"):-len(".sock")])
+            pid = int(p.name.split("-")[1])
         except ValueError:
             continue
         if _alive(pid):
-            out[pid] = p
+            out.setdefault(pid, []).append(p)
     return out
 
 
@@ -76,14 +77,16 @@ def _pick(pid: Optional[int], sock: Optional[str], directory: Optional[str]) -> 
     if pid is not None:
         if pid not in found:
             raise AdminError(f"no kvbm engine with pid {pid} in {endpoint_dir(directory)}")
-        return found[pid]
-    if not found:
+        found = {pid: found[pid]}
+    socks = [p for ps in found.values() for p in ps]
+    if not socks:
         raise AdminError(
             f"no running kvbm engine found in {endpoint_dir(directory)} "
             "(set DYN_KVBM_ADMIN_DIR to the engine's, or pass socket=)")
-    if len(found) > 1:
-        raise AdminError(f"several kvbm engines are running (pids {sorted(found)}): pass pid=")
-    return next(iter(found.values()))
+    if len(socks) > 1:
+        raise AdminError("several kvbm engines are running (" + ", ".join(str(p) for p in socks) +
+                         "): pass pid= or socket=")
+    return socks[0]
 
 
 def call(request: dict[str, Any], *, pid: Optional[int] = None, socket: Optional[str] = None,

@@ -94,3 +94,36 @@ def test_purge_survives_restart_of_persistent_disk(harness, tmp_path):
     assert m2["kvbm_matched_tokens"] == 5 * BS, "s2 is recovered from the persistent tier"
     assert m2.get("kvbm_load_errors", 0) == 0
     assert t["s1_again"]["tokens"] == t["s2_again"]["tokens"] == first["s1"]["tokens"]
+
+
+def test_purge_salt_deletes_its_g4_objects(harness, s3_server, tmp_path):
+    """Engine A (G2 + G4) stores P under salts s1 and s2 in the bucket and
+    purges s1: the bucket keeps only s2's objects. Engine B, a fresh
+    instance on the same bucket, recomputes P under s1 and onboards it from
+    G4 under s2, with the same output."""
+    from kvbm.testing.s3server import count_objects
+
+    srv, bucket = s3_server, "kvbm-purge"
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, "DYN_KVBM_ADMIN_DIR": str(tmp_path / "admin"),
+           **srv.env(bucket)}
+    engine = {"num_gpu_blocks_override": 16}
+    a = by_tag(harness({"env": env, "engine": engine, "actions": [
+        {"generate": [P], "salt": "s1", "tag": "s1"},
+        {"generate": [P], "salt": "s2", "tag": "s2"},
+        {"s3_objects": srv.state_dir, "bucket": bucket, "at_least": 10, "tag": "uploaded"},
+        {"purge": {"salt": "s1"}, "tag": "purge"},
+    ]}))
+    assert a["uploaded"]["reached"] and a["uploaded"]["objects"] == 10, a["uploaded"]
+    assert a["purge"]["purge"]["g4_deleted"] == 5, a["purge"]["purge"]
+    assert count_objects(srv.state_dir, bucket) == 5, "the bucket holds no object of s1"
+
+    b = by_tag(harness({"env": env, "engine": engine, "actions": [
+        {"generate": [P], "salt": "s1", "tag": "s1_again"},
+        {"generate": [P], "salt": "s2", "tag": "s2_again"},
+    ]}))
+    m1, m2 = b["s1_again"]["metrics"], b["s2_again"]["metrics"]
+    assert m1["kvbm_matched_tokens"] == 0, "s1 recomputes on another instance"
+    assert m2["kvbm_matched_tokens"] == 5 * BS, m2
+    assert m2["kvbm_onboard_blocks_obj2h"] == 5, m2
+    assert m2.get("kvbm_load_errors", 0) == 0
+    assert b["s1_again"]["tokens"] == b["s2_again"]["tokens"] == a["s1"]["tokens"]

@@ -61,25 +61,19 @@ _KEY = re.compile(r"^[0-9a-f]{16}$")
 
 
 def count_objects(state_dir: str, bucket: str) -> int:
-    """kvbm G4 objects (g4v2-<fingerprint>/<sequence hash>) stored in bucket."""
-    root = os.path.join(state_dir, "data", bucket)
-    n = 0
-    if os.path.isdir(root):
-        for fp in os.listdir(root):
-            d = os.path.join(root, fp)
-            if os.path.isdir(d) and not fp.startswith("."):
-                n += sum(1 for name in os.listdir(d) if _KEY.match(name))
-    return n
+    """kvbm G4 objects (g4v2-<fingerprint>/<sequence hash>, and salted ones
+    under g4v2-s<tag>/<fingerprint>/) stored in bucket."""
+    return len(object_files(state_dir, bucket))
 
 
 def object_files(state_dir: str, bucket: str) -> list[str]:
     """Paths of the kvbm G4 objects stored in bucket (posix backend)."""
     root = os.path.join(state_dir, "data", bucket)
     out = []
-    for fp in sorted(os.listdir(root)):
-        d = os.path.join(root, fp)
-        if os.path.isdir(d) and not fp.startswith("."):
-            out += [os.path.join(d, n) for n in sorted(os.listdir(d)) if _KEY.match(n)]
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        if d != root:
+            out += [os.path.join(d, n) for n in sorted(files) if _KEY.match(n)]
     return out
 
 

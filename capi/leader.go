@@ -18,10 +18,9 @@ import (
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
 	"github.com/kvbm/kvbm/goext/config"
-	"github.com/kvbm/kvbm/goext/consolidator"
-	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/node"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/wire"
 )
@@ -64,12 +63,13 @@ type leaderOptions struct {
 type leaderHandle struct {
 	lifetime
 	// l is set once, by kvbm_leader_new or (with a side channel) the
-	// kvbm_leader_wait_ready that completed the handshake, before ready.
-	l       *leader.Leader
-	ready   atomic.Bool
-	m       *metrics.Metrics
-	metrics *metrics.Server
-	once    sync.Once
+	// kvbm_leader_wait_ready that completed the handshake, before ready;
+	// n is what it was built with (goext/node).
+	l     *leader.Leader
+	n     *node.Leader
+	ready atomic.Bool
+	m     *metrics.Metrics
+	once  sync.Once
 
 	// With a side channel: the channel, the options the leader is created
 	// with once the handshake completed, and its outcome. startMu orders
@@ -80,52 +80,25 @@ type leaderHandle struct {
 	startMu sync.Mutex
 	closed  bool
 
-	consolidator *consolidator.Consolidator // nil unless started with the leader
-	g4Close      func()                     // releases the G4 store; nil without one
-	g4mu         sync.Mutex                 // kvbm_leader_set_g4_fingerprint vs close
-	tierEvents   *events.Buffer             // nil unless leaderOptions.TierEvents
-
-	// For a G4 store opened after start (kvbm_leader_set_g4_fingerprint).
-	cfg           *config.Config
-	bytesPerBlock int64
-	workerID      uint64
+	cfg *config.Config
 }
 
 func (h *leaderHandle) close() {
 	h.once.Do(func() {
 		h.startMu.Lock()
 		h.closed = true
-		l := h.l
+		n := h.n
 		h.startMu.Unlock()
-		// The leader first: its background loop cancels the operation in
-		// flight (committed failed) and stops using the side channel.
-		if l != nil {
-			l.Close()
+		// The leader first (node.Leader.Close: its background loop cancels
+		// the operation in flight and stops using the side channel), then
+		// what fed it, then the channel.
+		if n != nil {
+			n.Close()
 		}
 		if h.co != nil {
 			_ = h.co.Close()
 		}
-		h.release()
 	})
-}
-
-// release stops what start started around the leader (metrics endpoint,
-// consolidator, G4 store); each only once.
-func (h *leaderHandle) release() {
-	if h.metrics != nil {
-		_ = h.metrics.Close()
-		h.metrics = nil
-	}
-	if h.consolidator != nil {
-		_ = h.consolidator.Close()
-		h.consolidator = nil
-	}
-	h.g4mu.Lock()
-	if h.g4Close != nil {
-		h.g4Close()
-		h.g4Close = nil
-	}
-	h.g4mu.Unlock()
 }
 
 //export kvbm_leader_new
@@ -169,65 +142,23 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	return statusOK
 }
 
-// start creates the leader (and what it feeds: consolidator, G4, metrics
-// endpoint); bc is its side channel, nil without one. On error everything
-// started is released.
+// start creates the leader and what it feeds (node.NewLeader); bc is its
+// side channel, nil without one. On error everything started is released.
 func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broadcaster) error {
-	log := kvbmLogger()
-	h.bytesPerBlock, h.workerID = o.BytesPerBlock, o.WorkerID
-	var sink events.Sink = events.NopSink{}
-	if o.Consolidator != nil {
-		c, err := startConsolidator(o.Consolidator, cfg, h.m, log)
-		if err != nil {
-			return err
-		}
-		h.consolidator, sink = c, c
+	spec := node.LeaderSpec{
+		BlockSize: o.BlockSize, BytesPerBlock: o.BytesPerBlock, NumWorkers: o.NumWorkers, WorkerID: o.WorkerID,
+		Background: o.Background, SideChannel: bc, BroadcastTimeout: sideChannelTimeout(o.SideChannel),
+		Fingerprint: o.Fingerprint, G4Async: o.G4Async, LoadFullHit: o.LoadFullHit, TierEvents: o.TierEvents,
+		Metrics: h.m,
 	}
-	sink = h.withTierEvents(o, sink)
-	g4opts, err := leaderG4(&o, cfg, h, log)
+	if c := o.Consolidator; c != nil {
+		spec.Consolidator = c.spec()
+	}
+	n, err := node.NewLeader(cfg, spec, nodeDeps(o.Env))
 	if err != nil {
-		h.release()
 		return err
 	}
-	h.g4TierEvents(g4opts)
-	l, err := leader.New(leader.Options{
-		G4:               g4opts,
-		Config:           cfg,
-		BlockSize:        o.BlockSize,
-		BytesPerBlock:    o.BytesPerBlock,
-		NumWorkers:       max(o.NumWorkers, 1),
-		Sink:             sink,
-		Metrics:          h.m,
-		Logger:           log,
-		WorkerID:         o.WorkerID,
-		Background:       o.Background,
-		SideChannel:      bc,
-		BroadcastTimeout: sideChannelTimeout(o.SideChannel),
-		LoadFullHit:      o.LoadFullHit,
-	})
-	if err != nil {
-		h.release()
-		return withCode(statusConfig, err)
-	}
-	h.l = l
-	if g4opts != nil {
-		_ = object.RegisterMetrics(h.m.Registry)
-	}
-	restoreInProcess(l, cfg, max(o.NumWorkers, 1), h.m, log)
-	if cfg.Metrics {
-		// Transfer bytes and latency are measured by the workers of this
-		// process (TP=1: the engine's only worker shares it).
-		h.m.Also = workerMetrics().Families("kvbm_transfer_bytes", "kvbm_transfer_seconds",
-			"kvbm_g3_load_unauthenticated_blocks")
-		srv, err := h.m.ServeWith(cfg.MetricsAddr(), metrics.ServerOptionsFrom(cfg))
-		if err != nil {
-			// The cache works without its metrics endpoint; say why it is missing.
-			log.Warn("kvbm metrics endpoint not started", "err", err)
-		} else {
-			h.metrics = srv
-			log.Info("kvbm metrics endpoint", "url", "http://"+srv.Addr+"/metrics")
-		}
-	}
+	h.n, h.l = n, n.L
 	h.ready.Store(true)
 	return nil
 }
@@ -294,10 +225,6 @@ func kvbm_leader_wait_ready(hd C.uint64_t, timeoutMs C.int64_t, outReady *C.int3
 	*outReady = 1
 	return statusOK
 }
-
-// workerMetrics is the metric set every worker of this process records
-// into; the leader's endpoint serves its transfer families.
-var workerMetrics = sync.OnceValue(metrics.New)
 
 //export kvbm_leader_free
 func kvbm_leader_free(hd C.uint64_t) {
@@ -401,19 +328,19 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 			QueueDepth: s.QueueDepth, BreakersOpen: s.BreakersOpen,
 		}
 	}
-	if h.metrics != nil {
-		addr := h.metrics.Addr
+	if h.n.Server != nil {
+		addr := h.n.Server.Addr
 		info.MetricsAddr = &addr
 	}
 	if h.co != nil {
 		info.SideChannel = sideChannelInfo(h.co, h.hs, h.l)
 	}
-	if h.consolidator != nil {
-		st := h.consolidator.Stats()
+	if c := h.n.Consolidator; c != nil {
+		st := c.Stats()
 		info.Consolidator = &leaderConsolidatorInfo{
 			EventsIn: st.EventsIn, Deduplicated: st.Deduplicated, ZMQEvents: st.ZMQEvents,
 			NATSEvents: st.NATSEvents, NATSDropped: st.NATSDropped, Tracked: st.Tracked,
-			ZMQEndpoint: h.consolidator.ZMQEndpoint(),
+			ZMQEndpoint: c.ZMQEndpoint(),
 		}
 	}
 	b, _ := json.Marshal(info)

@@ -154,7 +154,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 	if c := o.Consolidator; c != nil {
 		spec.Consolidator = c.spec()
 	}
-	n, err := node.NewLeader(cfg, spec, nodeDeps(o.Env))
+	n, err := node.NewLeader(cfg, spec, nodeDeps())
 	if err != nil {
 		return err
 	}

@@ -68,7 +68,7 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 		return finish(err, errOut)
 	}
 	n, err := node.NewPageStore(cfg, node.PageStoreSpec{Identity: o.Identity, PageBytes: o.PageBytes, Rank: o.Rank},
-		fn, nodeDeps(o.Env))
+		fn, nodeDeps())
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -57,16 +57,13 @@ type tensorOption struct {
 
 // newDeviceCopier returns the G1 copier for engine tensors in GPU memory, or
 // nil when they are host memory. Only the CUDA build (worker_cuda.go) sets it.
-var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error)
+var newDeviceCopier func(eng *layout.Engine, cfg *config.Config) (worker.G1Copier, error)
 
 // nodeDeps are the assembly's dependencies as the C ABI provides them: the
 // process's registry, kvbm's logger, the CUDA build's copier.
-func nodeDeps(env map[string]string) node.Deps {
-	d := node.Deps{Logger: kvbmLogger(), TuneStore: func(o *config.Object, so *object.StoreOptions) { g4StoreOptions(o, so) }}
-	if newDeviceCopier != nil {
-		d.NewCopier = func(eng *layout.Engine, _ *config.Config) (worker.G1Copier, error) { return newDeviceCopier(eng, env) }
-	}
-	return d
+func nodeDeps() node.Deps {
+	return node.Deps{Logger: kvbmLogger(), NewCopier: newDeviceCopier,
+		TuneStore: func(o *config.Object, so *object.StoreOptions) { g4StoreOptions(o, so) }}
 }
 
 type workerHandle struct {
@@ -105,7 +102,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if sc := o.SideChannel; sc != nil {
 		spec.SideChannel = &node.WorkerSideChannel{Transport: sc.Transport, Secret: sc.Secret}
 	}
-	n, err := node.NewWorker(cfg, spec, nodeDeps(o.Env))
+	n, err := node.NewWorker(cfg, spec, nodeDeps())
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -185,6 +185,9 @@ type Config struct {
 
 	Object Object // G4 (object.go)
 
+	CUDA CUDA     // the CUDA build's copier (cuda.go)
+	Log  LogLevel // DYN_LOG (cuda.go)
+
 	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
 	// instead of their defaults (secret.go). Never logged.
 	StorageSecret []byte
@@ -287,6 +290,9 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		ZMQMaxMessageMB: p.capped(EnvZMQMaxMessageMB, DefaultZMQMaxMessageMB, 1),
 
 		Object: p.object(),
+
+		CUDA: p.cuda(),
+		Log:  p.logLevel(),
 
 		StorageSecret: p.storageSecret(),
 	}

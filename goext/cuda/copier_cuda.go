@@ -127,7 +127,8 @@ func ParseMode(s string) (Mode, error) {
 	return Auto, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct, batch or split", s)
 }
 
-// Options tune a Copier; zero values pick the defaults.
+// Options tune a Copier; zero values pick the defaults. The variables
+// named below are read by goext/config (config.CUDA), never here.
 type Options struct {
 	Mode Mode
 	// StagingBytes is the device staging buffer per direction in Staged
@@ -266,18 +267,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, fmt.Errorf("cuda: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
-	if err := errors.Join(
-		envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20),
-		envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1),
-		envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1),
-		envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1),
-		envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1),
-		envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1),
-		envInt(&opts.SplitChunkBytes, "KVBM_CUDA_SPLIT_CHUNK_MIB", 1<<20),
-		envInt(&opts.SplitStreams, "KVBM_CUDA_SPLIT_STREAMS", 1),
-	); err != nil {
-		return nil, err
-	}
 	if opts.SplitStreams > 8 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_STREAMS=%d: want 1 to 8", opts.SplitStreams)
 	}
@@ -289,13 +278,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	if opts.SplitChunkBytes <= 0 {
 		opts.SplitChunkBytes = DefaultSplitChunk
-	}
-	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
-	case "", "high":
-	case "low":
-		opts.StagedLowPriority = true
-	default:
-		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
 	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
@@ -458,20 +440,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	return c, nil
 }
 
-// envInt sets *v to the environment variable's value × unit (knob) when *v
-// is zero and the variable is set; a value that is not a positive integer
-// is an error naming the variable.
-func envInt[T int | int64](v *T, name string, unit T) error {
-	if *v != 0 {
-		return nil
-	}
-	n, err := knob(name, getenv(name), int64(unit))
-	if n > 0 {
-		*v = T(n)
-	}
-	return err
-}
-
 // analyse derives the strides the kernel needs from the layout's chunk
 // addresses (every layout is base(layer) + block·blockStride + outer·outerStride).
 func (c *Copier) analyse() {
@@ -569,9 +537,6 @@ func (c *Copier) contiguousBlocks() bool {
 func (c *Copier) loadKernels() error {
 	var images []string
 	src := "compiled-in kernels"
-	if c.opts.KernelsFile == "" {
-		c.opts.KernelsFile = getenv("KVBM_CUDA_KERNELS")
-	}
 	if c.opts.KernelsFile != "" {
 		b, err := os.ReadFile(c.opts.KernelsFile)
 		if err != nil {

@@ -33,13 +33,13 @@ type Server struct {
 
 // Binary finds versitygw: $KVBM_VERSITYGW, then PATH, then $(go env GOPATH)/bin.
 func Binary() (string, error) {
-	if p := os.Getenv("KVBM_VERSITYGW"); p != "" {
+	if p := os.Getenv("KVBM_VERSITYGW"); p != "" { // envread: the test server binary, no kvbm setting
 		return p, nil
 	}
 	if p, err := exec.LookPath("versitygw"); err == nil {
 		return p, nil
 	}
-	gopath := os.Getenv("GOPATH")
+	gopath := os.Getenv("GOPATH") // envread: where go install put the test server
 	if gopath == "" {
 		if out, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
 			gopath = strings.TrimSpace(string(out))
@@ -75,7 +75,7 @@ func Launch(dir string) (*Server, error) {
 func Start(t testing.TB) *Server {
 	t.Helper()
 	if _, err := Binary(); err != nil {
-		if os.Getenv("CI") != "" {
+		if os.Getenv("CI") != "" { // envread: CI must have the test server
 			t.Fatal(err)
 		}
 		t.Skip(err)
@@ -125,7 +125,8 @@ func (s *Server) Start() error {
 		return err
 	}
 	cmd := exec.Command(s.bin, "--port", s.Addr, "--quiet", "posix", data)
-	cmd.Env = append(os.Environ(), "ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
+	cmd.Env = append(os.Environ(), // envread: passed on to the test server
+		"ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		return err

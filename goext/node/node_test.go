@@ -15,9 +15,9 @@ import (
 	"github.com/kvbm/kvbm/goext/internal/testports"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/leader"
-	"github.com/kvbm/kvbm/goext/object/s3test"
 	"github.com/kvbm/kvbm/goext/storage"
 	"github.com/kvbm/kvbm/goext/worker"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 const (

@@ -123,3 +123,59 @@ func TestReadmeVariablesAreRead(t *testing.T) {
 			"or to notConfig with what reads it", v, tables)
 	}
 }
+
+// goextPackages lists the directories of goext holding Go files (internal/
+// ones as "internal/<name>").
+func goextPackages(t *testing.T) []string {
+	root := filepath.Join("..", "..")
+	var pkgs []string
+	err := filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err != nil || !d.IsDir() || p == root {
+			return err
+		}
+		if d.Name() == "testdata" {
+			return filepath.SkipDir
+		}
+		if gos, _ := filepath.Glob(filepath.Join(p, "*.go")); len(gos) > 0 {
+			rel, _ := filepath.Rel(root, p)
+			pkgs = append(pkgs, filepath.ToSlash(rel))
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	require.Greater(t, len(pkgs), 15, "the walk of goext is broken")
+	return pkgs
+}
+
+// TestPackageListsAgree: the README's layout names every goext package,
+// and docs/architecture.md's package table has a row for each.
+func TestPackageListsAgree(t *testing.T) {
+	readme, err := os.ReadFile(filepath.Join("..", "..", "..", "README.md"))
+	require.NoError(t, err)
+	block := string(readme)
+	start := strings.Index(block, "goext/     the Go library")
+	require.GreaterOrEqual(t, start, 0, "README's layout block")
+	block = block[start:]
+	block = block[:strings.Index(block, "\ninternal/")]
+	listed := map[string]bool{}
+	inner := block[strings.Index(block, "(")+1 : strings.LastIndex(block, ")")]
+	main, internal, _ := strings.Cut(inner, "; goext/internal:")
+	for _, n := range strings.FieldsFunc(main, func(r rune) bool { return r == ',' || r == ' ' || r == '\n' }) {
+		listed[n] = true
+	}
+	for _, n := range strings.FieldsFunc(internal, func(r rune) bool { return r == ',' || r == ' ' || r == '\n' }) {
+		listed["internal/"+n] = true
+	}
+	arch, err := os.ReadFile(filepath.Join("..", "..", "..", "docs", "architecture.md"))
+	require.NoError(t, err)
+	pkgs := goextPackages(t)
+	for _, p := range pkgs {
+		if !listed[p] {
+			t.Errorf("README's layout does not list goext/%s", p)
+		}
+		if !strings.Contains(string(arch), "`"+p+"`") {
+			t.Errorf("docs/architecture.md's package table has no row for `%s`", p)
+		}
+	}
+	require.Len(t, listed, len(pkgs), "README lists a package goext does not have: %v", listed)
+}

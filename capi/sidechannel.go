@@ -57,7 +57,7 @@ func timeoutCtx(timeoutMs C.int64_t) (context.Context, context.CancelFunc) {
 // listenSideChannel binds the leader's end for numWorkers ranks.
 func listenSideChannel(o *leaderSideChannelOptions, cfg *config.Config, numWorkers int) (*wire.Coordinator, error) {
 	return node.ListenSideChannel(cfg, node.LeaderSideChannel{Transport: o.Transport, PingInterval: ms(o.PingIntervalMs),
-		SuspectAfter: ms(o.SuspectAfterMs), Secret: o.Secret}, numWorkers, kvbmLogger())
+		SuspectAfter: ms(o.SuspectAfterMs), Secret: o.Secret}, numWorkers, nodeDeps())
 }
 
 // handshakeCode is the status of a failed handshake.

@@ -9,6 +9,7 @@ import (
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
+	"github.com/kvbm/kvbm/goext/wire"
 )
 
 // Registry is where the components of one process meet without being
@@ -25,14 +26,15 @@ import (
 //   - what each rank's persistent disk tier recovered: a leader of the
 //     same process registers it at start (RecoveredRank);
 //   - the metric set every worker of the process records into
-//     (WorkerMetrics); the leader's endpoint serves its transfer families.
+//     (WorkerMetrics); the leader's endpoint serves its transfer families;
+//   - the side channel's in-process hubs (wire.InProcHubs): a leader and
+//     its ranks in one process meet there by endpoint.
 //
-// Two more process-wide meeting points stay in the packages whose
-// protocol they are part of, and are listed here so that this is the one
-// place naming them all: goext/object's G4 counters (object.Local,
-// object.SetRemote: every store of the process counts into them) and
-// goext/wire's in-process hubs (a leader and its workers in one process
-// meet by endpoint).
+// One more process-wide meeting point stays in the package whose protocol
+// it is part of, and is listed here so that this is the one place naming
+// them all: goext/object's G4 counters (object.Local, object.SetRemote:
+// every store of the process counts into them, and the leader's metrics
+// endpoint serves them with the counters other processes report).
 //
 // Process returns the process's Registry; tests build their own with
 // NewRegistry so that they share nothing.
@@ -45,6 +47,7 @@ type Registry struct {
 	recovered map[int]RecoveredRank
 
 	workerMetrics func() *metrics.Metrics
+	hubs          *wire.InProcHubs
 }
 
 type g4Ref struct {
@@ -58,6 +61,7 @@ func NewRegistry() *Registry {
 		stores:        map[fingerprint.Fingerprint]*g4Ref{},
 		recovered:     map[int]RecoveredRank{},
 		workerMetrics: sync.OnceValue(metrics.New),
+		hubs:          wire.NewInProcHubs(),
 	}
 }
 

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"log/slog"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/config"
@@ -27,7 +26,7 @@ type LeaderSideChannel struct {
 // binds (a taken port fails at once); the handshake runs in
 // Coordinator.Handshake, and its outcome sizes the leader (NewLeader with
 // LeaderSpec.SideChannel set to the coordinator).
-func ListenSideChannel(cfg *config.Config, o LeaderSideChannel, numWorkers int, log *slog.Logger) (*wire.Coordinator, error) {
+func ListenSideChannel(cfg *config.Config, o LeaderSideChannel, numWorkers int, d Deps) (*wire.Coordinator, error) {
 	tr, err := wire.ParseTransport(o.Transport)
 	if err != nil {
 		// errprefix: the message names the C export and its option, as before the assembly moved here
@@ -40,7 +39,8 @@ func ListenSideChannel(cfg *config.Config, o LeaderSideChannel, numWorkers int, 
 	if o.SuspectAfter > 0 {
 		opts.SuspectAfter = o.SuspectAfter
 	}
-	opts.Logger = log
+	opts.Logger = d.logger()
+	opts.InProc = d.registry().hubs
 	co, err := wire.Listen(opts)
 	if err != nil {
 		return nil, withKind(KindIO, err)

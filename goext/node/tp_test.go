@@ -25,7 +25,7 @@ func TestTensorParallelThroughNode(t *testing.T) {
 		config.EnvLeaderZMQAckPort:       fmt.Sprint(ports[1]),
 	})
 	d := Deps{Registry: NewRegistry(), Logger: quiet()}
-	co, err := ListenSideChannel(cfg, LeaderSideChannel{Transport: "inproc", Secret: "s"}, 2, quiet())
+	co, err := ListenSideChannel(cfg, LeaderSideChannel{Transport: "inproc", Secret: "s"}, 2, d)
 	require.NoError(t, err)
 	defer func() { _ = co.Close() }()
 	var ws []*Worker

@@ -144,7 +144,7 @@ func NewWorker(cfg *config.Config, spec WorkerSpec, d Deps) (_ *Worker, err erro
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
 		"fingerprint", n.Fingerprint.String(), "fingerprint_of", n.FingerprintOf)
 	if spec.SideChannel != nil {
-		if n.Member, err = n.connect(spec.SideChannel, cfg, spec.Rank, nw, log); err != nil {
+		if n.Member, err = n.connect(spec.SideChannel, cfg, spec.Rank, nw, log, reg.hubs); err != nil {
 			return nil, err
 		}
 		m := n.Member
@@ -170,7 +170,8 @@ func checkGroupsCopier(eng *layout.Engine) error {
 // sizes equal this rank's own; operations run on the worker through
 // worker.Run, outside the engine's bound step and serialised with its
 // bind/start_load/wait_for_save.
-func (n *Worker) connect(o *WorkerSideChannel, cfg *config.Config, rank, numWorkers int, log *slog.Logger) (*wire.Member, error) {
+func (n *Worker) connect(o *WorkerSideChannel, cfg *config.Config, rank, numWorkers int, log *slog.Logger,
+	hubs *wire.InProcHubs) (*wire.Member, error) {
 	tr, err := wire.ParseTransport(o.Transport)
 	if err != nil {
 		// errprefix: the message names the C export and its option, as before the assembly moved here
@@ -179,7 +180,7 @@ func (n *Worker) connect(o *WorkerSideChannel, cfg *config.Config, rank, numWork
 	return wire.Connect(wire.MemberOptions{
 		Rank: rank, WorldSize: numWorkers, NumDeviceBlocks: n.Layout.NumBlocks,
 		BytesPerBlock: n.Layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
-		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: log,
+		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: log, InProc: hubs,
 		Allocate: wire.ExpectSizes(n.HostBlocks, n.DiskBlocks),
 		Execute:  wire.RunOn(n.W),
 	})

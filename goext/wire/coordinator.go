@@ -104,7 +104,10 @@ type CoordinatorOptions struct {
 	// NumWorkers is the tensor-parallel size: ranks 0..NumWorkers-1 must answer.
 	NumWorkers int
 	Endpoint   Endpoint
-	Transport  Transport
+	// InProc is where the in-process transport's workers find this
+	// leader (nil: the package's default registry).
+	InProc    *InProcHubs
+	Transport Transport
 	// InitTimeout bounds Handshake (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS);
 	// 0: config.DefaultLeaderWorkerInitTimeout.
 	InitTimeout time.Duration
@@ -217,7 +220,7 @@ func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 	}
 	switch l.transport {
 	case TransportInProc:
-		t, err := listenInProc(opts.Endpoint)
+		t, err := listenInProc(opts.InProc, opts.Endpoint)
 		if err != nil {
 			return nil, err
 		}

@@ -41,7 +41,7 @@ $(LIB): $(GO_SOURCES)
 test: gotest typecheck pytest pytest-vllm033
 
 gotest:
-	@unformatted=$$(gofmt -l goext capi bench); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
+	@unformatted=$$(gofmt -l goext capi bench internal); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the S3-compatible server the G4 (object storage) tests start:
 # versitygw serving a local directory. Idempotent; the binary lands in
-# $(go env GOPATH)/bin, where goext/object/s3test and the pytest fixture look.
+# $(go env GOPATH)/bin, where internal/s3test and the pytest fixture look.
 set -euo pipefail
 VERSITYGW_VERSION=v1.8.0
 bin="$(go env GOPATH)/bin/versitygw"

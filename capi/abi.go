@@ -28,6 +28,8 @@ import (
 	"runtime/debug"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/kvbm/kvbm/goext/node"
 )
 
 // Status codes: enum kvbm_status in kvbm.h (python/kvbm/_errors.py maps
@@ -62,6 +64,19 @@ func errorf(code int, format string, args ...any) error {
 	return &codedError{code: code, err: fmt.Errorf(format, args...)}
 }
 
+// kindCode is the status of each kind of error the assembly (goext/node) returns.
+func kindCode(k node.Kind) int {
+	switch k {
+	case node.KindConfig:
+		return statusConfig
+	case node.KindIO:
+		return statusIO
+	case node.KindState:
+		return statusState
+	}
+	return statusInvalid
+}
+
 // poison holds the message of the first recovered panic; empty while healthy.
 var poison atomic.Pointer[string]
 
@@ -80,6 +95,8 @@ func finish(err error, errOut **C.char) C.int {
 	var ce *codedError
 	if errors.As(err, &ce) {
 		code = ce.code
+	} else if k, ok := node.KindOf(err); ok {
+		code = kindCode(k)
 	}
 	setErr(errOut, err.Error())
 	return C.int(code)

@@ -40,11 +40,11 @@ func parseOptions(export string, js *C.char, v any) error {
 // configFor applies the caller's DYN_LOG and parses its configuration;
 // requireTier also demands that G2 or G3 is configured.
 func configFor(env map[string]string, requireTier bool) (*config.Config, error) {
-	applyLogEnv(env)
 	cfg, err := loadConfig(env)
 	if err != nil {
 		return nil, withCode(statusConfig, err)
 	}
+	applyLogLevel(cfg.Log)
 	log := kvbmLogger()
 	cfg.WarnOnce(func(msg string) { log.Warn("kvbm: " + msg) })
 	if requireTier {

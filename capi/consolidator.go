@@ -7,12 +7,10 @@ import "C"
 
 import (
 	"encoding/json"
-	"log/slog"
-	"strings"
 
-	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/node"
 )
 
 // consolidatorOptions configures the KV event consolidator, either started by
@@ -34,51 +32,11 @@ type consolidatorOptions struct {
 	Env map[string]string `json:"env"`
 }
 
-func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Metrics, log *slog.Logger) (*consolidator.Consolidator, error) {
-	mode := o.Mode
-	if mode == "" {
-		mode = cfg.ConsolidatorMode
-	}
-	cc := consolidator.Config{
-		Mode:          consolidator.Mode(mode),
-		ZMQBind:       o.ZMQBind,
-		WorkerID:      o.WorkerID,
-		BufferLimit:   o.BufferLimit,
-		LegacySubject: o.LegacySubject,
-		Logger:        log,
-		Metrics:       m,
-		// 0: consolidator.DefaultMaxTrackedBlocks.
-		MaxTrackedBlocks: cfg.ConsolidatorMaxBlocks,
-	}
-	switch strings.ToLower(o.Engine) {
-	case "", "vllm":
-		cc.Engine = consolidator.EngineVllm
-	case "trtllm", "tensorrt_llm":
-		cc.Engine = consolidator.EngineTrtllm
-	default:
-		return nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm or trtllm)", o.Engine)
-	}
-	if o.EngineEndpoint != "" {
-		cc.EngineEndpoints = []string{o.EngineEndpoint}
-	}
-	if o.NATS {
-		cc.NATSURL = o.NATSURL
-		if cc.NATSURL == "" {
-			cc.NATSURL = cfg.NatsServer
-		}
-		// "": the consolidator's defaults for the engine.
-		cc.Namespace, cc.Component = o.Namespace, o.Component
-	}
-	c, err := consolidator.New(cc)
-	if err != nil {
-		if cc.Mode != consolidator.ModeDedup && cc.Mode != consolidator.ModePassthrough {
-			return nil, withCode(statusInvalid, err)
-		}
-		return nil, withCode(statusIO, err)
-	}
-	log.Info("kvbm consolidator started", "engine", cc.Engine, "mode", mode, "input", o.EngineEndpoint,
-		"zmq_out", c.ZMQEndpoint(), "nats", cc.NATSURL, "nats_subject", c.NATSSubject())
-	return c, nil
+// spec is the assembly's view of the options.
+func (o *consolidatorOptions) spec() *node.ConsolidatorSpec {
+	return &node.ConsolidatorSpec{Engine: o.Engine, EngineEndpoint: o.EngineEndpoint, ZMQBind: o.ZMQBind, NATS: o.NATS,
+		NATSURL: o.NATSURL, Namespace: o.Namespace, Component: o.Component, LegacySubject: o.LegacySubject,
+		WorkerID: o.WorkerID, BufferLimit: o.BufferLimit, Mode: o.Mode}
 }
 
 type consolidatorHandle struct {
@@ -108,7 +66,7 @@ func kvbm_consolidator_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (
 		return finish(err, errOut)
 	}
 	m := metrics.New()
-	c, err := startConsolidator(&o, cfg, m, kvbmLogger())
+	c, err := node.NewConsolidator(cfg, *o.spec(), m, kvbmLogger())
 	if err != nil {
 		return finish(err, errOut)
 	}

@@ -3,8 +3,9 @@ package main
 import (
 	"log/slog"
 	"os"
-	"strings"
 	"sync"
+
+	"github.com/kvbm/kvbm/goext/config"
 )
 
 var (
@@ -14,31 +15,20 @@ var (
 )
 
 // kvbmLogger is the library's logger: text to stderr (where engines log too),
-// level from DYN_LOG (debug, info, warn, error; default info).
+// level from DYN_LOG (debug, info, warn, error; default info), as the process
+// environment has it until a configuration sets it (applyLogLevel).
 func kvbmLogger() *slog.Logger {
 	loggerOnce.Do(func() {
-		logLevel.Set(parseLevel(os.Getenv("DYN_LOG")))
+		logLevel.Set(config.ProcessLogLevel())
 		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: &logLevel})).With("component", "kvbm")
 	})
 	return logger
 }
 
-// applyLogEnv sets the level from the caller's DYN_LOG, when it passed one.
-func applyLogEnv(env map[string]string) {
+// applyLogLevel sets the level from a configuration's DYN_LOG, when it has one.
+func applyLogLevel(l config.LogLevel) {
 	kvbmLogger()
-	if v, ok := env["DYN_LOG"]; ok {
-		logLevel.Set(parseLevel(v))
+	if l.Set {
+		logLevel.Set(l.Level)
 	}
-}
-
-func parseLevel(s string) slog.Level {
-	switch strings.ToLower(strings.TrimSpace(s)) {
-	case "debug", "trace":
-		return slog.LevelDebug
-	case "warn", "warning":
-		return slog.LevelWarn
-	case "error":
-		return slog.LevelError
-	}
-	return slog.LevelInfo
 }

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"unsafe"
 
+	"github.com/kvbm/kvbm/goext/node"
 	"github.com/kvbm/kvbm/goext/pagestore"
 )
 
@@ -23,8 +24,8 @@ import (
 
 type pagestoreHandle struct {
 	lifetime
-	s         *pagestore.Store
-	releaseG4 func() // nil without G4
+	s *pagestore.Store
+	n *node.PageStore
 }
 
 type pagestoreOptions struct {
@@ -66,41 +67,12 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 	if err != nil {
 		return finish(err, errOut)
 	}
-	if !cfg.DiskEnabled() {
-		return finish(errorf(statusConfig, "%s: the disk tier is not configured: set DYN_KVBM_DISK_CACHE_GB "+
-			"(or DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS); pages are stored there", fn), errOut)
-	}
-	pages := cfg.DiskBlocks(o.PageBytes)
-	if pages <= 0 {
-		return finish(errorf(statusConfig, "%s: DYN_KVBM_DISK_CACHE_GB=%g holds no page of %d bytes", fn,
-			cfg.DiskCacheGB, o.PageBytes), errOut)
-	}
-	key, err := g3Key(cfg)
+	n, err := node.NewPageStore(cfg, node.PageStoreSpec{Identity: o.Identity, PageBytes: o.PageBytes, Rank: o.Rank},
+		fn, nodeDeps())
 	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
+		return finish(err, errOut)
 	}
-	so := pagestore.Options{
-		Dir: cfg.DiskCacheDir, NumPages: pages, PageBytes: o.PageBytes, Identity: o.Identity, Rank: o.Rank,
-		Persist: cfg.DiskPersist, DisableODirect: cfg.DiskDisableODirect, OpenDirect: cfg.DiskAllocatorType == "open-direct",
-		Key: key, Logger: kvbmLogger(),
-	}
-	var release func()
-	if cfg.Object.Enabled {
-		// The object tier (DYN_KVBM_OBJECT_*), under the store's fingerprint.
-		obj, rel, err := openG4(cfg, pagestore.Fingerprint(o.Identity), o.PageBytes, uint64(o.Rank), kvbmLogger())
-		if err != nil {
-			return finish(err, errOut)
-		}
-		so.Object, release = obj, rel
-	}
-	s, err := pagestore.Open(so)
-	if err != nil {
-		if release != nil {
-			release()
-		}
-		return finish(withCode(statusIO, err), errOut)
-	}
-	*out = newHandle(&pagestoreHandle{s: s, releaseG4: release})
+	*out = newHandle(&pagestoreHandle{s: n.S, n: n})
 	return statusOK
 }
 
@@ -108,12 +80,7 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 func kvbm_pagestore_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
-	freeHandle(hd, nil, func(h *pagestoreHandle) {
-		_ = h.s.Close()
-		if h.releaseG4 != nil {
-			h.releaseG4()
-		}
-	})
+	freeHandle(hd, nil, func(h *pagestoreHandle) { h.n.Close() })
 }
 
 //export kvbm_pagestore_info

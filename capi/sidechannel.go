@@ -6,13 +6,12 @@ package main
 import "C"
 
 import (
-	"cmp"
 	"context"
-	"errors"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/leader"
+	"github.com/kvbm/kvbm/goext/node"
 	"github.com/kvbm/kvbm/goext/wire"
 )
 
@@ -57,51 +56,12 @@ func timeoutCtx(timeoutMs C.int64_t) (context.Context, context.CancelFunc) {
 
 // listenSideChannel binds the leader's end for numWorkers ranks.
 func listenSideChannel(o *leaderSideChannelOptions, cfg *config.Config, numWorkers int) (*wire.Coordinator, error) {
-	tr, err := wire.ParseTransport(o.Transport)
-	if err != nil {
-		return nil, errorf(statusInvalid, "kvbm_leader_new: side_channel: %v", err)
-	}
-	opts := wire.CoordinatorOptionsFrom(cfg, numWorkers)
-	opts.Transport = tr
-	opts.PingInterval = ms(o.PingIntervalMs)
-	opts.Secret = cmp.Or(opts.Secret, o.Secret) // DYN_KVBM_LEADER_WORKER_SECRET wins
-	if o.SuspectAfterMs > 0 {
-		opts.SuspectAfter = ms(o.SuspectAfterMs)
-	}
-	opts.Logger = kvbmLogger()
-	co, err := wire.Listen(opts)
-	if err != nil {
-		return nil, withCode(statusIO, err)
-	}
-	return co, nil
+	return node.ListenSideChannel(cfg, node.LeaderSideChannel{Transport: o.Transport, PingInterval: ms(o.PingIntervalMs),
+		SuspectAfter: ms(o.SuspectAfterMs), Secret: o.Secret}, numWorkers, nodeDeps())
 }
 
 // handshakeCode is the status of a failed handshake.
-func handshakeCode(err error) int {
-	if errors.Is(err, wire.ErrHandshakeTimeout) || errors.Is(err, wire.ErrClosed) {
-		return statusIO
-	}
-	return statusConfig // workers disagree, allocation failed, no tier
-}
-
-// connectSideChannel attaches the worker's side channel: the handshake
-// completes in the background when the leader runs it, checking that the
-// leader's tier sizes equal this rank's own; operations run on w through
-// worker.Run, outside the engine's bound step and serialised with its
-// bind/start_load/wait_for_save.
-func connectSideChannel(o *workerSideChannelOptions, cfg *config.Config, h *workerHandle, rank, numWorkers int) (*wire.Member, error) {
-	tr, err := wire.ParseTransport(o.Transport)
-	if err != nil {
-		return nil, errorf(statusInvalid, "kvbm_worker_new: side_channel: %v", err)
-	}
-	return wire.Connect(wire.MemberOptions{
-		Rank: rank, WorldSize: numWorkers, NumDeviceBlocks: h.layout.NumBlocks,
-		BytesPerBlock: h.layout.BytesPerBlock(), Endpoint: wire.EndpointFrom(cfg), Transport: tr,
-		Secret: cmp.Or(cfg.LeaderWorkerSecret, o.Secret), Logger: kvbmLogger(),
-		Allocate: wire.ExpectSizes(h.info.HostBlocks, h.info.DiskBlocks),
-		Execute:  wire.RunOn(h.w),
-	})
-}
+func handshakeCode(err error) int { return kindCode(node.HandshakeKind(err)) }
 
 // leaderSideChannelInfo is leaderInfo's "side_channel" (Python:
 // LeaderSideChannelInfo): the channel's state and the background loop's counters.

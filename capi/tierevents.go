@@ -9,31 +9,7 @@ import (
 	"encoding/json"
 
 	"github.com/vmihailenco/msgpack/v5"
-
-	"github.com/kvbm/kvbm/goext/events"
-	"github.com/kvbm/kvbm/goext/leader"
 )
-
-// withTierEvents adds the leader's tier event buffer to sink when the
-// options ask for it (leaderOptions.TierEvents).
-func (h *leaderHandle) withTierEvents(o leaderOptions, sink events.Sink) events.Sink {
-	if !o.TierEvents {
-		return sink
-	}
-	h.tierEvents = events.NewBuffer(0)
-	if _, nop := sink.(events.NopSink); nop {
-		return h.tierEvents
-	}
-	return events.Tee{sink, h.tierEvents}
-}
-
-// g4TierEvents has the leader's G4 registry changes kept with the tier
-// events (G4 on and tier events asked for).
-func (h *leaderHandle) g4TierEvents(g4 *leader.G4Options) {
-	if g4 != nil && h.tierEvents != nil {
-		g4.Events = h.tierEvents
-	}
-}
 
 // tierEvent is one entry of kvbm_leader_take_events, a msgpack array:
 // [removed, tier (2: host G2, 3: disk G3, 4: object store G4), seq_hash,
@@ -73,12 +49,12 @@ func kvbm_leader_take_events(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, 
 	if err := checkOut("kvbm_leader_take_events", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	if h.tierEvents == nil {
+	if h.n.TierEvents == nil {
 		cBuffer(nil, out, outLen)
 		return statusOK
 	}
-	evs := h.tierEvents.Drain()
-	rep := tierEventsReply{Events: make([]tierEvent, len(evs)), Dropped: h.tierEvents.Dropped()}
+	evs := h.n.TierEvents.Drain()
+	rep := tierEventsReply{Events: make([]tierEvent, len(evs)), Dropped: h.n.TierEvents.Dropped()}
 	for i, ev := range evs {
 		te := tierEvent{Removed: ev.Removed, Tier: uint8(ev.Holder), SeqHash: ev.SeqHash}
 		if !ev.Removed {
@@ -109,7 +85,7 @@ func kvbm_worker_stats(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut
 	if err := checkOut("kvbm_worker_stats", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	b, _ := json.Marshal(map[string]any{"directions": h.w.TransferStats(), "bytes_per_block": h.info.BytesPerBlock})
+	b, _ := json.Marshal(map[string]any{"directions": h.W.TransferStats(), "bytes_per_block": h.info.BytesPerBlock})
 	cBuffer(b, out, outLen)
 	return statusOK
 }

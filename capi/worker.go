@@ -13,11 +13,9 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbm/kvbm/goext/config"
-	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
-	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/node"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/wire"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
@@ -59,20 +57,19 @@ type tensorOption struct {
 
 // newDeviceCopier returns the G1 copier for engine tensors in GPU memory, or
 // nil when they are host memory. Only the CUDA build (worker_cuda.go) sets it.
-var newDeviceCopier func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error)
+var newDeviceCopier func(eng *layout.Engine, cfg *config.Config) (worker.G1Copier, error)
+
+// nodeDeps are the assembly's dependencies as the C ABI provides them: the
+// process's registry, kvbm's logger, the CUDA build's copier.
+func nodeDeps() node.Deps {
+	return node.Deps{Logger: kvbmLogger(), NewCopier: newDeviceCopier,
+		TuneStore: func(o *config.Object, so *object.StoreOptions) { g4StoreOptions(o, so) }}
+}
 
 type workerHandle struct {
 	lifetime
-	g1      worker.G1Copier // nil: G1 is host memory
-	g4Close func()          // releases the G4 store; nil without one
-	g4      *object.Store
-	w       *worker.Worker
-	member  *wire.Member // the side channel; nil without one
-	m       *metrics.Metrics
-	layout  *layout.Engine
-	info    workerInfo // kvbm_worker_info's answer but for DiskDegraded
-	// recovered is the persistent disk tier's recovered index (persist.go).
-	recovered []byte
+	*node.Worker
+	info workerInfo // kvbm_worker_info's answer but for DiskDegraded
 }
 
 //export kvbm_worker_new
@@ -96,107 +93,36 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err != nil {
 		return finish(err, errOut)
 	}
-	spec := layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes,
-		LayerGroups: o.LayerGroups}
+	spec := node.WorkerSpec{Rank: o.Rank, NumWorkers: o.NumWorkers, Model: o.Model, DType: o.DType, WorkerID: o.WorkerID,
+		Layout: layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes,
+			LayerGroups: o.LayerGroups}}
 	for _, t := range o.Tensors {
-		spec.Tensors = append(spec.Tensors, layout.Tensor{Ptr: uintptr(t.Ptr), Shape: t.Shape, Strides: t.Strides})
+		spec.Layout.Tensors = append(spec.Layout.Tensors, layout.Tensor{Ptr: uintptr(t.Ptr), Shape: t.Shape, Strides: t.Strides})
 	}
-	eng, err := layout.NewEngine(spec)
+	if sc := o.SideChannel; sc != nil {
+		spec.SideChannel = &node.WorkerSideChannel{Transport: sc.Transport, Secret: sc.Secret}
+	}
+	n, err := node.NewWorker(cfg, spec, nodeDeps())
 	if err != nil {
 		return finish(err, errOut)
 	}
-	nw := max(o.NumWorkers, 1)
-	hostBlocks, diskBlocks, err := cfg.TierBlocks(eng.BytesPerBlock(), nw)
-	if err != nil {
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	log := kvbmLogger()
-	m := workerMetrics()
-	var g1c worker.G1Copier
-	if newDeviceCopier != nil {
-		if g1c, err = newDeviceCopier(eng, o.Env); err != nil {
-			return finish(withCode(statusIO, err), errOut)
-		}
-		if err := checkGroupsCopier(eng, g1c); err != nil {
-			return finish(err, errOut)
-		}
-	}
-	fp := fingerprint.FromEngine(o.Model, o.DType, eng, nw, o.Rank)
-	if err := cfg.CheckObject(); err != nil {
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	var g4s *object.Store
-	var g4Close func()
-	if cfg.Object.Enabled {
-		if g4s, g4Close, err = openG4(cfg, fp.Sum(), eng.BytesPerBlock(), o.WorkerID, log); err != nil {
-			return finish(err, errOut)
-		}
-	}
-	diskKey, err := g3Key(cfg)
-	if err != nil {
-		if g4Close != nil {
-			g4Close()
-		}
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	w, err := worker.New(worker.Options{
-		G4:          g4s,
-		Fingerprint: fp,
-		Rank:        o.Rank, HostBlocks: hostBlocks, DiskBlocks: diskBlocks, DiskDir: cfg.DiskCacheDir,
-		DiskPersist: cfg.DiskPersist, DiskKey: diskKey, DiskZeroFill: cfg.DiskZerofillFallback,
-		DiskOpenDirect: cfg.DiskAllocatorType == config.DiskAllocatorOpenDirect, NUMA: cfg.EnableNUMA,
-		DisableODirect: cfg.DiskDisableODirect, MaxConcurrent: cfg.MaxConcurrentTransfers,
-		BatchSize: cfg.MaxTransferBatchSize, Logger: log, Metrics: m, G1: g1c,
-	})
-	if err != nil {
-		if g1c != nil {
-			_ = g1c.Close()
-		}
-		if g4Close != nil {
-			g4Close()
-		}
-		return finish(withCode(statusConfig, err), errOut)
-	}
-	if err := w.RegisterG1(eng); err != nil {
-		_ = w.Close()
-		if g4Close != nil {
-			g4Close()
-		}
-		return finish(withCode(statusIO, err), errOut)
-	}
-	if o.Rank == 0 && g4Close != nil {
-		// A leader in this process looks G4 up under rank 0's fingerprint.
-		sum, release := fp.Sum(), g4Close
-		setRank0Fingerprint(sum)
-		g4Close = func() { clearRank0Fingerprint(sum); release() }
-	}
-	var recovered []byte
-	if w.DiskPersistent() {
-		recovered = offerRecovered(o.Rank, nw, w.Recovered())
-	}
-	log.Info("kvbm worker ready", "rank", o.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
-		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),
-		"fingerprint", fp.Sum().String(), "fingerprint_of", fp.Describe())
-	g1desc := "host"
-	if g1c != nil {
-		g1desc = fmt.Sprint(g1c)
-	}
-	h := &workerHandle{g1: g1c, g4Close: g4Close, g4: g4s, w: w, m: m, layout: eng, recovered: recovered, info: workerInfo{
-		G4:            g4s != nil,
-		G1:            g1desc,
-		BytesPerBlock: eng.BytesPerBlock(), HostBlocks: hostBlocks, DiskBlocks: diskBlocks,
-		DiskPath: w.DiskPath(), Layout: eng.String(), NumLayers: eng.NumLayers,
-		Fingerprint: fp.Sum().String(), DiskPersistent: w.DiskPersistent(),
-		DiskRecoveredBlocks: len(w.Recovered().Blocks),
-	}}
-	if o.SideChannel != nil {
-		if h.member, err = connectSideChannel(o.SideChannel, cfg, h, o.Rank, nw); err != nil {
-			h.free()
-			return finish(err, errOut)
-		}
-	}
-	*out = newHandle(h)
+	*out = newHandle(&workerHandle{Worker: n, info: newWorkerInfo(n)})
 	return statusOK
+}
+
+func newWorkerInfo(n *node.Worker) workerInfo {
+	g1desc := "host"
+	if n.G1 != nil {
+		g1desc = fmt.Sprint(n.G1)
+	}
+	return workerInfo{
+		G4:            n.G4 != nil,
+		G1:            g1desc,
+		BytesPerBlock: n.Layout.BytesPerBlock(), HostBlocks: n.HostBlocks, DiskBlocks: n.DiskBlocks,
+		DiskPath: n.W.DiskPath(), Layout: n.Layout.String(), NumLayers: n.Layout.NumLayers,
+		Fingerprint: n.Fingerprint.String(), DiskPersistent: n.W.DiskPersistent(),
+		DiskRecoveredBlocks: len(n.W.Recovered().Blocks),
+	}
 }
 
 func workerOf(hd C.uint64_t) (*workerHandle, func(), error) {
@@ -213,24 +139,11 @@ func kvbm_worker_free(hd C.uint64_t) {
 // interrupt runs when a free begins, before it waits for the calls in
 // progress: an operation of the side channel waiting for the engine's
 // step gives up, and no new one arrives.
-func (h *workerHandle) interrupt() {
-	if h.member != nil {
-		_ = h.member.Close()
-	}
-}
+func (h *workerHandle) interrupt() { h.Interrupt() }
 
 // free closes the side channel first (an operation waiting for its engine
-// step returns, and no new one arrives), then the worker.
-func (h *workerHandle) free() {
-	if h.member != nil {
-		_ = h.member.Close()
-	}
-	_ = h.w.Close()
-	h.w = nil
-	if h.g4Close != nil {
-		h.g4Close()
-	}
-}
+// step returns, and no new one arrives), then the worker, then its G4 store.
+func (h *workerHandle) free() { h.Close() }
 
 // workerInfo is the JSON kvbm_worker_info returns (Python: WorkerInfo in
 // python/kvbm/_core.py).
@@ -263,12 +176,12 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 		return finish(err, errOut)
 	}
 	info := h.info
-	info.DiskDegraded = h.w.DiskDegraded()
-	if h.g1 != nil {
-		info.G1 = fmt.Sprint(h.g1) // the copier's description may change as it works
+	info.DiskDegraded = h.W.DiskDegraded()
+	if h.G1 != nil {
+		info.G1 = fmt.Sprint(h.G1) // the copier's description may change as it works
 	}
-	if h.member != nil {
-		info.SideChannel = memberInfo(h.member)
+	if h.Member != nil {
+		info.SideChannel = memberInfo(h.Member)
 	}
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)
@@ -286,7 +199,7 @@ func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C
 	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
 		return finish(err, errOut)
 	}
-	if err := h.w.BindStep(goBytes(buf, n)); err != nil {
+	if err := h.W.BindStep(goBytes(buf, n)); err != nil {
 		return finish(errorf(statusInvalid, "kvbm_worker_bind: %v", err), errOut)
 	}
 	return statusOK
@@ -300,7 +213,7 @@ func kvbm_worker_start_load(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	if err != nil {
 		return finish(err, errOut)
 	}
-	h.w.StartLoad()
+	h.W.StartLoad()
 	return statusOK
 }
 
@@ -315,7 +228,7 @@ func kvbm_worker_wait_loads(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	if err != nil {
 		return finish(err, errOut)
 	}
-	h.w.WaitLoads()
+	h.W.WaitLoads()
 	return statusOK
 }
 
@@ -327,7 +240,7 @@ func kvbm_worker_wait_for_save(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	if err != nil {
 		return finish(err, errOut)
 	}
-	h.w.WaitForSave()
+	h.W.WaitForSave()
 	return statusOK
 }
 
@@ -344,7 +257,7 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	loaded, errs := h.w.Finished()
+	loaded, errs := h.W.Finished()
 	if len(loaded) == 0 && len(errs) == 0 {
 		*out, *outLen = nil, 0
 		return statusOK

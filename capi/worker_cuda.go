@@ -8,15 +8,14 @@ package main
 import "C"
 
 import (
-	"os"
-
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/cuda"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
 func init() {
-	newDeviceCopier = func(eng *layout.Engine, env map[string]string) (worker.G1Copier, error) {
+	newDeviceCopier = func(eng *layout.Engine, cfg *config.Config) (worker.G1Copier, error) {
 		ord, err := cuda.DeviceOf(eng.Base(0))
 		if err != nil {
 			return nil, err
@@ -24,17 +23,15 @@ func init() {
 		if ord < 0 {
 			return nil, nil // CPU tensors: the plain host copies
 		}
-		get := func(k string) string {
-			if v, ok := env[k]; ok {
-				return v
-			}
-			return os.Getenv(k)
-		}
-		mode, err := cuda.ParseMode(get("DYN_KVBM_CUDA_COPY"))
+		k := cfg.CUDA
+		mode, err := cuda.ParseMode(k.Copy)
 		if err != nil {
 			return nil, err
 		}
-		c, err := cuda.New(eng, cuda.Options{Mode: mode})
+		c, err := cuda.New(eng, cuda.Options{Mode: mode, StagingBytes: k.StagingBytes, PipelineDepth: k.PipelineDepth,
+			StagedCTAs: k.StagedCTAs, StagedThreads: k.StagedThreads, StagedLowPriority: k.StagedLowPriority,
+			DMAStreams: k.DMAStreams, SplitPercent: k.SplitPercent, SplitChunkBytes: k.SplitChunkBytes,
+			SplitStreams: k.SplitStreams, KernelsFile: k.KernelsFile})
 		if err != nil {
 			return nil, err
 		}
@@ -56,7 +53,7 @@ func kvbm_worker_set_cuda_stream(hd C.uint64_t, stream C.uint64_t, errOut **C.ch
 	if err != nil {
 		return finish(err, errOut)
 	}
-	if c, ok := h.g1.(*cuda.Copier); ok {
+	if c, ok := h.G1.(*cuda.Copier); ok {
 		c.SetEngineStream(uintptr(stream))
 	}
 	return statusOK

@@ -49,15 +49,18 @@ import (
 	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/leader"
+	"github.com/kvbm/kvbm/goext/node"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/storage"
 	"github.com/kvbm/kvbm/goext/worker"
 )
 
+var benchSecret = []byte("bench/g3persist storage secret")
+
 // benchKey keys the persistent tiers' MACs (an override secret: the bench
 // leaves no secret file behind). The MACs cost the same under any key.
 var benchKey = func() integrity.Key {
-	k, err := integrity.LocalKey([]byte("bench/g3persist storage secret"), "")
+	k, err := integrity.LocalKey(benchSecret, "")
 	if err != nil {
 		panic(err)
 	}
@@ -93,20 +96,28 @@ func run(n, reps int, dir string, scanBlocks, scanKiB int) error {
 		defer os.RemoveAll(d)
 		dir = d
 	}
-	eng, err := g1(n)
+	spec, err := g1(n)
+	if err != nil {
+		return err
+	}
+	eng, err := layout.NewEngine(spec)
 	if err != nil {
 		return err
 	}
 	bpb := eng.BytesPerBlock()
-	fp := fingerprint.FromEngine("bench-model", "torch.bfloat16", eng, 1, 0)
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	// Each worker through the front door (goext/node), as the C ABI builds
+	// it; the registry is the bench's own.
+	deps := node.Deps{Registry: node.NewRegistry(), Logger: quiet}
 	open := func(persist bool, sub string) (*worker.Worker, error) {
-		w, err := worker.New(worker.Options{DiskBlocks: n, DiskDir: filepath.Join(dir, sub), DiskPersist: persist,
-			DiskKey: benchKey, Fingerprint: fp, Logger: quiet})
+		cfg := &config.Config{DiskCacheOverrideBlocks: n, DiskCacheDir: filepath.Join(dir, sub), DiskPersist: persist,
+			StorageSecret: benchSecret}
+		nw, err := node.NewWorker(cfg, node.WorkerSpec{Layout: spec, NumWorkers: 1, Model: "bench-model",
+			DType: "torch.bfloat16"}, deps)
 		if err != nil {
 			return nil, err
 		}
-		return w, w.RegisterG1(eng)
+		return nw.W, nil
 	}
 	off, err := open(false, "off")
 	if err != nil {
@@ -253,7 +264,7 @@ func run(n, reps int, dir string, scanBlocks, scanKiB int) error {
 }
 
 // g1 allocates a CPU-layout engine cache of n blocks (outside the Go heap).
-func g1(n int) (*layout.Engine, error) {
+func g1(n int) (layout.Spec, error) {
 	shape := []int64{2, int64(n), heads, bs, hdim}
 	size := int64(2)
 	for _, d := range shape {
@@ -263,14 +274,14 @@ func g1(n int) (*layout.Engine, error) {
 	for range layers {
 		m, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 		if err != nil {
-			return nil, err
+			return layout.Spec{}, err
 		}
 		for i := 0; i < len(m); i += 512 { // not zeros
 			m[i] = byte(i >> 9)
 		}
 		ts = append(ts, layout.Tensor{Ptr: uintptr(unsafe.Pointer(&m[0])), Shape: shape})
 	}
-	return layout.NewEngine(layout.Spec{Kind: layout.CPU, Tensors: ts, NumBlocks: n, BlockSize: bs, DtypeBytes: 2})
+	return layout.Spec{Kind: layout.CPU, Tensors: ts, NumBlocks: n, BlockSize: bs, DtypeBytes: 2}, nil
 }
 
 // largeScan writes a tier of n small blocks, every one with a header, and

@@ -30,7 +30,7 @@ import (
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/leader"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 func main() {

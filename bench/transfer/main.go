@@ -37,7 +37,7 @@ import (
 	"github.com/kvbm/kvbm/bench/internal/rows"
 	"github.com/kvbm/kvbm/goext/transfer"
 	"github.com/kvbm/kvbm/goext/worker"
-	"github.com/kvbm/kvbm/goext/worker/workerbench"
+	"github.com/kvbm/kvbm/internal/workerbench"
 )
 
 func main() {

@@ -14,7 +14,7 @@ import (
 
 	"github.com/kvbm/kvbm/bench/internal/rows"
 	"github.com/kvbm/kvbm/goext/wire"
-	"github.com/kvbm/kvbm/goext/wire/wirebench"
+	"github.com/kvbm/kvbm/internal/wirebench"
 )
 
 func us(d time.Duration) string { return fmt.Sprintf("%.1f", float64(d)/float64(time.Microsecond)) }

@@ -187,6 +187,9 @@ type Config struct {
 	// Lifecycle: TTLs and the operator endpoint (lifecycle.go).
 	Lifecycle Lifecycle
 
+	CUDA CUDA     // the CUDA build's copier (cuda.go)
+	Log  LogLevel // DYN_LOG (cuda.go)
+
 	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
 	// instead of their defaults (secret.go). Never logged.
 	StorageSecret []byte
@@ -290,6 +293,9 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 
 		Object:    p.object(),
 		Lifecycle: p.lifecycle(),
+
+		CUDA: p.cuda(),
+		Log:  p.logLevel(),
 
 		StorageSecret: p.storageSecret(),
 	}

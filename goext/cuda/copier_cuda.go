@@ -3,16 +3,13 @@
 package cuda
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"os"
 	"runtime"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 	"unsafe"
 
@@ -127,7 +124,8 @@ func ParseMode(s string) (Mode, error) {
 	return Auto, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=%q: want auto, kernel, staged, direct, batch or split", s)
 }
 
-// Options tune a Copier; zero values pick the defaults.
+// Options tune a Copier; zero values pick the defaults. The variables
+// named below are read by goext/config (config.CUDA), never here.
 type Options struct {
 	Mode Mode
 	// StagingBytes is the device staging buffer per direction in Staged
@@ -266,18 +264,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 			return nil, fmt.Errorf("cuda: KV tensor %d is on device %d, tensor 0 on device %d; one worker serves one GPU", i, o, ord)
 		}
 	}
-	if err := errors.Join(
-		envInt(&opts.StagingBytes, "KVBM_CUDA_STAGING_MIB", 1<<20),
-		envInt(&opts.PipelineDepth, "KVBM_CUDA_PIPELINE_DEPTH", 1),
-		envInt(&opts.StagedCTAs, "KVBM_CUDA_STAGED_CTAS", 1),
-		envInt(&opts.StagedThreads, "KVBM_CUDA_STAGED_THREADS", 1),
-		envInt(&opts.DMAStreams, "KVBM_CUDA_DMA_STREAMS", 1),
-		envInt(&opts.SplitPercent, "KVBM_CUDA_SPLIT_PCT", 1),
-		envInt(&opts.SplitChunkBytes, "KVBM_CUDA_SPLIT_CHUNK_MIB", 1<<20),
-		envInt(&opts.SplitStreams, "KVBM_CUDA_SPLIT_STREAMS", 1),
-	); err != nil {
-		return nil, err
-	}
 	if opts.SplitStreams > 8 {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_SPLIT_STREAMS=%d: want 1 to 8", opts.SplitStreams)
 	}
@@ -289,13 +275,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	if opts.SplitChunkBytes <= 0 {
 		opts.SplitChunkBytes = DefaultSplitChunk
-	}
-	switch p := strings.ToLower(strings.TrimSpace(getenv("KVBM_CUDA_STAGED_PRIORITY"))); p {
-	case "", "high":
-	case "low":
-		opts.StagedLowPriority = true
-	default:
-		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_PRIORITY=%q: want high or low", p)
 	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)
@@ -458,20 +437,6 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	return c, nil
 }
 
-// envInt sets *v to the environment variable's value × unit (knob) when *v
-// is zero and the variable is set; a value that is not a positive integer
-// is an error naming the variable.
-func envInt[T int | int64](v *T, name string, unit T) error {
-	if *v != 0 {
-		return nil
-	}
-	n, err := knob(name, getenv(name), int64(unit))
-	if n > 0 {
-		*v = T(n)
-	}
-	return err
-}
-
 // analyse derives the strides the kernel needs from the layout's chunk
 // addresses (every layout is base(layer) + block·blockStride + outer·outerStride).
 func (c *Copier) analyse() {
@@ -569,9 +534,6 @@ func (c *Copier) contiguousBlocks() bool {
 func (c *Copier) loadKernels() error {
 	var images []string
 	src := "compiled-in kernels"
-	if c.opts.KernelsFile == "" {
-		c.opts.KernelsFile = getenv("KVBM_CUDA_KERNELS")
-	}
 	if c.opts.KernelsFile != "" {
 		b, err := os.ReadFile(c.opts.KernelsFile)
 		if err != nil {
@@ -776,385 +738,6 @@ func (c *Copier) run(l *lane, toG1 bool, blocks []int, bufs [][]byte) error {
 		}
 		return err
 	})
-}
-
-func (c *Copier) runDirect(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	// Blocks adjacent in G1 and in host memory go as one copy; copies
-	// alternate between the DMA streams.
-	for i, k := 0, 0; i < len(blocks); {
-		j := i + 1
-		for j < len(blocks) && blocks[j] == blocks[j-1]+1 && c.blockStride == c.bpb && host[j] == host[j-1]+uintptr(c.bpb) {
-			j++
-		}
-		if err := c.dma(l.dma[k%len(l.dma)], toG1, cu.DevicePtr(c.eng.ChunkAddr(blocks[i], 0, 0)), host[i], int64(j-i)*c.bpb); err != nil {
-			return fmt.Errorf("cuda: copy G1 block %d: %w", blocks[i], err)
-		}
-		i, k = j, k+1
-	}
-	return nil
-}
-
-// runSplit, with a fixed share, enqueues the batch share first (on the
-// lane's bdma streams, so the copy engines start at once) and then the
-// staged share; run waits for both. Otherwise runShared shares the batch.
-func (c *Copier) runSplit(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	if c.opts.SplitPercent == 0 {
-		return c.runShared(l, toG1, blocks, host)
-	}
-	k := len(blocks) * c.opts.SplitPercent / 100
-	if err := c.runBatch(l.bdma, toG1, blocks[:k], host[:k]); err != nil {
-		return err
-	}
-	return c.runStaged(l, toG1, blocks[k:], host[k:])
-}
-
-// runShared moves the batch with no fixed share: the staged pipeline takes
-// chunks from the front of the batch (in host order) whenever a staging slot
-// is free, each bdma stream takes SplitChunkBytes from the back whenever it
-// holds fewer than splitInFlight sub-batches, until they meet. Each side
-// thus takes what it can move. The staged side also watches how long its
-// gather/scatter kernels wait for SMs: while they wait (the engine's
-// kernels hold the GPU), it keeps one small chunk in flight, so the
-// engine loses little to kvbm and the copy engines move the rest; once
-// they run at once again (an idle GPU), it fills every slot, and the batch
-// crosses PCIe nearly as fast as with Staged alone. run waits for the
-// queued tail.
-func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	st, err := c.prepareStaged(l, blocks, host)
-	if err != nil {
-		return err
-	}
-	blocks, host = st.blocks, st.host
-	sub := int(max(1, c.opts.SplitChunkBytes/c.bpb))
-	small := max(1, c.stagingSlots/splitBusyDiv)
-	front, back, j := 0, len(blocks), 0
-	type flight struct {
-		j          int
-		ready      time.Time // when its kernel could start, as far as we know
-		dmaSeen    bool      // onboard: its DMA into the slot finished
-		kernelSeen bool
-	}
-	var inflight []*flight
-	var lastKernel time.Time
-	queued := make([][]int, len(l.bdma)) // per bdma stream: bDone indices in flight, oldest first
-	next := make([]int, len(l.bdma))     // per bdma stream: the bDone event to record next
-	defer func() {
-		c.sharedBlocks.Add(int64(len(blocks)))
-		c.sharedBatch.Add(int64(len(blocks) - back))
-	}()
-	for front < back {
-		// Retire what finished, and time the kernels.
-		now := time.Now()
-		for _, f := range inflight {
-			s := f.j % c.depth
-			if toG1 && !f.dmaSeen {
-				done, err := eventDone(&l.dDone[s])
-				if err != nil {
-					return fmt.Errorf("cuda: staged share: %w", err)
-				}
-				if !done {
-					break
-				}
-				f.dmaSeen, f.ready = true, now
-			}
-			if !f.kernelSeen {
-				done, err := eventDone(&l.kDone[s])
-				if err != nil {
-					return fmt.Errorf("cuda: staged share: %w", err)
-				}
-				if !done {
-					break
-				}
-				f.kernelSeen = true
-				start := f.ready
-				if lastKernel.After(start) {
-					start = lastKernel // it queued behind the previous kernel
-				}
-				if wait := now.Sub(start); wait > splitBusyWait {
-					l.busy = true
-				} else if wait < splitIdleWait {
-					l.busy = false
-				}
-				lastKernel = now
-			}
-		}
-		for len(inflight) > 0 {
-			f := inflight[0]
-			if !f.kernelSeen {
-				break
-			}
-			if !toG1 {
-				done, err := eventDone(&l.dDone[f.j%c.depth])
-				if err != nil {
-					return fmt.Errorf("cuda: staged share: %w", err)
-				}
-				if !done {
-					break
-				}
-			}
-			inflight = inflight[1:]
-		}
-		for k := range queued {
-			for len(queued[k]) > 0 {
-				done, err := eventDone(&l.bDone[k][queued[k][0]])
-				if err != nil {
-					return fmt.Errorf("cuda: batch share: %w", err)
-				}
-				if !done {
-					break
-				}
-				queued[k] = queued[k][1:]
-			}
-		}
-		// Hand out more.
-		progressed := false
-		slots, per, streams := c.depth, c.stagingSlots, 0
-		busy := l.busy
-		if c.testBusy != nil {
-			busy = c.testBusy(j)
-		}
-		if busy {
-			slots, per, streams = 1, small, len(l.bdma)
-		}
-		for front < back && len(inflight) < slots {
-			hi := min(front+per, back)
-			if err := c.stageChunk(l, toG1, st, j, front, hi); err != nil {
-				return err
-			}
-			inflight = append(inflight, &flight{j: j, ready: time.Now()})
-			front, j, progressed = hi, j+1, true
-		}
-		for k := range streams {
-			for front < back && len(queued[k]) < splitInFlight {
-				lo := max(front, back-sub)
-				if err := c.runBatch(l.bdma[k:k+1], toG1, blocks[lo:back], host[lo:back]); err != nil {
-					return err
-				}
-				if err := l.bDone[k][next[k]].Record(l.bdma[k]); err != nil {
-					return fmt.Errorf("cuda: record batched copy: %w", err)
-				}
-				queued[k] = append(queued[k], next[k])
-				next[k], back, progressed = (next[k]+1)%splitInFlight, lo, true
-			}
-		}
-		if !progressed && front < back {
-			// Not time.Sleep: the Go runtime rounds short sleeps up to about
-			// a millisecond, longer than a slot's kernel takes.
-			ts := syscall.Timespec{Nsec: 20_000}
-			_ = syscall.Nanosleep(&ts, nil)
-		}
-	}
-	return nil
-}
-
-// runBatch moves every chunk with the driver's batched copy, merging chunks
-// adjacent in both G1 and host memory. The copies are split into one
-// contiguous share per stream, at most batchMax copies per call.
-func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []uintptr) error {
-	const batchMax = 8192
-	e := c.eng
-	if c.pitched != nil {
-		g1, hs := make([]uint64, len(blocks)), make([]uint64, len(blocks))
-		for i, b := range blocks {
-			g1[i], hs[i] = uint64(e.ChunkAddr(b, 0, 0)), uint64(host[i])
-		}
-		ns := min(len(streams), len(blocks))
-		for k := range ns {
-			lo, hi := k*len(blocks)/ns, (k+1)*len(blocks)/ns
-			for ; lo < hi; lo += batchMax {
-				m := min(hi, lo+batchMax)
-				if err := memcpyBatch3D(g1[lo:m], hs[lo:m], *c.pitched, toG1, c.ordinal, rawStream(&streams[k])); err != nil {
-					return fmt.Errorf("cuda: pitched batched copy: %w", err)
-				}
-			}
-		}
-		return nil
-	}
-	n := len(blocks) * e.NumLayers * e.OuterDim
-	dsts, srcs, sizes := make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)
-	for i, b := range blocks {
-		for ly := 0; ly < e.NumLayers; ly++ {
-			for o := 0; o < e.OuterDim; o++ {
-				g := uint64(e.ChunkAddr(b, ly, o))
-				h := uint64(host[i]) + uint64(c.hostOff[ly*e.OuterDim+o])
-				d, s := h, g
-				if toG1 {
-					d, s = g, h
-				}
-				if k := len(sizes); k > 0 && dsts[k-1]+sizes[k-1] == d && srcs[k-1]+sizes[k-1] == s {
-					sizes[k-1] += uint64(e.ChunkBytes)
-					continue
-				}
-				dsts, srcs, sizes = append(dsts, d), append(srcs, s), append(sizes, uint64(e.ChunkBytes))
-			}
-		}
-	}
-	ns := min(len(streams), len(sizes))
-	for k := range ns {
-		lo, hi := k*len(sizes)/ns, (k+1)*len(sizes)/ns
-		for ; lo < hi; lo += batchMax {
-			m := min(hi, lo+batchMax)
-			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&streams[k])); err != nil {
-				return fmt.Errorf("cuda: batched copy: %w", err)
-			}
-		}
-	}
-	return nil
-}
-
-// dma enqueues one copy of n bytes between device address d and page-locked
-// host address h on s.
-func (c *Copier) dma(s cu.Stream, toDev bool, d cu.DevicePtr, h uintptr, n int64) error {
-	if toDev {
-		return cu.MemcpyHtoDAsync(d, unsafePtr(h), n, s)
-	}
-	return cu.MemcpyDtoHAsync(unsafePtr(h), d, n, s)
-}
-
-func (c *Copier) runKernel(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	addrs := make([]uintptr, len(host))
-	for i, p := range host {
-		d, err := c.devAddr(p, c.bpb)
-		if err != nil {
-			return err
-		}
-		addrs[i] = d
-	}
-	ids, dAddrs, err := c.upload(l, l.stream, blocks, addrs)
-	if err != nil {
-		return err
-	}
-	return c.launch(l.stream, c.grid, 256, toG1, ids, dAddrs, len(blocks), addrs)
-}
-
-// runStaged pipelines the batch through the lane's staging slots. Offload,
-// chunk j in slot s = j mod depth:
-//
-//	kstream:        wait dDone[s] (the DMA of chunk j-depth left slot s) → gather chunk j into slot s → record kDone[s]
-//	dma[j mod n]:   wait kDone[s] → DMA slot s → host → record dDone[s]
-//
-// Onboard mirrors it (DMA host → slot first, then the scatter kernel). The
-// kernels use a small fixed grid; PCIe is crossed by the copy engines only,
-// with one DMA copy per run of blocks adjacent in host memory.
-func (c *Copier) runStaged(l *lane, toG1 bool, blocks []int, host []uintptr) error {
-	st, err := c.prepareStaged(l, blocks, host)
-	if err != nil {
-		return err
-	}
-	for j, lo := 0, 0; lo < len(st.blocks); j, lo = j+1, lo+c.stagingSlots {
-		if err := c.stageChunk(l, toG1, st, j, lo, min(lo+c.stagingSlots, len(st.blocks))); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// staged is a batch prepared for the staging buffer: its entries in host
-// order, each entry's staging address, and the descriptors uploaded for the
-// kernels. The buffer is a ring of depth × slot-size blocks: entry i lies at
-// ring position i mod (depth × slot size), so a chunk of consecutive
-// entries (at most a slot's worth) never overlaps the depth-1 chunks
-// before it, whatever their sizes.
-type staged struct {
-	blocks      []int
-	host, addrs []uintptr
-	ids, dAddrs cu.DevicePtr
-}
-
-// prepareStaged orders the batch by host address (blocks adjacent in host
-// memory then share one DMA copy; the worker orders a batch by G1 block,
-// which leaves the host side scattered; each entry is independent, so the
-// order is free), makes room for the staging buffer and uploads every
-// entry's descriptors with one copy on the kernel stream, before any of the
-// batch's DMA copies can queue ahead of it.
-func (c *Copier) prepareStaged(l *lane, blocks []int, host []uintptr) (*staged, error) {
-	if !slices.IsSorted(host) {
-		idx := make([]int, len(host))
-		for i := range idx {
-			idx[i] = i
-		}
-		slices.SortStableFunc(idx, func(a, b int) int { return cmp.Compare(host[a], host[b]) })
-		b2, h2 := make([]int, len(idx)), make([]uintptr, len(idx))
-		for i, j := range idx {
-			b2[i], h2[i] = blocks[j], host[j]
-		}
-		blocks, host = b2, h2
-	}
-	ring := c.depth * c.stagingSlots
-	if l.staging == 0 {
-		p, err := cu.MemAlloc(int64(ring) * c.bpb)
-		if err != nil {
-			return nil, fmt.Errorf("cuda: allocate %d×%d-block staging buffer: %w", c.depth, c.stagingSlots, err)
-		}
-		l.staging = p
-	}
-	st := &staged{blocks: blocks, host: host, addrs: make([]uintptr, len(blocks))}
-	for i := range st.addrs {
-		st.addrs[i] = uintptr(l.staging) + uintptr(int64(i%ring)*c.bpb)
-	}
-	var err error
-	if st.ids, st.dAddrs, err = c.upload(l, l.kstream, blocks, st.addrs); err != nil {
-		return nil, err
-	}
-	return st, nil
-}
-
-// stageChunk enqueues chunk j, entries [lo, hi) of st (at most one slot's
-// worth), marking its ends with slot j mod depth's events. The stream
-// waits order it after chunk j-depth, the last that may have used its
-// part of the ring.
-func (c *Copier) stageChunk(l *lane, toG1 bool, st *staged, j, lo, hi int) error {
-	blocks, host, addrs := st.blocks, st.host, st.addrs
-	s := j % c.depth
-	ds := l.dma[j%len(l.dma)] // this chunk's DMA stream
-	off := cu.DevicePtr(8 * lo)
-	kernel := func() error {
-		return c.launch(l.kstream, c.stagedGrid, c.opts.StagedThreads, toG1, st.ids+off, st.dAddrs+off, hi-lo, addrs[lo:hi])
-	}
-	if !toG1 {
-		if j >= c.depth {
-			if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-				return fmt.Errorf("cuda: wait for staging slot: %w", err)
-			}
-		}
-		if err := kernel(); err != nil {
-			return err
-		}
-		if err := errors.Join(l.kDone[s].Record(l.kstream), ds.Wait(l.kDone[s], 0)); err != nil {
-			return fmt.Errorf("cuda: order staging copies: %w", err)
-		}
-	} else if j >= c.depth {
-		if err := ds.Wait(l.kDone[s], 0); err != nil {
-			return fmt.Errorf("cuda: wait for staging slot: %w", err)
-		}
-	}
-	// One DMA copy per run of entries adjacent both in host memory and in
-	// the ring.
-	for i := lo; i < hi; {
-		k := i + 1
-		for k < hi && host[k] == host[k-1]+uintptr(c.bpb) && addrs[k] == addrs[k-1]+uintptr(c.bpb) {
-			k++
-		}
-		if err := c.dma(ds, toG1, cu.DevicePtr(addrs[i]), host[i], int64(k-i)*c.bpb); err != nil {
-			return fmt.Errorf("cuda: staging copy of G1 block %d: %w", blocks[i], err)
-		}
-		i = k
-	}
-	if err := l.dDone[s].Record(ds); err != nil {
-		return fmt.Errorf("cuda: record staging copy: %w", err)
-	}
-	if toG1 {
-		if err := l.kstream.Wait(l.dDone[s], 0); err != nil {
-			return fmt.Errorf("cuda: order staging copies: %w", err)
-		}
-		if err := kernel(); err != nil {
-			return err
-		}
-		if err := l.kDone[s].Record(l.kstream); err != nil {
-			return fmt.Errorf("cuda: record staging kernel: %w", err)
-		}
-	}
-	return nil
 }
 
 // descriptors makes the lane's descriptor buffers hold n entries and

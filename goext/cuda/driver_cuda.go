@@ -203,18 +203,6 @@ import (
 	"gorgonia.org/cu"
 )
 
-// getenv reads the process environment as C sees it: a Go c-shared library
-// keeps the copy it took at load time in os.Getenv, which misses variables
-// the host process (Python) set afterwards.
-func getenv(name string) string {
-	cs := C.CString(name)
-	defer C.free(unsafe.Pointer(cs))
-	if v := C.getenv(cs); v != nil {
-		return C.GoString(v)
-	}
-	return ""
-}
-
 func cuErr(what string, r C.int) error {
 	if r == 0 {
 		return nil

@@ -49,6 +49,35 @@ import (
 // G4 lookup for the request runs (only with G4Options.Async).
 const Pending = -1
 
+// G4Store is what the leader uses of rank 0's G4 store: declared here, where
+// it is used (like worker.G1Copier), and met by *object.Store; unit tests
+// give the leader an in-memory one.
+type G4Store interface {
+	// Registry holds the hashes known to be stored; the leader matches
+	// against it and watches it for tier events.
+	Registry() *object.Registry
+	// Ready: the store's bucket answered (G4 fully on); Unavailable: its
+	// bucket check keeps failing (G4 off until it succeeds); Available:
+	// its circuit breaker is closed (lookups may go to the network).
+	Ready() bool
+	Unavailable() bool
+	Available() bool
+	// Lookup returns how many leading hashes are stored, asking the
+	// network for those the registry does not know until ctx ends; found
+	// hashes join the registry.
+	Lookup(ctx context.Context, hashes []uint64) int
+	// LookupSalted is Lookup for the blocks of a salted request (their
+	// objects live under the salt's tag prefix).
+	LookupSalted(ctx context.Context, salt uint64, hashes []uint64) int
+	// PurgeSalt, PurgeAll and PurgeHashes delete objects (purge.go); Sweep
+	// deletes expired ones, listing at most maxList objects from startAfter
+	// (lifecycle.go).
+	PurgeSalt(ctx context.Context, salt uint64) (object.PurgeResult, error)
+	PurgeAll(ctx context.Context, all bool) (object.PurgeResult, error)
+	PurgeHashes(ctx context.Context, salt uint64, hashes []uint64) (object.PurgeResult, error)
+	Sweep(ctx context.Context, now time.Time, ttl time.Duration, maxList int, startAfter string) (string, object.PurgeResult, error)
+}
+
 // G4Options enable the G4 tier in the leader.
 type G4Options struct {
 	// Store is rank 0's store: its registry and its lookups (uploads and
@@ -56,7 +85,7 @@ type G4Options struct {
 	// leader learns rank 0's fingerprint from its worker); until then the
 	// leader plans uploads but matches only what Registry knows. While the
 	// store is Unavailable, G4 is off.
-	Store *object.Store
+	Store G4Store
 	// Registry of known G4 blocks when Store is nil (nil: 100,000 blocks).
 	Registry *object.Registry
 	// Async: the engine asks again when told Pending.
@@ -154,7 +183,7 @@ func (g *g4State) unwatchAll() {
 // SetG4Store gives the leader rank 0's store once known (see G4Options);
 // its registry replaces the leader's. It reports false when G4 is off or a
 // store is already set.
-func (l *Leader) SetG4Store(s *object.Store) bool {
+func (l *Leader) SetG4Store(s G4Store) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.g4 == nil || l.g4.opts.Store != nil || s == nil {
@@ -179,7 +208,7 @@ func (l *Leader) StopG4Events() {
 }
 
 // G4Store is rank 0's store, nil until known or without G4.
-func (l *Leader) G4Store() *object.Store {
+func (l *Leader) G4Store() G4Store {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.g4 == nil {
@@ -233,7 +262,7 @@ func (l *Leader) g4Match(reqID string, salt uint64, rest []uint64) (n int, pendi
 }
 
 // g4Lookup runs one request's lookup off the scheduler's thread.
-func (l *Leader) g4Lookup(s *object.Store, p *g4Probe, salt uint64, hashes []uint64) {
+func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
 	s.LookupSalted(ctx, salt, hashes) // found hashes join the registry

@@ -13,8 +13,8 @@ import (
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 // g4Store returns a store on srv (nil: an address nothing listens on, for

@@ -8,7 +8,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 // checkedStore is a store on bh whose bucket check runs in the background,

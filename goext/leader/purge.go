@@ -125,7 +125,7 @@ func (l *Leader) Purge(ctx context.Context, req PurgeRequest) (PurgeResult, erro
 		l.gen++ // open background tickets free their blocks instead of registering them
 		l.updateGauges()
 	}
-	var store *object.Store
+	var store G4Store
 	if l.g4 != nil {
 		store = l.g4.opts.Store
 		reg := l.g4.reg
@@ -255,7 +255,7 @@ func (l *Leader) purgePool(p *pool.Pool, match func(pool.BlockInfo) bool, tombs 
 var PurgeRecheck = 30 * time.Second
 
 // recheckLater runs that second pass in the background (ended by Close).
-func (l *Leader) recheckLater(store *object.Store, salts []uint64) {
+func (l *Leader) recheckLater(store G4Store, salts []uint64) {
 	lc := l.life
 	salts = append([]uint64(nil), salts...)
 	wait := PurgeRecheck

@@ -12,8 +12,8 @@ import (
 	"github.com/kvbm/kvbm/goext/consolidator"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/hashing"
-	"github.com/kvbm/kvbm/goext/object/s3test"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 var (

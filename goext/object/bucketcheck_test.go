@@ -16,7 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 // Generous bounds for liveness checks: only a call that waits on the

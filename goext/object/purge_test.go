@@ -13,7 +13,7 @@ import (
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 func listKeys(t *testing.T, srv *s3test.Server, bucket string) []string {

@@ -14,7 +14,7 @@ import (
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 const blockBytes = 4096

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbm/kvbm/goext/wire"
-	"github.com/kvbm/kvbm/goext/wire/wirebench"
+	"github.com/kvbm/kvbm/internal/wirebench"
 )
 
 // BenchmarkRoundTrip: leader → every worker → ack, for 2 and 4 workers over

@@ -1,12 +1,9 @@
 package wire
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -107,7 +104,10 @@ type CoordinatorOptions struct {
 	// NumWorkers is the tensor-parallel size: ranks 0..NumWorkers-1 must answer.
 	NumWorkers int
 	Endpoint   Endpoint
-	Transport  Transport
+	// InProc is where the in-process transport's workers find this
+	// leader (nil: the package's default registry).
+	InProc    *InProcHubs
+	Transport Transport
 	// InitTimeout bounds Handshake (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS);
 	// 0: config.DefaultLeaderWorkerInitTimeout.
 	InitTimeout time.Duration
@@ -139,15 +139,6 @@ func CoordinatorOptionsFrom(c *config.Config, numWorkers int) CoordinatorOptions
 	}
 }
 
-// Handshake is the outcome of a completed handshake.
-type Handshake struct {
-	NumWorkers      int
-	BytesPerBlock   int64 // one rank's share of a block (leader.Options.BytesPerBlock)
-	NumDeviceBlocks int
-	NumHostBlocks   int
-	NumDiskBlocks   int
-}
-
 type rankState struct {
 	md         *WorkerMetadata
 	allocating bool
@@ -156,28 +147,6 @@ type rankState struct {
 	lastSeen   time.Time
 	suspect    bool // silent for SuspectAfter; re-admitted when it answers
 	dead       bool // its process is gone: for good
-}
-
-// op is one broadcast waiting for its acks.
-type op struct {
-	waiting []bool // by rank
-	left    int
-	errs    []error // by rank
-	dead    []int   // ranks that died while it was in flight
-	suspect []int   // ranks that fell silent while it was in flight
-	done    chan struct{}
-}
-
-func (o *op) settle(rank int, err error) {
-	if !o.waiting[rank] {
-		return
-	}
-	o.waiting[rank] = false
-	o.errs[rank] = err
-	o.left--
-	if o.left == 0 {
-		close(o.done)
-	}
 }
 
 // Coordinator is the leader's end of the side channel. Create it with Listen,
@@ -251,7 +220,7 @@ func Listen(opts CoordinatorOptions) (*Coordinator, error) {
 	}
 	switch l.transport {
 	case TransportInProc:
-		t, err := listenInProc(opts.Endpoint)
+		t, err := listenInProc(opts.InProc, opts.Endpoint)
 		if err != nil {
 			return nil, err
 		}
@@ -396,398 +365,8 @@ func (l *Coordinator) handle(m workerMsg) {
 	}
 }
 
-// Handshake runs the start-up protocol (package comment) and returns the
-// sizes once every rank allocated. It is bounded by InitTimeout and ctx.
-// Calling it again returns the same result (or the same failure).
-func (l *Coordinator) Handshake(ctx context.Context) (Handshake, error) {
-	l.mu.Lock()
-	closed := l.closedErr != nil
-	l.mu.Unlock()
-	if closed {
-		return Handshake{}, ErrClosed
-	}
-	// InitTimeout bounds the handshake as a whole, across calls.
-	l.mu.Lock()
-	if l.hsStart.IsZero() {
-		l.hsStart = time.Now()
-	}
-	start := l.hsStart
-	l.mu.Unlock()
-	deadline := start.Add(l.opts.InitTimeout)
-	caller := ctx
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	tick := time.NewTicker(l.opts.RetryInterval)
-	defer tick.Stop()
-	for {
-		frames, hs, err := l.handshakeStep()
-		if err != nil {
-			return Handshake{}, err
-		}
-		if hs != nil {
-			l.hbOnce.Do(func() {
-				l.log.Info("ZMQ handshake complete; workers allocation ready", "workers", hs.NumWorkers,
-					"bytes_per_block", hs.BytesPerBlock, "num_device_blocks", hs.NumDeviceBlocks,
-					"host_blocks", hs.NumHostBlocks, "disk_blocks", hs.NumDiskBlocks, "took", time.Since(start).Round(time.Millisecond))
-				l.wg.Add(1)
-				go l.heartbeat()
-			})
-			return *hs, nil
-		}
-		if err := l.t.broadcast(frames); err != nil && !errors.Is(err, errTransportClosed) {
-			l.log.Debug("kvbm leader side channel: handshake send", "err", err)
-		}
-		select {
-		case <-ctx.Done():
-			if caller.Err() != nil && time.Now().Before(deadline) {
-				return Handshake{}, fmt.Errorf("%w (%s so far)", ErrHandshakePending,
-					time.Since(start).Round(time.Millisecond))
-			}
-			return Handshake{}, l.timeoutError(ctx, time.Since(start))
-		case <-l.closed:
-			return Handshake{}, ErrClosed
-		case <-tick.C:
-		case <-l.changed:
-		}
-	}
-}
-
-// handshakeStep advances the handshake: the message to (re)send, or the
-// result once every rank is ready, or a fatal error.
-func (l *Coordinator) handshakeStep() ([][]byte, *Handshake, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.hs != nil {
-		return nil, l.hs, nil
-	}
-	if l.conflict != nil {
-		return nil, nil, l.conflict
-	}
-	for _, rs := range l.ranks {
-		if rs.md == nil {
-			return encodeLeader(l.nextID.Add(1), fnWorkerMetadata, nil), nil, nil
-		}
-	}
-	if l.meta == nil {
-		if err := l.checkAgreement(); err != nil {
-			l.conflict = err
-			return nil, nil, err
-		}
-		md := l.ranks[0].md
-		host, disk, err := l.opts.Size(md.BytesPerBlock, len(l.ranks))
-		if err != nil {
-			l.conflict = fmt.Errorf("wire: tier sizing: %w", err)
-			return nil, nil, l.conflict
-		}
-		l.meta = &LeaderMetadata{NumHostBlocks: host, NumDiskBlocks: disk, WorldSize: len(l.ranks)}
-		l.metaID = l.nextID.Add(1)
-		l.log.Info("kvbm leader: all workers reported; asking them to allocate", "workers", len(l.ranks),
-			"bytes_per_block", md.BytesPerBlock, "host_blocks", host, "disk_blocks", disk)
-	}
-	var failed []string
-	all := true
-	for r, rs := range l.ranks {
-		if rs.allocErr != "" {
-			// The rank's own error starts with this package's prefix too.
-			failed = append(failed, fmt.Sprintf("rank %d: %s", r, strings.TrimPrefix(rs.allocErr, "wire: ")))
-		}
-		all = all && rs.ready
-	}
-	if len(failed) > 0 {
-		l.conflict = fmt.Errorf("wire: worker allocation failed: %s", strings.Join(failed, "; "))
-		return nil, nil, l.conflict
-	}
-	if all {
-		md := l.ranks[0].md
-		l.hs = &Handshake{NumWorkers: len(l.ranks), BytesPerBlock: md.BytesPerBlock, NumDeviceBlocks: md.NumDeviceBlocks,
-			NumHostBlocks: l.meta.NumHostBlocks, NumDiskBlocks: l.meta.NumDiskBlocks}
-		now := time.Now()
-		for r := range l.ranks {
-			l.ranks[r].lastSeen = now // the heartbeat clock starts now
-		}
-		return nil, l.hs, nil
-	}
-	return encodeLeader(l.metaID, fnLeaderMetadata, marshal(l.meta)), nil, nil
-}
-
-// checkAgreement: every rank must describe the same shard geometry.
-func (l *Coordinator) checkAgreement() error {
-	first := l.ranks[0].md
-	var errs []string
-	for r, rs := range l.ranks {
-		md := rs.md
-		if md.WorldSize != len(l.ranks) {
-			errs = append(errs, fmt.Sprintf("rank %d was started with world size %d, the leader expects %d", r, md.WorldSize, len(l.ranks)))
-		}
-		if md.BytesPerBlock != first.BytesPerBlock {
-			errs = append(errs, fmt.Sprintf("rank %d reports bytes_per_block %d, rank 0 reports %d", r, md.BytesPerBlock, first.BytesPerBlock))
-		}
-		if md.NumDeviceBlocks != first.NumDeviceBlocks {
-			errs = append(errs, fmt.Sprintf("rank %d reports num_device_blocks %d, rank 0 reports %d", r, md.NumDeviceBlocks, first.NumDeviceBlocks))
-		}
-		if md.BytesPerBlock <= 0 {
-			errs = append(errs, fmt.Sprintf("rank %d reports bytes_per_block %d", r, md.BytesPerBlock))
-		}
-	}
-	if len(errs) > 0 {
-		return fmt.Errorf("wire: workers disagree (every tensor-parallel rank must hold an equal shard of the same KV cache): %s",
-			strings.Join(errs, "; "))
-	}
-	return nil
-}
-
-func (l *Coordinator) timeoutError(ctx context.Context, waited time.Duration) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var silent, allocating, notAcked []int
-	for r, rs := range l.ranks {
-		switch {
-		case rs.md == nil:
-			silent = append(silent, r)
-		case l.meta != nil && !rs.ready && rs.allocating:
-			allocating = append(allocating, r)
-		case l.meta != nil && !rs.ready:
-			notAcked = append(notAcked, r)
-		}
-	}
-	var parts []string
-	if len(silent) > 0 {
-		parts = append(parts, fmt.Sprintf("rank(s) %v of %d never answered", silent, len(l.ranks)))
-	}
-	if len(notAcked) > 0 {
-		parts = append(parts, fmt.Sprintf("rank(s) %v reported but never acknowledged the tier sizes", notAcked))
-	}
-	if len(allocating) > 0 {
-		parts = append(parts, fmt.Sprintf("rank(s) %v were still allocating their host/disk tiers", allocating))
-	}
-	why := "timed out"
-	if ctx.Err() == context.Canceled {
-		why = "cancelled"
-	}
-	return fmt.Errorf("%w (%s after %s; %s=%s): %s (transport %s, %s / %s)",
-		ErrHandshakeTimeout, why, waited.Round(time.Millisecond), config.EnvLeaderWorkerInitTimeoutSecs,
-		l.opts.InitTimeout, strings.Join(parts, "; "), l.transport, l.ep.PubURL(), l.ep.AckURL())
-}
-
-// heartbeat pings every PingInterval, suspects ranks silent for
-// SuspectAfter and marks dead those whose process is gone. It stops when
-// every rank is dead. Pings keep going to suspected ranks: a stopped
-// process finds them queued when it resumes and its answer re-admits it
-// (a handful of small messages per second fills no socket buffer).
-func (l *Coordinator) heartbeat() {
-	defer l.wg.Done()
-	tick := time.NewTicker(l.opts.PingInterval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-l.closed:
-			return
-		case <-tick.C:
-		}
-		if err := l.t.broadcast(encodeLeader(l.nextID.Add(1), fnPing, nil)); err != nil && !errors.Is(err, errTransportClosed) {
-			l.log.Debug("kvbm leader side channel: ping send", "err", err)
-		}
-		now := time.Now()
-		l.mu.Lock()
-		alive := 0
-		for r := range l.ranks {
-			rs := &l.ranks[r]
-			switch {
-			case rs.dead:
-				continue
-			case rs.md != nil && processGone(rs.md.Pid, rs.md.PidNS):
-				l.markDeadLocked(r, fmt.Sprintf("process %d exited", rs.md.Pid))
-				continue
-			case !rs.suspect && now.Sub(rs.lastSeen) > l.opts.SuspectAfter:
-				l.suspectLocked(r, now.Sub(rs.lastSeen))
-			}
-			alive++
-		}
-		l.mu.Unlock()
-		if alive == 0 {
-			return
-		}
-	}
-}
-
-// suspectLocked stops planning for a silent rank; operations waiting on it
-// fail with a *SuspectRanksError.
-func (l *Coordinator) suspectLocked(rank int, silent time.Duration) {
-	rs := &l.ranks[rank]
-	rs.suspect = true
-	l.log.Warn("kvbm worker rank not answering; suspected: no transfers are planned for it until it answers again "+
-		"(the engine keeps serving)", "rank", rank, "pid", rs.pid(), "silent", silent.Round(time.Millisecond),
-		"timeout", l.opts.SuspectAfter, "variable", config.EnvLeaderWorkerLivenessSecs)
-	for _, o := range l.ops {
-		if o.waiting[rank] {
-			o.suspect = append(o.suspect, rank)
-			o.settle(rank, nil)
-		}
-	}
-}
-
-func (rs *rankState) pid() int {
-	if rs.md == nil {
-		return 0
-	}
-	return rs.md.Pid
-}
-
-func (l *Coordinator) markDeadLocked(rank int, why string) {
-	l.markRankLocked(rank, why, false)
-}
-
-// markGoneLocked is markDeadLocked for a worker that said goodbye: the same
-// consequences, logged as a departure rather than a failure.
-func (l *Coordinator) markGoneLocked(rank int, why string) {
-	l.markRankLocked(rank, why, true)
-}
-
-func (l *Coordinator) markRankLocked(rank int, why string, left bool) {
-	rs := &l.ranks[rank]
-	if rs.dead {
-		return
-	}
-	rs.dead = true
-	if left {
-		l.log.Info("kvbm worker rank closed; no more transfers are planned for it", "rank", rank, "pid", rs.pid(), "why", why)
-	} else {
-		l.log.Error("kvbm worker rank is gone; marked dead: transfers that need it are no longer planned, "+
-			"the engine keeps serving (misses recompute)", "rank", rank, "pid", rs.pid(), "why", why)
-	}
-	for _, o := range l.ops {
-		if o.waiting[rank] {
-			o.dead = append(o.dead, rank)
-			o.settle(rank, nil)
-		}
-	}
-}
-
-// SuspectRanks lists the ranks suspected (silent, not known dead), in order.
-func (l *Coordinator) SuspectRanks() []int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.suspectedLocked()
-}
-
-func (l *Coordinator) suspectedLocked() []int {
-	var d []int
-	for r, rs := range l.ranks {
-		if rs.suspect && !rs.dead {
-			d = append(d, r)
-		}
-	}
-	return d
-}
-
 // Forged is the number of unauthenticated messages dropped.
 func (l *Coordinator) Forged() uint64 { return l.forged.count() }
-
-// DeadRanks lists the ranks marked dead, in order.
-func (l *Coordinator) DeadRanks() []int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.deadLocked()
-}
-
-func (l *Coordinator) deadLocked() []int {
-	var d []int
-	for r, rs := range l.ranks {
-		if rs.dead {
-			d = append(d, r)
-		}
-	}
-	return d
-}
-
-// Healthy reports whether the handshake completed and every rank is
-// answering: whether operations can be planned now.
-func (l *Coordinator) Healthy() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.hs != nil && l.closedErr == nil && len(l.deadLocked()) == 0 && len(l.suspectedLocked()) == 0
-}
-
-// Broadcast sends an encoded plan.Step to every rank and returns when every
-// rank acked it: nil if all executed it, else an error naming each rank that
-// failed (a *DeadRanksError wrapping ErrRankDead for ranks that died in
-// flight). With a dead rank it returns a *DeadRanksError at once, sending
-// nothing. ctx bounds the wait; on expiry the error names the ranks that had
-// not answered.
-func (l *Coordinator) Broadcast(ctx context.Context, step []byte) error {
-	l.mu.Lock()
-	switch {
-	case l.closedErr != nil:
-		l.mu.Unlock()
-		return ErrClosed
-	case l.hs == nil:
-		l.mu.Unlock()
-		return fmt.Errorf("%w: cannot broadcast", ErrNotReady)
-	}
-	if dead := l.deadLocked(); len(dead) > 0 {
-		l.mu.Unlock()
-		return &DeadRanksError{Ranks: dead}
-	}
-	if sus := l.suspectedLocked(); len(sus) > 0 {
-		l.mu.Unlock()
-		return &SuspectRanksError{Ranks: sus}
-	}
-	id := l.nextID.Add(1)
-	n := len(l.ranks)
-	o := &op{waiting: make([]bool, n), left: n, errs: make([]error, n), done: make(chan struct{})}
-	for r := range o.waiting {
-		o.waiting[r] = true
-	}
-	l.ops[id] = o
-	l.mu.Unlock()
-	defer func() {
-		l.mu.Lock()
-		delete(l.ops, id)
-		l.mu.Unlock()
-	}()
-
-	if err := l.t.broadcast(encodeLeader(id, fnStep, step)); err != nil {
-		if errors.Is(err, errTransportClosed) {
-			return ErrClosed
-		}
-		return fmt.Errorf("wire: broadcast %d: send: %w", id, err)
-	}
-	select {
-	case <-o.done:
-	case <-l.closed:
-		return ErrClosed
-	case <-ctx.Done():
-		l.mu.Lock()
-		var pending []int
-		for r, w := range o.waiting {
-			if w {
-				pending = append(pending, r)
-			}
-		}
-		l.mu.Unlock()
-		return fmt.Errorf("wire: broadcast %d: rank(s) %v did not answer: %w", id, pending, ctx.Err())
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var errs []error
-	if len(o.dead) > 0 {
-		slices.Sort(o.dead)
-		errs = append(errs, &DeadRanksError{Ranks: o.dead, During: true})
-	}
-	if len(o.suspect) > 0 {
-		slices.Sort(o.suspect)
-		errs = append(errs, &SuspectRanksError{Ranks: o.suspect, During: true})
-	}
-	for _, e := range o.errs {
-		if e != nil {
-			errs = append(errs, e)
-		}
-	}
-	if len(errs) > 0 {
-		return fmt.Errorf("wire: broadcast %d: %w", id, errors.Join(errs...))
-	}
-	return nil
-}
 
 // Close tells the workers (best effort), stops the goroutines and releases
 // the ports. Waiting Broadcasts return ErrClosed.

@@ -17,9 +17,10 @@
 // its leader.Broadcaster and runs its background operations over it in its
 // own goroutine, and a worker's Member executes operations straight into
 // worker.Run (RunOn; ExpectSizes checks the leader's tier sizes against the
-// rank's own). The C ABI only converts: the "side_channel" object of the
-// kvbm_leader_new / kvbm_worker_new options creates them, and
-// kvbm_leader_wait_ready runs the handshake in slices.
+// rank's own). goext/node creates them (node.ListenSideChannel, and
+// node.NewWorker with a WorkerSpec.SideChannel); the C ABI converts the
+// "side_channel" object of the kvbm_leader_new / kvbm_worker_new options into
+// those calls, and kvbm_leader_wait_ready runs the handshake in slices.
 //
 // # Sockets
 //

@@ -18,10 +18,26 @@ import (
 // for the leader (also before it binds, like a PUSH socket that connected
 // early would not; harmless since every handshake message is repeated).
 
-var inprocHubs = struct {
-	sync.Mutex
-	m map[string]*hub
-}{m: make(map[string]*hub)}
+// InProcHubs is a registry of in-process hubs: a leader and workers meet
+// only through the same one. goext/node's Registry holds the process's;
+// options that name none use defaultHubs.
+type InProcHubs struct {
+	mu sync.Mutex
+	m  map[string]*hub
+}
+
+// NewInProcHubs returns an empty hub registry.
+func NewInProcHubs() *InProcHubs { return &InProcHubs{m: make(map[string]*hub)} }
+
+// defaultHubs serves options without InProc (code built without goext/node).
+var defaultHubs = NewInProcHubs()
+
+func hubsOr(h *InProcHubs) *InProcHubs {
+	if h == nil {
+		return defaultHubs
+	}
+	return h
+}
 
 // Channel depths: far above what the protocol has outstanding (a handful of
 // handshake messages, one ping, the operations in flight).
@@ -31,8 +47,9 @@ const (
 )
 
 type hub struct {
-	key string
-	up  chan [][]byte // workers → leader
+	key   string
+	owner *InProcHubs
+	up    chan [][]byte // workers → leader
 
 	mu    sync.Mutex // guards bound, subs
 	bound bool
@@ -40,13 +57,13 @@ type hub struct {
 	gone  chan struct{} // closed when the bound leader closes
 }
 
-func hubFor(key string) *hub {
-	inprocHubs.Lock()
-	defer inprocHubs.Unlock()
-	h := inprocHubs.m[key]
+func (hs *InProcHubs) hubFor(key string) *hub {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	h := hs.m[key]
 	if h == nil {
-		h = &hub{key: key, up: make(chan [][]byte, inprocUpDepth), subs: make(map[*inprocWorker]struct{}), gone: make(chan struct{})}
-		inprocHubs.m[key] = h
+		h = &hub{key: key, owner: hs, up: make(chan [][]byte, inprocUpDepth), subs: make(map[*inprocWorker]struct{}), gone: make(chan struct{})}
+		hs.m[key] = h
 	}
 	return h
 }
@@ -57,8 +74,8 @@ type inprocLeader struct {
 	once   sync.Once
 }
 
-func listenInProc(ep Endpoint) (*inprocLeader, error) {
-	h := hubFor(ep.inprocKey())
+func listenInProc(hs *InProcHubs, ep Endpoint) (*inprocLeader, error) {
+	h := hubsOr(hs).hubFor(ep.inprocKey())
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.bound {
@@ -116,11 +133,12 @@ func (t *inprocLeader) recv() ([][]byte, error) {
 func (t *inprocLeader) close() error {
 	t.once.Do(func() {
 		close(t.closed)
-		inprocHubs.Lock()
-		if inprocHubs.m[t.h.key] == t.h {
-			delete(inprocHubs.m, t.h.key)
+		hs := t.h.owner
+		hs.mu.Lock()
+		if hs.m[t.h.key] == t.h {
+			delete(hs.m, t.h.key)
 		}
-		inprocHubs.Unlock()
+		hs.mu.Unlock()
 		close(t.h.gone)
 	})
 	return nil
@@ -133,8 +151,8 @@ type inprocWorker struct {
 	once   sync.Once
 }
 
-func dialInProc(ep Endpoint) *inprocWorker {
-	h := hubFor(ep.inprocKey())
+func dialInProc(hs *InProcHubs, ep Endpoint) *inprocWorker {
+	h := hubsOr(hs).hubFor(ep.inprocKey())
 	w := &inprocWorker{h: h, down: make(chan [][]byte, inprocDownDepth), closed: make(chan struct{})}
 	h.mu.Lock()
 	h.subs[w] = struct{}{}

@@ -19,6 +19,9 @@ import (
 type MemberOptions struct {
 	Rank      int
 	WorldSize int
+	// InProc is where the in-process transport finds the leader (nil: the
+	// package's default registry); the leader's CoordinatorOptions.InProc.
+	InProc *InProcHubs
 	// What this rank reports in the handshake: its G1 block count and its
 	// share of one block (layout.Engine.BytesPerBlock).
 	NumDeviceBlocks int
@@ -214,7 +217,7 @@ func (w *Member) run() {
 	var t workerTransport
 	tr := w.opts.Transport.resolve(w.opts.WorldSize)
 	if tr == TransportInProc {
-		t = dialInProc(w.opts.Endpoint)
+		t = dialInProc(w.opts.InProc, w.opts.Endpoint)
 	} else {
 		tt, err := dialTCP(w.opts.Endpoint, w.opts.RetryInterval, w.stop, w.log, w.gate)
 		if err != nil {

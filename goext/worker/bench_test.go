@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvbm/kvbm/goext/worker/workerbench"
+	"github.com/kvbm/kvbm/internal/workerbench"
 )
 
 // The benchmarks share one fixture (G1 of 2 × N blocks, G2 and G3 of N

@@ -15,8 +15,8 @@ import (
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/layout"
 	"github.com/kvbm/kvbm/goext/object"
-	"github.com/kvbm/kvbm/goext/object/s3test"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 func g4Store(t *testing.T, srv *s3test.Server, fp fingerprint.Fingerprint, bpb int) *object.Store {

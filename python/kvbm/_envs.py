@@ -1,5 +1,22 @@
 """Environment helpers shared by the engine integrations (pure Python: usable
-before the native library is loaded, e.g. in an engine's front-end process)."""
+before the native library is loaded, e.g. in an engine's front-end process).
+
+goext/config reads and validates every kvbm variable (kvbm_config_check). The
+adapters read only what they must know before the library loads, or what
+configures Python alone:
+
+- DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR, DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE,
+  DYN_KVBM_KV_EVENTS_BIND_HOST, DYN_KVBM_LEADER_ZMQ_PUB_PORT (and
+  DYN_KVBM_TRTLLM_ZMQ_PORT): whether and where the adapter starts the
+  consolidator, decided in processes that never load the library (an
+  engine's front end);
+- KVBM_LIBRARY, KVBM_DISABLE_CUDA (_native.py): which library to load;
+- KVBM_CUDA_PACK_KV_CACHE (_kvpool.py), DYN_KVBM_ENABLE_RECORD and
+  DYN_KVBM_RECORD_PATH (_record.py): Python-side features.
+
+Their defaults are Go's (goext/config); tests/test_config_agree.py checks
+that they agree with what the library reports.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +24,11 @@ import ipaddress
 import os
 import re
 from typing import overload
+
+# goext/config.DefaultLeaderZMQPubPort; the consolidated event stream is
+# published at this port + CONSOLIDATOR_PORT_OFFSET.
+DEFAULT_LEADER_ZMQ_PUB_PORT = 56001
+CONSOLIDATOR_PORT_OFFSET = 1000
 
 TRUTHY = ("1", "true", "on", "yes")
 FALSY = ("0", "false", "off", "no")
@@ -74,8 +96,8 @@ def consolidator_mode() -> str:
 
 
 def consolidator_output_port() -> int:
-    pub = env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
-    return check_port(pub + 1000, "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 (consolidator output port)")
+    pub = env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", DEFAULT_LEADER_ZMQ_PUB_PORT)
+    return check_port(pub + CONSOLIDATOR_PORT_OFFSET, "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 (consolidator output port)")
 
 
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")

@@ -37,7 +37,7 @@ func Emit(r Row) { write(r) }
 func EmitMachine(m Machine) { write(map[string]any{"machine": m}) }
 
 func write(v any) {
-	dir := os.Getenv("KVBM_BENCH_OUT")
+	dir := os.Getenv("KVBM_BENCH_OUT") // envread: the bench harness's output directory, no kvbm setting
 	if dir == "" {
 		return
 	}

@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbm._envs import consolidator_enabled, consolidator_mode, consolidator_output_endpoints, env_port
+from kvbm._envs import (
+    DEFAULT_LEADER_ZMQ_PUB_PORT,
+    consolidator_enabled,
+    consolidator_mode,
+    consolidator_output_endpoints,
+    env_port,
+)
 
 if TYPE_CHECKING:
     from kvbm._core import ConsolidatorOptions
@@ -43,7 +49,7 @@ def engine_events_port() -> int | None:
 
 def get_consolidator_endpoints() -> tuple[str, str, str]:
     """(engine publisher bind endpoint, output bind endpoint, output connect endpoint)."""
-    engine = env_port("DYN_KVBM_TRTLLM_ZMQ_PORT") or env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", 56001)
+    engine = env_port("DYN_KVBM_TRTLLM_ZMQ_PORT") or env_port("DYN_KVBM_LEADER_ZMQ_PUB_PORT", DEFAULT_LEADER_ZMQ_PUB_PORT)
     bind, local = consolidator_output_endpoints()
     return f"tcp://*:{engine}", bind, local
 

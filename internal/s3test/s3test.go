@@ -33,13 +33,13 @@ type Server struct {
 
 // Binary finds versitygw: $KVBM_VERSITYGW, then PATH, then $(go env GOPATH)/bin.
 func Binary() (string, error) {
-	if p := os.Getenv("KVBM_VERSITYGW"); p != "" {
+	if p := os.Getenv("KVBM_VERSITYGW"); p != "" { // envread: the test server binary, no kvbm setting
 		return p, nil
 	}
 	if p, err := exec.LookPath("versitygw"); err == nil {
 		return p, nil
 	}
-	gopath := os.Getenv("GOPATH")
+	gopath := os.Getenv("GOPATH") // envread: where go install put the test server
 	if gopath == "" {
 		if out, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
 			gopath = strings.TrimSpace(string(out))
@@ -70,15 +70,17 @@ func Launch(dir string) (*Server, error) {
 }
 
 // Start starts a test's server on a free port; it is stopped when the test
-// ends. Without the binary the test is skipped, except under CI (CI set),
-// where .ci/run installs it and its absence is a failure.
+// ends. Without the binary the test fails, saying how to install it
+// (.ci/s3-server.sh, which .ci/run runs first), unless it was deselected:
+// under go test -short such tests are skipped, and say so.
 func Start(t testing.TB) *Server {
 	t.Helper()
 	if _, err := Binary(); err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatal(err)
+		if testing.Short() {
+			t.Skipf("needs an S3 server (-short deselects it): %v", err)
 		}
-		t.Skip(err)
+		t.Fatalf("%v (this test needs the versitygw S3 server: install it with .ci/s3-server.sh, "+
+			"or deselect the tests that need it with go test -short)", err)
 	}
 	s, err := Launch(t.TempDir())
 	if err != nil {
@@ -125,7 +127,8 @@ func (s *Server) Start() error {
 		return err
 	}
 	cmd := exec.Command(s.bin, "--port", s.Addr, "--quiet", "posix", data)
-	cmd.Env = append(os.Environ(), "ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
+	cmd.Env = append(os.Environ(), // envread: passed on to the test server
+		"ROOT_ACCESS_KEY="+AccessKey, "ROOT_SECRET_KEY="+SecretKey)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		return err

@@ -1,0 +1,77 @@
+//go:build cuda
+
+package cuda
+
+import (
+	"fmt"
+
+	"gorgonia.org/cu"
+)
+
+// Batch mode (DYN_KVBM_CUDA_COPY=batch): the driver's batched copies
+// (cuMemcpyBatchAsync) over the lane's DMA streams, and the plain DMA copy
+// Direct uses too.
+
+// runBatch moves every chunk with the driver's batched copy, merging chunks
+// adjacent in both G1 and host memory. The copies are split into one
+// contiguous share per stream, at most batchMax copies per call.
+func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []uintptr) error {
+	const batchMax = 8192
+	e := c.eng
+	if c.pitched != nil {
+		g1, hs := make([]uint64, len(blocks)), make([]uint64, len(blocks))
+		for i, b := range blocks {
+			g1[i], hs[i] = uint64(e.ChunkAddr(b, 0, 0)), uint64(host[i])
+		}
+		ns := min(len(streams), len(blocks))
+		for k := range ns {
+			lo, hi := k*len(blocks)/ns, (k+1)*len(blocks)/ns
+			for ; lo < hi; lo += batchMax {
+				m := min(hi, lo+batchMax)
+				if err := memcpyBatch3D(g1[lo:m], hs[lo:m], *c.pitched, toG1, c.ordinal, rawStream(&streams[k])); err != nil {
+					return fmt.Errorf("cuda: pitched batched copy: %w", err)
+				}
+			}
+		}
+		return nil
+	}
+	n := len(blocks) * e.NumLayers * e.OuterDim
+	dsts, srcs, sizes := make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)
+	for i, b := range blocks {
+		for ly := 0; ly < e.NumLayers; ly++ {
+			for o := 0; o < e.OuterDim; o++ {
+				g := uint64(e.ChunkAddr(b, ly, o))
+				h := uint64(host[i]) + uint64(c.hostOff[ly*e.OuterDim+o])
+				d, s := h, g
+				if toG1 {
+					d, s = g, h
+				}
+				if k := len(sizes); k > 0 && dsts[k-1]+sizes[k-1] == d && srcs[k-1]+sizes[k-1] == s {
+					sizes[k-1] += uint64(e.ChunkBytes)
+					continue
+				}
+				dsts, srcs, sizes = append(dsts, d), append(srcs, s), append(sizes, uint64(e.ChunkBytes))
+			}
+		}
+	}
+	ns := min(len(streams), len(sizes))
+	for k := range ns {
+		lo, hi := k*len(sizes)/ns, (k+1)*len(sizes)/ns
+		for ; lo < hi; lo += batchMax {
+			m := min(hi, lo+batchMax)
+			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&streams[k])); err != nil {
+				return fmt.Errorf("cuda: batched copy: %w", err)
+			}
+		}
+	}
+	return nil
+}
+
+// dma enqueues one copy of n bytes between device address d and page-locked
+// host address h on s.
+func (c *Copier) dma(s cu.Stream, toDev bool, d cu.DevicePtr, h uintptr, n int64) error {
+	if toDev {
+		return cu.MemcpyHtoDAsync(d, unsafePtr(h), n, s)
+	}
+	return cu.MemcpyDtoHAsync(unsafePtr(h), d, n, s)
+}

@@ -57,15 +57,11 @@ const (
 	maxConns        = 4
 )
 
-// Dir is the endpoint directory: dir when set, else
-// $XDG_RUNTIME_DIR/kvbm (an absolute XDG_RUNTIME_DIR only), else
-// /tmp/kvbm-<uid>.
+// Dir is the endpoint directory: dir when set (config resolves
+// DYN_KVBM_ADMIN_DIR, else $XDG_RUNTIME_DIR/kvbm), else /tmp/kvbm-<uid>.
 func Dir(dir string) string {
 	if dir != "" {
 		return dir
-	}
-	if r := os.Getenv("XDG_RUNTIME_DIR"); filepath.IsAbs(r) {
-		return filepath.Join(r, "kvbm")
 	}
 	return filepath.Join(os.TempDir(), "kvbm-"+strconv.Itoa(os.Geteuid()))
 }

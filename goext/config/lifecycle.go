@@ -2,6 +2,8 @@ package config
 
 import (
 	"fmt"
+	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -56,6 +58,18 @@ func (p *parser) lifecycle() Lifecycle {
 		ObjectTTL: p.ttl(EnvObjectTTLSecs),
 		DiskTTL:   p.ttl(EnvDiskTTLSecs),
 		Admin:     p.boolean(EnvAdmin, true),
-		AdminDir:  p.path(EnvAdminDir, ""),
+		AdminDir:  p.adminDir(),
 	}
+}
+
+// adminDir is DYN_KVBM_ADMIN_DIR, else $XDG_RUNTIME_DIR/kvbm (an absolute
+// XDG_RUNTIME_DIR only), else "" (goext/admin then uses /tmp/kvbm-<uid>).
+func (p *parser) adminDir() string {
+	if d := p.path(EnvAdminDir, ""); d != "" {
+		return d
+	}
+	if v, set := p.get("XDG_RUNTIME_DIR"); set && filepath.IsAbs(strings.TrimSpace(v)) {
+		return filepath.Join(strings.TrimSpace(v), "kvbm")
+	}
+	return ""
 }

@@ -491,8 +491,8 @@ def router_hashes(tokens: Tokens, block_size: int, *, lora_name: str | None = No
 # when DYN_KVBM_OBJECT_ACCESS_KEY / _SECRET_KEY are unset.
 _ENV_PREFIXES = ("DYN_KVBM_", "KVBM_CUDA_", "NATS_SERVER", "DYN_LOG", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 # Where kvbm keeps its per-user files (the persistent disk tier's default
-# directory, the secret behind its MACs): read by name, not by prefix.
-_ENV_NAMES = frozenset({"HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"})
+# directory, the secret behind its MACs, the operator endpoint): read by name, not by prefix.
+_ENV_NAMES = frozenset({"HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR"})
 
 
 def env_snapshot() -> dict[str, str]:

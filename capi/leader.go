@@ -204,6 +204,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		SideChannel:      bc,
 		BroadcastTimeout: sideChannelTimeout(o.SideChannel),
 		LoadFullHit:      o.LoadFullHit,
+		ObserveTransfers: true, // this process's workers time their loads (goext/policy)
 	})
 	if err != nil {
 		h.release()

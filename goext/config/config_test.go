@@ -51,6 +51,8 @@ func TestDefaults(t *testing.T) {
 		ConsolidatorMode:         "dedup",
 		NatsServer:               "nats://localhost:4222",
 		ZMQMaxMessageMB:          64,
+		LoadPolicy:               LoadPolicy{Mode: LoadAlways},
+		Admission:                Admission{Disk: AdmitFrequency, Object: AdmitAll},
 	}, c)
 	require.False(t, c.HostEnabled())
 	require.False(t, c.DiskEnabled())

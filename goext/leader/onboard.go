@@ -124,6 +124,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 		// last one is from the deepest tier used.
 		srcs = srcs[:len(srcs)-1]
 	}
+	srcs = l.applyLoadPolicy(reqID, srcs) // DYN_KVBM_LOAD_POLICY (policy.go)
 	for _, src := range srcs {
 		if src.tier != plan.G4 {
 			l.poolOf(src.tier).Pin(src.idx)

@@ -108,6 +108,7 @@ func (l *Leader) wakeSideChannel() {
 // committed failed) and waits for it, and stops G4's registry events. The leader's other methods keep
 // working; Close is idempotent.
 func (l *Leader) Close() {
+	l.closePolicy()
 	l.StopG4Events()
 	if l.sc == nil {
 		return

@@ -90,8 +90,9 @@ type Shape struct {
 	// BatchBlocks and Concurrency: the workers copy G2 and G3 blocks in
 	// batches of at most BatchBlocks, Concurrency batches at a time
 	// (DYN_KVBM_MAX_TRANSFER_BATCH_SIZE, DYN_KVBM_MAX_CONCURRENT_TRANSFERS);
-	// 0 counts as 1. A tier's measurements are per batch; G4 downloads are
-	// measured per load (the store bounds their concurrency itself).
+	// BatchBlocks 0: one batch whatever the size; Concurrency 0 counts as
+	// 1. A tier's measurements are per batch; G4 downloads are measured per
+	// load (the store bounds their concurrency itself).
 	BatchBlocks, Concurrency int
 }
 
@@ -101,7 +102,10 @@ func (s Shape) batched(c int, cost TierCost) float64 {
 	if c <= 0 {
 		return 0
 	}
-	b, k := max(s.BatchBlocks, 1), max(s.Concurrency, 1)
+	b, k := s.BatchBlocks, max(s.Concurrency, 1)
+	if b <= 0 {
+		b = c
+	}
 	batches := (c + b - 1) / b
 	waves := (batches + k - 1) / k
 	return float64(waves) * cost.Seconds(float64(min(c, b))*s.MBPerBlock)

@@ -88,8 +88,8 @@ const (
 	// tier that slows down within a few dozen transfers.
 	decayPerObservation = 0.95
 	// priorWeight: the prior counts as this many measurements, forever; at
-	// steady state (1/(1-decay) = 20 measurements) it is ~5% of the fit.
-	priorWeight = 1.0
+	// steady state (1/(1-decay) = 20 measurements) it is 1% of the fit.
+	priorWeight = 0.2
 	refMB       = 4.0  // the prior's second point: a few blocks' worth
 	refTokens   = 2048 // the prefill prior's second point
 	// stepClip: a step timing above this many times the current estimate

@@ -32,7 +32,11 @@ type policyState struct {
 	obj     *policy.Gate   // nil without G4
 	pending []tierHash     // G4 uploads admitted after their save
 	queued  map[uint64]struct{}
-	cancel  func() // stops the transfer subscription; nil without one
+	// recent: hashes uploaded through pending, oldest first, until the
+	// registry learns of them from the worker (bounded by G2's size).
+	recent     map[uint64]struct{}
+	recentFIFO []uint64
+	cancel     func() // stops the transfer subscription; nil without one
 }
 
 // initPolicy sets up l.pol from the configuration. l.m, l.now, l.host,
@@ -78,6 +82,7 @@ func (l *Leader) initPolicy(opts Options) error {
 		}
 		useSketch = useSketch || mode == policy.AdmitSketch
 		p.queued = make(map[uint64]struct{})
+		p.recent = make(map[uint64]struct{})
 	}
 	if useSketch {
 		if p.sketch, err = policy.NewSketch(policy.DefaultSketchCounters); err != nil {
@@ -143,7 +148,8 @@ func (l *Leader) noteAdmission(idx int, h uint64) int {
 	count := p.sketch.Add(h)
 	if p.obj != nil && p.obj.Mode() == policy.AdmitSketch && count >= policy.MinCount && !l.g4.off() &&
 		!l.g4.reg.Contains(h) {
-		if _, ok := p.queued[h]; !ok && len(p.pending) < l.host.Capacity() {
+		_, done := p.recent[h]
+		if _, ok := p.queued[h]; !ok && !done && len(p.pending) < l.host.Capacity() {
 			p.queued[h] = struct{}{}
 			p.pending = append(p.pending, tierHash{idx, h})
 		}
@@ -171,13 +177,17 @@ func (l *Leader) admit(g *policy.Gate, t plan.Tier, count int) bool {
 
 // admitUpload decides the upload of a block just saved into G2 under h
 // (planUpload). Under the G4 sketch the save's sighting already queued it
-// if admitted (noteAdmission), so nothing is uploaded here.
+// if admitted (noteAdmission), so nothing is uploaded here; a cold block is
+// counted as refused.
 func (l *Leader) admitUpload(h uint64) bool {
 	p := &l.pol
 	if p.obj == nil {
 		return true
 	}
 	if p.obj.Mode() == policy.AdmitSketch {
+		if p.sketch.Estimate(h) < policy.MinCount {
+			p.pm.Rejected.WithLabelValues(policy.TierLabel(plan.G4), policy.RejectCold).Inc()
+		}
 		return false
 	}
 	count := policy.MinCount
@@ -207,6 +217,12 @@ func (l *Leader) flushAdmittedUploads(st *plan.Step) {
 		l.host.Pin(b.idx)
 		l.moveSrc = append(l.moveSrc, b.idx)
 		st.Uploads = append(st.Uploads, plan.Upload{Block: int64(b.idx), Hash: b.hash, Parent: info.Parent})
+		if len(p.recentFIFO) >= l.host.Capacity() {
+			delete(p.recent, p.recentFIFO[0])
+			p.recentFIFO = p.recentFIFO[1:]
+		}
+		p.recent[b.hash] = struct{}{}
+		p.recentFIFO = append(p.recentFIFO, b.hash)
 		if !l.g4.opts.WriteThrough {
 			l.g4.release = append(l.g4.release, b)
 		}
@@ -221,6 +237,8 @@ func (l *Leader) resetPolicy() {
 	}
 	l.pol.pending = l.pol.pending[:0]
 	clear(l.pol.queued)
+	clear(l.pol.recent)
+	l.pol.recentFIFO = nil
 }
 
 // closePolicy stops following the workers' transfers.

@@ -90,8 +90,8 @@ const (
 	// priorWeight: the prior counts as this many measurements, forever; at
 	// steady state (1/(1-decay) = 20 measurements) it is 1% of the fit.
 	priorWeight = 0.2
-	refMB       = 4.0  // the prior's second point: a few blocks' worth
-	refTokens   = 2048 // the prefill prior's second point
+	refMB       = 4.0 // the prior's second point: a few blocks' worth
+	refTokens   = 256 // the prefill prior's second point: a short prompt (a far point would weigh like many)
 	// stepClip: a step timing above this many times the current estimate
 	// (plus stepClipFloor) is clipped there: the gap before the first step
 	// after an idle period is not a step's cost.

@@ -8,7 +8,7 @@ import (
 	"strings"
 )
 
-// Load-or-recompute and admission (goext/policy; design §4.4).
+// Load-or-recompute and admission (goext/policy; design §4.1, §4.2).
 const (
 	EnvLoadPolicy         = "DYN_KVBM_LOAD_POLICY"
 	EnvPrefillUsPerToken  = "DYN_KVBM_PREFILL_US_PER_TOKEN"

@@ -9,7 +9,7 @@ import (
 	"github.com/kvbm/kvbm/goext/policy"
 )
 
-// Load-or-recompute and admission to G3/G4 (goext/policy; design §4.4).
+// Load-or-recompute and admission to G3/G4 (goext/policy; design §4.1, §4.2).
 //
 // Load policy: GetNumNewMatchedTokens keeps the prefix of its match that
 // the policy chooses (applyLoadPolicy); the engine recomputes the rest.

@@ -1,5 +1,5 @@
 // Package policy holds kvbm's cache decisions that depend on measurements
-// rather than on the cache's contents (design §4.4):
+// rather than on the cache's contents (design §4.1, §4.2):
 //
 //   - Load or recompute (Model, Decide): online estimates of what loading a
 //     block from each tier costs (a fixed latency plus seconds per MB,

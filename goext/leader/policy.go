@@ -121,7 +121,7 @@ func (l *Leader) applyLoadPolicy(reqID string, srcs []source) []source {
 		"matched_blocks", len(srcs), "load_blocks", d.Load,
 		"skipped_g2", d.Skipped[0], "skipped_g3", d.Skipped[1], "skipped_g4", d.Skipped[2], "reason", d.Reason,
 		"expected_load_all_ms", d.LoadAll*1e3, "expected_load_ms", d.LoadChosen*1e3,
-		"expected_recompute_all_ms", d.RecomputeAll*1e3)
+		"expected_recompute_all_ms", d.RecomputeAll*1e3, "explored", d.Explored)
 	return srcs[:d.Load]
 }
 

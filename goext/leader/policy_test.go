@@ -91,7 +91,7 @@ func TestLoadPolicyLearnsPrefillFromSteps(t *testing.T) {
 	e := newEnv(t, 64, 0, func(c *config.Config) { c.LoadPolicy.Mode = config.LoadCost })
 	before := e.l.CostModel().PrefillPerToken()
 	for i := range 100 {
-		n := 4 + (i%5)*40
+		n := policy.MinStepTokens + (i%5)*100
 		e.step(t, RequestUpdate{ReqID: "r", NewTokens: toks(i*1000, n), NumScheduledTokens: n, Resumed: true})
 		e.clock.Advance(time.Millisecond + time.Duration(n)*time.Millisecond)
 	}

@@ -75,6 +75,10 @@ type Decision struct {
 	// Expected seconds of loading the whole match, of loading the chosen
 	// prefix, and of computing the whole match's tokens.
 	LoadAll, LoadChosen, RecomputeAll float64
+	// Explored: Cost loaded the whole match although the estimates
+	// advised against it, to measure a tier that was never measured or
+	// was skipped ExploreEvery times since its last measurement.
+	Explored bool
 }
 
 // Tiers the decisions count, in TierIndex order.
@@ -123,6 +127,12 @@ func (s Shape) batched(c int, cost TierCost) float64 {
 // Because each tier's cost is a latency plus a per-block cost, a tier's
 // blocks are worth loading only together, enough of them to repay its
 // latency.
+//
+// Under Cost, a tier without any measurement is loaded rather than skipped
+// (its cost is only a prior, and loading is how it gets measured; a tier
+// that only ranks in other processes load is never measured here, so for
+// it Cost behaves as Always), and so is a tier skipped ExploreEvery times
+// since its last measurement.
 func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 	n := len(tiers)
 	d := Decision{Load: n}
@@ -130,12 +140,12 @@ func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 		return d
 	}
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	var cost [3]TierCost
 	for i := range cost {
 		cost[i] = m.tierLocked(i)
 	}
 	perToken := m.prefillLocked()
-	m.mu.Unlock()
 
 	var counts [3]int
 	loadOf := func() float64 {
@@ -171,12 +181,27 @@ func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 		}
 		d.Load, d.Reason = k, ReasonOverCap
 	}
-	d.LoadChosen = loads[d.Load]
 	for _, t := range tiers[d.Load:] {
 		if i, ok := tierIndex(t); ok {
 			d.Skipped[i]++
 		}
 	}
+	if p.Mode == Cost {
+		for i, k := range d.Skipped {
+			if k > 0 && (m.tiers[i].n == 0 || m.skips[i] >= ExploreEvery) {
+				d.Explored = true
+			}
+		}
+		if d.Explored {
+			d.Load, d.Skipped = n, [3]int{}
+		}
+		for i, k := range d.Skipped {
+			if k > 0 {
+				m.skips[i]++
+			}
+		}
+	}
+	d.LoadChosen = loads[d.Load]
 	if d.Load == n {
 		d.Reason = ""
 	}

@@ -149,3 +149,29 @@ func TestNewLoadPolicy(t *testing.T) {
 	require.ErrorContains(t, err, `policy: unknown load policy "fastest"`)
 	require.Equal(t, "cost", Cost.String())
 }
+
+// A tier never measured is loaded under Cost (measuring it is the only way
+// to learn it); one skipped ExploreEvery times since its last measurement
+// is loaded once more.
+func TestDecideCostExplores(t *testing.T) {
+	m := NewModel(1) // 1 µs a token: by the priors nothing from G4 pays
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+	require.True(t, d.Explored)
+	require.Equal(t, 4, d.Load)
+	require.Empty(t, d.Reason)
+
+	m.ObserveLoad(plan.G4, 1e6, 50*time.Millisecond)
+	for range ExploreEvery {
+		d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+		require.False(t, d.Explored)
+		require.Equal(t, 0, d.Load)
+		require.Equal(t, [3]int{0, 0, 4}, d.Skipped)
+	}
+	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+	require.True(t, d.Explored)
+	require.Equal(t, 4, d.Load)
+	// The bound is the operator's: no exploration past it.
+	d = NewModel(1).Decide(LoadPolicy{Mode: Cap, Cap: time.Millisecond}, tiers(0, 0, 4), shape)
+	require.False(t, d.Explored)
+	require.Equal(t, 0, d.Load)
+}

@@ -97,6 +97,15 @@ const (
 	// after an idle period is not a step's cost.
 	stepClip      = 3.0
 	stepClipFloor = 0.05 // seconds
+	// MinStepTokens: steps that scheduled fewer tokens (decode steps) are
+	// not measured. They say little about prefill, and they are the steps
+	// an idle period follows (the last decode of a burst), whose "duration"
+	// would be the idle time.
+	MinStepTokens = 64
+	// ExploreEvery: a tier the cost policy skipped this many times since it
+	// was last measured is loaded once more (Decide), so that its estimate
+	// follows a tier that got faster again.
+	ExploreEvery = 50
 )
 
 // TierCost is one tier's expected load cost: Latency + MB × SecondsPerMB
@@ -133,6 +142,7 @@ type Model struct {
 	tiers   [3]linear // G2, G3, G4: x = MB (one rank's share), y = seconds
 	prefill linear    // x = tokens scheduled in a step, y = its seconds
 	fixed   float64   // configured seconds per token; 0: measured
+	skips   [3]int    // Cost decisions that skipped the tier since its last measurement
 
 	lastStep   time.Time
 	lastTokens int
@@ -171,6 +181,7 @@ func (m *Model) ObserveLoad(t plan.Tier, bytes int64, d time.Duration) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	m.skips[i] = 0
 }
 
 // ObserveStep records that the engine began a step at now scheduling tokens
@@ -180,7 +191,7 @@ func (m *Model) ObserveStep(now time.Time, tokens int) {
 	defer m.mu.Unlock()
 	prev, prevTokens := m.lastStep, m.lastTokens
 	m.lastStep, m.lastTokens = now, tokens
-	if prev.IsZero() || prevTokens <= 0 || m.fixed > 0 {
+	if prev.IsZero() || prevTokens < MinStepTokens || m.fixed > 0 {
 		return
 	}
 	dt := now.Sub(prev).Seconds()

@@ -90,15 +90,16 @@ func TestModelLearnsPrefillFromSteps(t *testing.T) {
 		step(n, cost(n))
 	}
 	near(t, 100e-6, m.PrefillPerToken().Seconds(), 0.05, "per token")
-	// An hour idle after a decode step of 8 tokens: one clipped sample.
+	// An hour idle after a decode step (fewer than MinStepTokens tokens) is
+	// not measured; after a prefill step it is one clipped sample.
 	step(8, time.Hour)
+	before := m.Snapshot().StepsMeasured
+	step(500, cost(500))
+	require.Equal(t, before, m.Snapshot().StepsMeasured)
+	near(t, 100e-6, m.PrefillPerToken().Seconds(), 0.05, "after an idle decode step")
+	step(600, time.Hour)
 	step(500, cost(500))
 	require.Less(t, m.PrefillPerToken().Seconds(), 2*100e-6)
-	// A step with nothing scheduled measures nothing.
-	step(0, time.Second)
-	before := m.Snapshot().StepsMeasured
-	step(100, cost(100))
-	require.Equal(t, before, m.Snapshot().StepsMeasured)
 }
 
 func TestModelConfiguredPrefill(t *testing.T) {

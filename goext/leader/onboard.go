@@ -302,6 +302,7 @@ func (l *Leader) LoadsFinished(reqIDs []string) {
 				l.releaseSource(src)
 			}
 		}
+		l.timeLoad(il)
 		delete(l.inflight, id)
 		if s, ok := l.slots[id]; ok && s.load == loadEmitted {
 			s.load = loadNone

@@ -125,6 +125,39 @@ func (l *Leader) applyLoadPolicy(reqID string, srcs []source) []source {
 	return srcs[:d.Load]
 }
 
+// timeLoad gives the model what the leader saw of a finished load: the
+// time from the step that emitted it until now (the step that learnt it
+// finished), attributed to its slowest tier (G4, else G3) after taking out
+// the model's estimate for its other blocks. Loads of G2 alone are not
+// timed this way: the step's wait would dwarf a memory copy. l.mu held.
+func (l *Leader) timeLoad(il *inflightLoad) {
+	p := &l.pol
+	if p.model == nil || il.at.IsZero() {
+		return
+	}
+	var n [3]int
+	for _, src := range il.sources {
+		if i, ok := policy.TierIndex(src.tier); ok {
+			n[i]++
+		}
+	}
+	deep := plan.G4
+	if n[2] == 0 {
+		deep = plan.G3
+	}
+	i, _ := policy.TierIndex(deep)
+	if n[i] == 0 {
+		return
+	}
+	mb := p.shape.MBPerBlock
+	others := p.model.Tier(plan.G2).Seconds(float64(n[0]+n[2]) * mb)
+	if deep == plan.G4 {
+		others += p.model.Tier(plan.G3).Seconds(float64(n[1]) * mb)
+	}
+	d := l.now().Sub(il.at) - time.Duration(others*float64(time.Second))
+	p.model.ObserveLoadWait(deep, int64(float64(n[i])*mb*1e6), max(d, 0))
+}
+
 // observeStep gives the model this step's start and scheduled tokens.
 func (l *Leader) observeStep(now time.Time, updates []RequestUpdate) {
 	if l.pol.load.Mode == policy.Always || l.pol.model == nil {

@@ -213,3 +213,22 @@ func TestAdmissionBadConfig(t *testing.T) {
 		LoadPolicy: config.LoadPolicy{Mode: "fastest"}}, BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1})
 	require.ErrorContains(t, err, "leader: policy: unknown load policy")
 }
+
+// Without workers in its process, the leader times its G3/G4 loads itself:
+// from the step that emitted them to the one that learnt they finished.
+func TestLoadPolicyTimesLoadsItself(t *testing.T) {
+	prompt := toks(0, 4*bs+1)
+	e := newEnv(t, 8, 8, func(c *config.Config) { c.LoadPolicy.Mode = config.LoadCost })
+	seed(t, e.l.host, prompt, 0, 1)
+	seed(t, e.l.disk, prompt, 2, 3)
+	n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 4*bs, n, "G3 never measured: loaded")
+	e.l.UpdateStateAfterAlloc("r", []int64{0, 1, 2, 3, 4}, n)
+	e.step(t)
+	e.clock.Advance(400 * time.Millisecond)
+	e.l.LoadsFinished([]string{"r"})
+	s := e.l.CostModel().Snapshot()
+	require.Equal(t, uint64(1), s.Measured[plan.G3])
+	require.Zero(t, s.Measured[plan.G2])
+	require.Greater(t, s.Tier[plan.G3].Seconds(2*1.048576), 0.3)
+}

@@ -143,6 +143,7 @@ type Model struct {
 	prefill linear    // x = tokens scheduled in a step, y = its seconds
 	fixed   float64   // configured seconds per token; 0: measured
 	skips   [3]int    // Cost decisions that skipped the tier since its last measurement
+	direct  [3]bool   // the tier was measured by a worker's timed batch (ObserveTransfer)
 
 	lastStep   time.Time
 	lastTokens int
@@ -180,6 +181,26 @@ func (m *Model) ObserveLoad(t plan.Tier, bytes int64, d time.Duration) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	m.skips[i] = 0
+}
+
+// ObserveLoadWait records what the leader saw of one load from tier t
+// (G3 or G4): bytes (one rank's share) that took d from the step that
+// planned them to the step that learnt they were done, the other tiers'
+// share of the load taken out. It includes up to one engine step of
+// waiting for the report, so it only counts for a tier that no worker of
+// this process measures directly.
+func (m *Model) ObserveLoadWait(t plan.Tier, bytes int64, d time.Duration) {
+	i, ok := tierIndex(t)
+	if !ok || t == plan.G2 || bytes <= 0 || d < 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.direct[i] {
+		return
+	}
 	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
 	m.skips[i] = 0
 }

@@ -126,3 +126,17 @@ func TestTransfersReachSubscribedModels(t *testing.T) {
 	require.Zero(t, s.Measured[plan.G2])
 	require.Zero(t, s.Measured[plan.G4])
 }
+
+// The leader's own timing of a load counts for G3/G4 until a worker of the
+// process measures the tier directly; never for G2.
+func TestModelLoadWaitYieldsToDirectMeasurements(t *testing.T) {
+	m := NewModel(0)
+	m.ObserveLoadWait(plan.G4, 1e6, 300*time.Millisecond)
+	m.ObserveLoadWait(plan.G2, 1e6, 300*time.Millisecond)
+	s := m.Snapshot()
+	require.Equal(t, uint64(1), s.Measured[plan.G4])
+	require.Zero(t, s.Measured[plan.G2])
+	m.ObserveTransfer("g4_to_g2", 1e6, 10*time.Millisecond)
+	m.ObserveLoadWait(plan.G4, 1e6, 300*time.Millisecond)
+	require.Equal(t, uint64(2), m.Snapshot().Measured[plan.G4])
+}

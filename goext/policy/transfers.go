@@ -62,5 +62,9 @@ func (m *Model) ObserveTransfer(dir string, bytes int64, d time.Duration) {
 	}
 	if bytes > 0 {
 		m.ObserveLoad(t, bytes, d)
+		i, _ := tierIndex(t)
+		m.mu.Lock()
+		m.direct[i] = true
+		m.mu.Unlock()
 	}
 }

@@ -32,8 +32,9 @@ def prompt(seed, n):
 
 PROMPTS = {name: prompt(seed, 12 * BS + 5) for name, seed in
            (("b1", 31), ("b2", 32), ("c1", 33), ("c2", 34))}
-# Computed first by engines B and C: a prefill step the model measures.
-WARM = prompt(41, 12 * BS + 5)
+# Computed first by engines B and C (each its own: what B computes reaches
+# the bucket): a prefill step the model measures.
+WARM = {"b": prompt(41, 12 * BS + 5), "c": prompt(42, 12 * BS + 5)}
 
 
 class DelayProxy:
@@ -116,7 +117,7 @@ def test_cost_policy_recomputes_when_loading_is_slower(harness, s3_server, tmp_p
         cost = {**env, "DYN_KVBM_LOAD_POLICY": "cost", "DYN_LOG": "debug"}
         proxy.delay = 0.5
         rb = harness({"model": model, "env": cost, "actions": [
-            gen("warm", WARM),
+            gen("warm", WARM["b"]),
             gen("b1", PROMPTS["b1"]),
             {"wait_metric": "kvbm_onboard_blocks_obj2h", "at_least": 12, "poke": POKE, "tag": "measured"},
             gen("b2", PROMPTS["b2"]),
@@ -124,7 +125,7 @@ def test_cost_policy_recomputes_when_loading_is_slower(harness, s3_server, tmp_p
         b = by_tag(rb)
         proxy.delay = 0.0
         c = by_tag(harness({"model": model, "env": cost, "actions": [
-            gen("warm", WARM),
+            gen("warm", WARM["c"]),
             gen("c1", PROMPTS["c1"]),
             {"wait_metric": "kvbm_onboard_blocks_obj2h", "at_least": 12, "poke": POKE, "tag": "measured"},
             gen("c2", PROMPTS["c2"]),

@@ -108,7 +108,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 			srcs = append(srcs, source{tier: plan.G3, idx: idx, hash: rest[k]})
 		}
 	}
-	if l.g4 != nil {
+	if l.g4 != nil && l.g4WorthLooking(reqID, len(query)-len(srcs)) {
 		rest := query[len(srcs):]
 		n, pending := l.g4Match(reqID, rest)
 		if pending {

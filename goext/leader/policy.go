@@ -158,6 +158,34 @@ func (l *Leader) timeLoad(il *inflightLoad) {
 	p.model.ObserveLoadWait(deep, int64(float64(n[i])*mb*1e6), max(d, 0))
 }
 
+// g4WorthLooking reports whether a G4 lookup of the rest blocks of a
+// request's match could pay: under a policy other than always, a lookup is
+// not started when loading all of them from G4 is expected to lose (cost)
+// or to take longer than the bound even for one block (never-slower-than).
+// The lookup's own round trip comes on top, so this errs towards looking.
+// l.mu held.
+func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
+	p := &l.pol
+	if p.load.Mode == policy.Always || rest <= 0 {
+		return true
+	}
+	n := rest
+	if p.load.Mode == policy.Cap {
+		n = 1
+	}
+	tiers := make([]plan.Tier, n)
+	for k := range tiers {
+		tiers[k] = plan.G4
+	}
+	if d := p.model.Decide(p.load, tiers, p.shape); d.Load > 0 {
+		return true
+	}
+	p.pm.LookupsSkipped.Inc()
+	l.log.Debug("kvbm: load policy: not looking up G4", "request", reqID, "policy", p.load.Mode.String(),
+		"blocks", rest)
+	return false
+}
+
 // observeStep gives the model this step's start and scheduled tokens.
 func (l *Leader) observeStep(now time.Time, updates []RequestUpdate) {
 	if l.pol.load.Mode == policy.Always || l.pol.model == nil {

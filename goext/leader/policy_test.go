@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/metrics"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/policy"
 )
@@ -231,4 +232,40 @@ func TestLoadPolicyTimesLoadsItself(t *testing.T) {
 	require.Equal(t, uint64(1), s.Measured[plan.G3])
 	require.Zero(t, s.Measured[plan.G2])
 	require.Greater(t, s.Tier[plan.G3].Seconds(2*1.048576), 0.3)
+}
+
+// With G4 known to lose against recomputing, the cost policy does not
+// even look the request up (nor match what the registry knows); with G4
+// fast it does.
+func TestLoadPolicySkipsAHopelessG4Lookup(t *testing.T) {
+	prompt := toks(0, 4*bs+1)
+	for _, slow := range []bool{true, false} {
+		e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
+		reg := object.NewRegistry(100)
+		for _, h := range seqHashes(prompt) {
+			reg.Add(h)
+		}
+		l, err := New(Options{
+			Config: &config.Config{CPUCacheOverrideBlocks: 16, CacheStatsMaxRequests: 10, CacheStatsLogInterval: time.Hour,
+				LoadPolicy: config.LoadPolicy{Mode: config.LoadCost, PrefillUsPerToken: 100}},
+			BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1, Metrics: e.m, Now: e.clock.Now,
+			Logger: slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+			G4:     &G4Options{Registry: reg},
+		})
+		require.NoError(t, err)
+		lat := time.Millisecond
+		if slow {
+			lat = time.Second
+		}
+		teach(l, plan.G4, lat, 0)
+		n, _ := l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+		if slow {
+			require.Zero(t, n)
+			require.Equal(t, float64(1), val(l.pol.pm.LookupsSkipped))
+			require.Contains(t, e.logs.String(), "not looking up G4")
+		} else {
+			require.Equal(t, 4*bs, n)
+			require.Zero(t, val(l.pol.pm.LookupsSkipped))
+		}
+	}
 }

@@ -17,6 +17,10 @@ type Metrics struct {
 	// ("g4"); Rejected by reason (RejectCold, RejectBudget).
 	Admitted *prometheus.CounterVec
 	Rejected *prometheus.CounterVec
+	// LookupsSkipped: requests whose G4 lookup the load policy did not
+	// start, loading from G4 being expected to lose even if every block
+	// were there.
+	LookupsSkipped prometheus.Counter
 }
 
 // TierLabel is a tier's label value ("g2", "g3", "g4").
@@ -50,6 +54,9 @@ func NewMetrics(r prometheus.Registerer, model *Model) *Metrics {
 			Help: "Blocks not written to a slower tier, by reason (cold: not seen often enough; budget: write budget spent)"},
 			[]string{"tier", "reason"})),
 	}
+	m.LookupsSkipped = register(r, prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvbm_load_policy_g4_lookups_skipped",
+		Help: "Requests not looked up in G4: loading from it was expected to lose even on a full hit (DYN_KVBM_LOAD_POLICY)"}))
 	if model == nil {
 		return m
 	}

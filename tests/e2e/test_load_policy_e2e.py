@@ -139,16 +139,22 @@ def test_cost_policy_recomputes_when_loading_is_slower(harness, s3_server, tmp_p
     print("TTFT s: ref b2 %.3f, cost+slow b2 %.3f (b1 loaded slow: %.3f); ref c2 %.3f, cost+fast c2 %.3f"
           % (ref["b2"]["secs"], b["b2"]["secs"], b["b1"]["secs"], ref["c2"]["secs"], c["c2"]["secs"]))
     # B: the first load went through the slow proxy; the second prompt is
-    # recomputed, its G4 blocks counted as skipped.
+    # recomputed: G4 is expected to lose even on a full hit, so it is not
+    # even looked up (the lookup alone costs a slow round trip).
     assert b["b1"]["num_cached_tokens"] == [12 * BS], b["b1"]
     assert b["measured"]["reached"], b["measured"]["metrics"]
     mb = b["b2"]["metrics"]
     assert b["b2"]["num_cached_tokens"] == [0], (b["b2"], mb)
-    assert mb["kvbm_load_policy_skipped_tokens"] >= 12 * BS, mb
+    assert mb.get("kvbm_load_policy_g4_lookups_skipped", 0) >= 1, mb
     assert mb["kvbm_onboard_blocks_obj2h"] == 12, mb
-    assert "skipped_g4=12" in rb["log"], "the decision is logged"
+    assert "not looking up G4" in rb["log"], "the decision is logged"
+    # Recomputing is not slower than without kvbm by more than this shared
+    # machine's noise (a second, generously: the slow proxy adds 0.5 s a
+    # request, a load through it took several).
+    assert b["b2"]["secs"] < ref["b2"]["secs"] + 1.0, (b["b2"]["secs"], ref["b2"]["secs"])
     # C: loading is fast; the second prompt loads too.
     assert c["c2"]["num_cached_tokens"] == [12 * BS], c["c2"]
     mc = c["c2"]["metrics"]
-    assert mc["kvbm_load_policy_skipped_tokens"] == 0, mc
+    assert mc.get("kvbm_load_policy_skipped_tokens", 0) == 0, mc
+    assert mc.get("kvbm_load_policy_g4_lookups_skipped", 0) == 0, mc
     assert mc["kvbm_onboard_blocks_obj2h"] == 24, mc

@@ -113,7 +113,7 @@ func newAdmissionEnv(t *testing.T, disk int, a config.Admission, g4 bool) *env {
 		Logger: slog.New(slog.NewTextHandler(e.logs, nil)),
 	}
 	if g4 {
-		o.G4 = &G4Options{}
+		o.G4 = &G4Options{WriteThrough: true}
 	}
 	l, err := New(o)
 	require.NoError(t, err)

@@ -190,6 +190,11 @@ type Config struct {
 	CUDA CUDA     // the CUDA build's copier (cuda.go)
 	Log  LogLevel // DYN_LOG (cuda.go)
 
+	// LoadPolicy and Admission: load-or-recompute and what is written to
+	// G3/G4 (policy.go).
+	LoadPolicy LoadPolicy
+	Admission  Admission
+
 	// StorageSecret, when set, keys the MACs of stored KV for G3 and G4
 	// instead of their defaults (secret.go). Never logged.
 	StorageSecret []byte
@@ -297,12 +302,15 @@ func FromLookup(lookup func(string) (string, bool)) (*Config, error) {
 		CUDA: p.cuda(),
 		Log:  p.logLevel(),
 
+		LoadPolicy: p.loadPolicy(),
+
 		StorageSecret: p.storageSecret(),
 	}
 	if c.DiskPersist && len(c.StorageSecret) == 0 && p.ok(EnvStorageSecret, EnvStorageSecretFile) {
 		c.StorageSecretDir = p.storageSecretDir()
 	}
 
+	c.Admission = p.admission(c.DisableDiskOffloadFilter)
 	c.Warnings = p.unsupported(c)
 
 	// Cross-variable rules, only when the inputs themselves parsed (an error

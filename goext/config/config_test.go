@@ -52,6 +52,8 @@ func TestDefaults(t *testing.T) {
 		NatsServer:               "nats://localhost:4222",
 		ZMQMaxMessageMB:          64,
 		Lifecycle:                Lifecycle{Admin: true},
+		LoadPolicy:               LoadPolicy{Mode: LoadAlways},
+		Admission:                Admission{Disk: AdmitFrequency, Object: AdmitAll},
 	}, c)
 	require.False(t, c.HostEnabled())
 	require.False(t, c.DiskEnabled())

@@ -301,7 +301,7 @@ func (l *Leader) releaseSource(src source) {
 // planUpload queues G2 block idx (just saved under h) for G4. l.mu held.
 func (l *Leader) planUpload(st *plan.Step, idx int, h, parent, salt uint64) {
 	g := l.g4
-	if g == nil || g.off() || g.reg.Contains(h) {
+	if g == nil || g.off() || g.reg.Contains(h) || !l.admitUpload(h) {
 		return
 	}
 	st.Uploads = append(st.Uploads, plan.Upload{Block: int64(idx), Hash: h, Parent: parent})

@@ -89,6 +89,10 @@ type Options struct {
 	// compute). Off (TensorRT-LLM, whose matches are whole blocks), the last
 	// block is left to the engine: a full hit then recomputes a whole block.
 	LoadFullHit bool
+	// ObserveTransfers feeds the load-cost model with the timed batches of
+	// the workers that share this process (policy.ReportTransfer); off, it
+	// keeps its priors (tests with several leaders in one process).
+	ObserveTransfers bool
 }
 
 // Leader is one engine instance's block manager. See the package comment.
@@ -109,6 +113,7 @@ type Leader struct {
 	sc       *sideChannel // background loop; nil without Options.SideChannel
 	life     *lifecycle   // purge tombstones and expiry (purge.go, lifecycle.go)
 	hits     *hitWindow
+	pol      policyState // load policy and G3/G4 admission (policy.go)
 	workerID uint64
 	m        *metrics.Metrics
 	log      *slog.Logger
@@ -233,15 +238,19 @@ func New(opts Options) (*Leader, error) {
 	if l.disk != nil {
 		l.disk.SetClock(func() int64 { return l.now().UnixNano() })
 	}
-	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter {
+	if l.host != nil && l.disk != nil && !cfg.DisableDiskOffloadFilter &&
+		(cfg.Admission.Disk == "" || cfg.Admission.Disk == config.AdmitFrequency) {
 		l.filter = newFreqFilter(l.now)
+	}
+	if err := l.initPolicy(opts); err != nil {
+		return nil, err
 	}
 	l.m.BlockBytes.Set(float64(total))
 	l.log.Info("kvbm leader sized",
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "block_size", l.bs,
 		"bytes_per_block_all_workers", total, "disk_only", l.DiskOnly(),
 		"disk_offload_filter", l.filter != nil, "offload_min_priority", l.minPrio, "background_moves", l.bgMode,
-		"g4", l.g4 != nil, "side_channel", opts.SideChannel != nil)
+		"g4", l.g4 != nil, "side_channel", opts.SideChannel != nil, "load_policy", l.pol.load.Mode.String())
 	if opts.SideChannel != nil {
 		l.startSideChannel(opts.SideChannel, opts.BroadcastTimeout)
 	}
@@ -312,6 +321,7 @@ func (l *Leader) ResetCache() {
 	if l.filter != nil {
 		l.filter.reset()
 	}
+	l.resetPolicy()
 	l.updateGauges()
 }
 

@@ -108,7 +108,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 			srcs = append(srcs, source{tier: plan.G3, idx: idx, hash: rest[k]})
 		}
 	}
-	if l.g4 != nil {
+	if l.g4 != nil && l.g4WorthLooking(reqID, len(query)-len(srcs)) {
 		rest := query[len(srcs):]
 		n, pending := l.g4Match(reqID, s.salt, rest)
 		if pending {
@@ -124,6 +124,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 		// last one is from the deepest tier used.
 		srcs = srcs[:len(srcs)-1]
 	}
+	srcs = l.applyLoadPolicy(reqID, srcs) // DYN_KVBM_LOAD_POLICY (policy.go)
 	for _, src := range srcs {
 		if src.tier != plan.G4 {
 			l.poolOf(src.tier).Pin(src.idx)
@@ -301,6 +302,7 @@ func (l *Leader) LoadsFinished(reqIDs []string) {
 				l.releaseSource(src)
 			}
 		}
+		l.timeLoad(il)
 		delete(l.inflight, id)
 		if s, ok := l.slots[id]; ok && s.load == loadEmitted {
 			s.load = loadNone

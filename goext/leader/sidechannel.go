@@ -109,6 +109,7 @@ func (l *Leader) wakeSideChannel() {
 // working; Close is idempotent.
 func (l *Leader) Close() {
 	l.stopLifecycle()
+	l.closePolicy()
 	l.StopG4Events()
 	if l.sc == nil {
 		return

@@ -75,6 +75,7 @@ type slot struct {
 // inflightLoad is an emitted load whose sources are still pinned.
 type inflightLoad struct {
 	reqID   string
+	at      time.Time // first emitted (the load-cost model times it, policy.go)
 	sources []source
 	done    []bool // source i unpinned already (its G1 block failed)
 }

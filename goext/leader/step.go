@@ -69,9 +69,11 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 	st := plan.Step{Seq: l.seq}
 	now := l.now()
 
+	l.observeStep(now, updates)
 	l.g4ReleaseUploaded()
 	l.emitLoads(&st)
 	l.planMoves(&st)
+	l.flushAdmittedUploads(&st)
 	for i := range updates {
 		l.applyUpdate(&updates[i], &st, now)
 	}
@@ -121,7 +123,7 @@ func (l *Leader) emitLoads(st *plan.Step) {
 		st.Loads = append(st.Loads, s.plannedLoad)
 		il := l.inflight[s.id]
 		if il == nil {
-			il = &inflightLoad{reqID: s.id}
+			il = &inflightLoad{reqID: s.id, at: l.now()}
 			l.inflight[s.id] = il
 		}
 		for _, src := range s.staged {
@@ -277,6 +279,7 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 // h or onboarded from: it feeds the frequency filter and queues the block for
 // disk when it passes.
 func (l *Leader) noteHostRegistration(idx int, h uint64) {
+	count := l.noteAdmission(idx, h)
 	if l.disk == nil || l.host == nil || l.degraded {
 		return
 	}
@@ -291,6 +294,9 @@ func (l *Leader) noteHostRegistration(idx int, h uint64) {
 	}
 	if l.moves.Len() >= 2*l.host.Capacity() {
 		return // bounded: the disk is far behind; this block stays host-only
+	}
+	if !l.admitDisk(count) {
+		return
 	}
 	l.moveSeq++
 	heap.Push(&l.moves, moveEntry{prio: l.host.Info(idx).Priority, seq: l.moveSeq, idx: idx, hash: h})

@@ -122,6 +122,7 @@ func NewLeader(cfg *config.Config, spec LeaderSpec, d Deps) (_ *Leader, err erro
 		SideChannel:      spec.SideChannel,
 		BroadcastTimeout: spec.BroadcastTimeout,
 		LoadFullHit:      spec.LoadFullHit,
+		ObserveTransfers: true, // this process's workers time their loads (goext/policy)
 	})
 	if err != nil {
 		return nil, withKind(KindConfig, err)

@@ -30,11 +30,14 @@ import (
 //   - the side channel's in-process hubs (wire.InProcHubs): a leader and
 //     its ranks in one process meet there by endpoint.
 //
-// One more process-wide meeting point stays in the package whose protocol
-// it is part of, and is listed here so that this is the one place naming
-// them all: goext/object's G4 counters (object.Local, object.SetRemote:
-// every store of the process counts into them, and the leader's metrics
-// endpoint serves them with the counters other processes report).
+// Two more process-wide meeting points stay in the packages whose protocol
+// they are part of, and are listed here so that this is the one place
+// naming them all: goext/object's G4 counters (object.Local,
+// object.SetRemote: every store of the process counts into them, and the
+// leader's metrics endpoint serves them with the counters other processes
+// report), and goext/policy's transfer hub (policy.ReportTransfer,
+// SubscribeTransfers: the workers of the process report their timed load
+// batches, the leader's load-cost model hears them).
 //
 // Process returns the process's Registry; tests build their own with
 // NewRegistry so that they share nothing.

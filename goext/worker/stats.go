@@ -3,6 +3,9 @@ package worker
 import (
 	"maps"
 	"sync"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/policy"
 )
 
 // DirectionStats are one transfer direction's totals on this worker
@@ -26,6 +29,10 @@ type transferStats struct {
 
 // record adds one batch (timed when timed is true) of direction dir.
 func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs float64, timed bool) {
+	if timed && bytes > 0 {
+		// The load-cost model of a leader in this process (goext/policy).
+		policy.ReportTransfer(dir, bytes, time.Duration(secs*float64(time.Second)))
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.dirs == nil {

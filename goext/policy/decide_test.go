@@ -1,0 +1,177 @@
+package policy
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// tiers builds a match: g2 G2 blocks, then g3 G3 blocks, then g4 G4 blocks.
+func tiers(g2, g3, g4 int) []plan.Tier {
+	var ts []plan.Tier
+	for range g2 {
+		ts = append(ts, plan.G2)
+	}
+	for range g3 {
+		ts = append(ts, plan.G3)
+	}
+	for range g4 {
+		ts = append(ts, plan.G4)
+	}
+	return ts
+}
+
+// trained is a model whose tiers cost exactly what is given (many equal
+// measurements at two sizes) and whose prefill is configured.
+func trained(t *testing.T, usPerToken float64, costs map[plan.Tier]TierCost) *Model {
+	t.Helper()
+	m := NewModel(usPerToken)
+	for tier, c := range costs {
+		for i := range 400 {
+			mb := float64(1 + i%2*7)
+			m.ObserveLoad(tier, int64(mb*1e6), time.Duration(c.Seconds(mb)*1e9))
+		}
+	}
+	return m
+}
+
+var shape = Shape{BlockTokens: 16, MBPerBlock: 1} // one batch
+
+func TestDecideAlwaysLoadsEverything(t *testing.T) {
+	m := trained(t, 1, map[plan.Tier]TierCost{plan.G4: {Latency: time.Second}})
+	d := m.Decide(LoadPolicy{Mode: Always}, tiers(2, 2, 2), shape)
+	require.Equal(t, 6, d.Load)
+	require.Equal(t, [3]int{}, d.Skipped)
+	require.Empty(t, d.Reason)
+	require.Equal(t, d.LoadAll, d.LoadChosen)
+}
+
+// 16 tokens at 100 µs = 1.6 ms a block to compute. G2: 0.1 ms a block; a
+// slow G4 (100 ms per load) is left to the engine, the G2 prefix kept.
+func TestDecideCostSkipsASlowTier(t *testing.T) {
+	m := trained(t, 100, map[plan.Tier]TierCost{
+		plan.G2: {Latency: 10 * time.Microsecond, SecondsPerMB: 1e-4},
+		plan.G4: {Latency: 100 * time.Millisecond, SecondsPerMB: 1e-3},
+	})
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(4, 0, 10), shape)
+	require.Equal(t, 4, d.Load)
+	require.Equal(t, [3]int{0, 0, 10}, d.Skipped)
+	require.Equal(t, ReasonSlower, d.Reason)
+	require.Less(t, d.LoadChosen, d.LoadAll)
+	require.InDelta(t, 14*16*100e-6, d.RecomputeAll, 1e-9)
+
+	// The same G4 with a long enough match repays its latency: 400 blocks
+	// compute in 640 ms and load in 100 ms + 400 ms of G4 bytes + 40 ms of
+	// G2 hops.
+	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 400), shape)
+	require.Equal(t, 400, d.Load)
+	require.Empty(t, d.Reason)
+}
+
+// A fast G4 (2 ms per load) beats recomputing 10 blocks (16 ms).
+func TestDecideCostLoadsAFastTier(t *testing.T) {
+	m := trained(t, 100, map[plan.Tier]TierCost{
+		plan.G2: {Latency: 10 * time.Microsecond, SecondsPerMB: 1e-4},
+		plan.G4: {Latency: 2 * time.Millisecond, SecondsPerMB: 1e-4},
+	})
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(4, 0, 10), shape)
+	require.Equal(t, 14, d.Load)
+	require.Equal(t, [3]int{}, d.Skipped)
+}
+
+// A G3 tail too short to repay the tier's latency is skipped; a long one
+// is loaded.
+func TestDecideCostG3NeedsEnoughBlocks(t *testing.T) {
+	m := trained(t, 100, map[plan.Tier]TierCost{
+		plan.G2: {Latency: 10 * time.Microsecond, SecondsPerMB: 1e-4},
+		plan.G3: {Latency: 5 * time.Millisecond, SecondsPerMB: 1e-3}, // 1 ms a block
+	})
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(2, 3, 0), shape) // 3 G3 blocks: 8 ms vs 4.8 ms
+	require.Equal(t, 2, d.Load)
+	require.Equal(t, [3]int{0, 3, 0}, d.Skipped)
+	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(2, 20, 0), shape) // 25 ms vs 32 ms
+	require.Equal(t, 22, d.Load)
+	// Nothing pays: recompute all.
+	slow := trained(t, 1, map[plan.Tier]TierCost{plan.G2: {Latency: time.Millisecond, SecondsPerMB: 1e-3}})
+	d = slow.Decide(LoadPolicy{Mode: Cost}, tiers(3, 0, 0), shape)
+	require.Equal(t, 0, d.Load)
+	require.Equal(t, [3]int{3, 0, 0}, d.Skipped)
+}
+
+// Batches run Concurrency at a time: 64 G3 blocks in batches of 16, 4 at a
+// time, cost one batch's time.
+func TestDecideCountsParallelBatches(t *testing.T) {
+	m := trained(t, 100, map[plan.Tier]TierCost{plan.G3: {Latency: time.Millisecond, SecondsPerMB: 1e-3}})
+	serial := m.Decide(LoadPolicy{Mode: Always}, tiers(0, 64, 0), shape)
+	perBlock := m.Decide(LoadPolicy{Mode: Always}, tiers(0, 64, 0), Shape{BlockTokens: 16, MBPerBlock: 1, BatchBlocks: 1})
+	par := m.Decide(LoadPolicy{Mode: Always}, tiers(0, 64, 0),
+		Shape{BlockTokens: 16, MBPerBlock: 1, BatchBlocks: 16, Concurrency: 4})
+	require.InEpsilon(t, 1e-3+64e-3, serial.LoadAll, 0.01) // the prior keeps 1%
+	require.InEpsilon(t, 1e-3+16e-3, par.LoadAll, 0.01)
+	require.InEpsilon(t, 64*(1e-3+1e-3), perBlock.LoadAll, 0.02)
+}
+
+func TestDecideCap(t *testing.T) {
+	m := trained(t, 100, map[plan.Tier]TierCost{
+		plan.G2: {Latency: 0, SecondsPerMB: 1e-3}, // 1 ms a block
+		plan.G3: {Latency: 0, SecondsPerMB: 1e-3},
+	})
+	p, err := NewLoadPolicy("never-slower-than", 5.5)
+	require.NoError(t, err)
+	d := m.Decide(p, tiers(3, 5, 0), shape)
+	require.Equal(t, 5, d.Load)
+	require.Equal(t, [3]int{0, 3, 0}, d.Skipped)
+	require.Equal(t, ReasonOverCap, d.Reason)
+	require.LessOrEqual(t, d.LoadChosen, 5.5e-3)
+}
+
+func TestNewLoadPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		mode string
+		ms   float64
+		want LoadPolicy
+	}{
+		{"", 0, LoadPolicy{Mode: Always}},
+		{"always", 0, LoadPolicy{Mode: Always}},
+		{"cost", 0, LoadPolicy{Mode: Cost}},
+		{"never-slower-than", 20, LoadPolicy{Mode: Cap, Cap: 20 * time.Millisecond}},
+	} {
+		p, err := NewLoadPolicy(tc.mode, tc.ms)
+		require.NoError(t, err)
+		require.Equal(t, tc.want, p)
+	}
+	_, err := NewLoadPolicy("never-slower-than", 0)
+	require.ErrorContains(t, err, "policy: never-slower-than needs a positive bound")
+	_, err = NewLoadPolicy("fastest", 0)
+	require.ErrorContains(t, err, `policy: unknown load policy "fastest"`)
+	require.Equal(t, "cost", Cost.String())
+}
+
+// A tier never measured is loaded under Cost (measuring it is the only way
+// to learn it); one skipped ExploreEvery times since its last measurement
+// is loaded once more.
+func TestDecideCostExplores(t *testing.T) {
+	m := NewModel(1) // 1 µs a token: by the priors nothing from G4 pays
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+	require.True(t, d.Explored)
+	require.Equal(t, 4, d.Load)
+	require.Empty(t, d.Reason)
+
+	m.ObserveLoad(plan.G4, 1e6, 50*time.Millisecond)
+	for range ExploreEvery {
+		d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+		require.False(t, d.Explored)
+		require.Equal(t, 0, d.Load)
+		require.Equal(t, [3]int{0, 0, 4}, d.Skipped)
+	}
+	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+	require.True(t, d.Explored)
+	require.Equal(t, 4, d.Load)
+	// The bound is the operator's: no exploration past it.
+	d = NewModel(1).Decide(LoadPolicy{Mode: Cap, Cap: time.Millisecond}, tiers(0, 0, 4), shape)
+	require.False(t, d.Explored)
+	require.Equal(t, 0, d.Load)
+}

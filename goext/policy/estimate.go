@@ -1,0 +1,277 @@
+package policy
+
+import (
+	"math"
+	"sync"
+	"time"
+
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// linear is an exponentially decayed least-squares fit of y = a + b·x with
+// a prior: two pseudo-points on the prior line (x = 0 and x = xRef) whose
+// weight does not decay, so the fit starts at the prior, moves to the
+// measurements as they come, and stays defined when every measurement has
+// the same x.
+type linear struct {
+	w, sx, sy, sxx, sxy float64 // decayed measurements
+	p                   [5]float64
+	n                   uint64 // measurements seen
+}
+
+func newLinear(a, b, xRef, weight float64) linear {
+	var l linear
+	for _, x := range []float64{0, xRef} {
+		y := a + b*x
+		w := weight / 2
+		l.p[0] += w
+		l.p[1] += w * x
+		l.p[2] += w * y
+		l.p[3] += w * x * x
+		l.p[4] += w * x * y
+	}
+	return l
+}
+
+// observe adds (x, y) after decaying the earlier measurements by decay.
+func (l *linear) observe(x, y, decay float64) {
+	l.w = l.w*decay + 1
+	l.sx = l.sx*decay + x
+	l.sy = l.sy*decay + y
+	l.sxx = l.sxx*decay + x*x
+	l.sxy = l.sxy*decay + x*y
+	l.n++
+}
+
+// fit returns the line, both coefficients clamped at zero (a load never
+// takes negative time, nor gets faster with more bytes).
+func (l *linear) fit() (a, b float64) {
+	w, sx, sy := l.w+l.p[0], l.sx+l.p[1], l.sy+l.p[2]
+	sxx, sxy := l.sxx+l.p[3], l.sxy+l.p[4]
+	if den := w*sxx - sx*sx; den > 1e-12*w*sxx {
+		b = (w*sxy - sx*sy) / den
+		a = (sy - b*sx) / w
+	} else {
+		a = sy / w
+	}
+	switch {
+	case b < 0: // flat: the mean
+		b, a = 0, sy/w
+	case a < 0: // through the origin
+		a = 0
+		if sxx > 0 {
+			b = max(sxy/sxx, 0)
+		}
+	}
+	return a, b
+}
+
+// Priors: what a tier is assumed to cost before it was measured (one
+// rank's share of a block). Deliberately middle-of-the-road: the first
+// measurements replace them within a few requests.
+var (
+	// G2 → G1: pinned host memory over PCIe.
+	priorG2 = TierCost{Latency: 20 * time.Microsecond, SecondsPerMB: 1 / 10e3}
+	// G3 → G1: an NVMe read (O_DIRECT) and the host hop.
+	priorG3 = TierCost{Latency: 200 * time.Microsecond, SecondsPerMB: 1 / 2e3}
+	// G4 → G2: an object GET over a data-centre network.
+	priorG4 = TierCost{Latency: 20 * time.Millisecond, SecondsPerMB: 1 / 500.0}
+	// One prompt token: a mid-sized model on one GPU computes tens of
+	// thousands of prompt tokens a second.
+	priorPrefillPerToken = 50 * time.Microsecond
+	priorStepOverhead    = 5 * time.Millisecond
+)
+
+const (
+	// decayPerObservation: each measurement weighs this much less at the
+	// next one (half-life about 14 measurements), so the estimates follow a
+	// tier that slows down within a few dozen transfers.
+	decayPerObservation = 0.95
+	// priorWeight: the prior counts as this many measurements, forever; at
+	// steady state (1/(1-decay) = 20 measurements) it is 1% of the fit.
+	priorWeight = 0.2
+	refMB       = 4.0 // the prior's second point: a few blocks' worth
+	refTokens   = 256 // the prefill prior's second point: a short prompt (a far point would weigh like many)
+	// stepClip: a step timing above this many times the current estimate
+	// (plus stepClipFloor) is clipped there: the gap before the first step
+	// after an idle period is not a step's cost.
+	stepClip      = 3.0
+	stepClipFloor = 0.05 // seconds
+	// MinStepTokens: steps that scheduled fewer tokens (decode steps) are
+	// not measured. They say little about prefill, and they are the steps
+	// an idle period follows (the last decode of a burst), whose "duration"
+	// would be the idle time.
+	MinStepTokens = 64
+	// ExploreEvery: a tier the cost policy skipped this many times since it
+	// was last measured is loaded once more (Decide), so that its estimate
+	// follows a tier that got faster again.
+	ExploreEvery = 50
+)
+
+// TierCost is one tier's expected load cost: Latency + MB × SecondsPerMB
+// for a load of MB megabytes (one rank's share).
+type TierCost struct {
+	Latency      time.Duration
+	SecondsPerMB float64
+}
+
+// Seconds is the expected time of a load of mb megabytes (0 for nothing).
+func (c TierCost) Seconds(mb float64) float64 {
+	if mb <= 0 {
+		return 0
+	}
+	return c.Latency.Seconds() + mb*c.SecondsPerMB
+}
+
+// Estimates is a snapshot of a Model.
+type Estimates struct {
+	Tier map[plan.Tier]TierCost
+	// Measured counts the measurements behind each tier's estimate.
+	Measured map[plan.Tier]uint64
+	// PrefillPerToken is what one prompt token costs to compute;
+	// PrefillConfigured is true when it is DYN_KVBM_PREFILL_US_PER_TOKEN
+	// rather than measured.
+	PrefillPerToken   time.Duration
+	PrefillConfigured bool
+	StepsMeasured     uint64
+}
+
+// Model keeps the online estimates. Safe for concurrent use.
+type Model struct {
+	mu      sync.Mutex
+	tiers   [3]linear // G2, G3, G4: x = MB (one rank's share), y = seconds
+	prefill linear    // x = tokens scheduled in a step, y = its seconds
+	fixed   float64   // configured seconds per token; 0: measured
+	skips   [3]int    // Cost decisions that skipped the tier since its last measurement
+	direct  [3]bool   // the tier was measured by a worker's timed batch (ObserveTransfer)
+
+	lastStep   time.Time
+	lastTokens int
+}
+
+// NewModel starts a model at the priors. prefillUsPerToken > 0 fixes the
+// prefill cost (DYN_KVBM_PREFILL_US_PER_TOKEN); 0 measures it.
+func NewModel(prefillUsPerToken float64) *Model {
+	m := &Model{fixed: prefillUsPerToken * 1e-6}
+	for i, c := range []TierCost{priorG2, priorG3, priorG4} {
+		m.tiers[i] = newLinear(c.Latency.Seconds(), c.SecondsPerMB, refMB, priorWeight)
+	}
+	m.prefill = newLinear(priorStepOverhead.Seconds(), priorPrefillPerToken.Seconds(), refTokens, priorWeight)
+	return m
+}
+
+func tierIndex(t plan.Tier) (int, bool) {
+	switch t {
+	case plan.G2:
+		return 0, true
+	case plan.G3:
+		return 1, true
+	case plan.G4:
+		return 2, true
+	}
+	return 0, false
+}
+
+// ObserveLoad records one timed load of bytes (one rank's share) from tier
+// t that took d. Latency-only measurements (a G4 HEAD request) pass 0 bytes.
+func (m *Model) ObserveLoad(t plan.Tier, bytes int64, d time.Duration) {
+	i, ok := tierIndex(t)
+	if !ok || bytes < 0 || d < 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	m.skips[i] = 0
+}
+
+// ObserveLoadWait records what the leader saw of one load from tier t
+// (G3 or G4): bytes (one rank's share) that took d from the step that
+// planned them to the step that learnt they were done, the other tiers'
+// share of the load taken out. It includes up to one engine step of
+// waiting for the report, so it only counts for a tier that no worker of
+// this process measures directly.
+func (m *Model) ObserveLoadWait(t plan.Tier, bytes int64, d time.Duration) {
+	i, ok := tierIndex(t)
+	if !ok || t == plan.G2 || bytes <= 0 || d < 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.direct[i] {
+		return
+	}
+	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	m.skips[i] = 0
+}
+
+// ObserveStep records that the engine began a step at now scheduling tokens
+// tokens; the time since the previous step measures that one.
+func (m *Model) ObserveStep(now time.Time, tokens int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	prev, prevTokens := m.lastStep, m.lastTokens
+	m.lastStep, m.lastTokens = now, tokens
+	if prev.IsZero() || prevTokens < MinStepTokens || m.fixed > 0 {
+		return
+	}
+	dt := now.Sub(prev).Seconds()
+	if dt <= 0 {
+		return
+	}
+	a, b := m.prefill.fit()
+	x := float64(prevTokens)
+	dt = min(dt, stepClip*(a+b*x)+stepClipFloor)
+	m.prefill.observe(x, dt, decayPerObservation)
+}
+
+// Tier returns tier t's current estimate.
+func (m *Model) Tier(t plan.Tier) TierCost {
+	i, ok := tierIndex(t)
+	if !ok {
+		return TierCost{}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.tierLocked(i)
+}
+
+func (m *Model) tierLocked(i int) TierCost {
+	a, b := m.tiers[i].fit()
+	return TierCost{Latency: seconds(a), SecondsPerMB: b}
+}
+
+// PrefillPerToken is the expected cost of computing one more prompt token.
+func (m *Model) PrefillPerToken() time.Duration {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return seconds(m.prefillLocked())
+}
+
+func (m *Model) prefillLocked() float64 {
+	if m.fixed > 0 {
+		return m.fixed
+	}
+	_, b := m.prefill.fit()
+	return b
+}
+
+// Snapshot returns every estimate.
+func (m *Model) Snapshot() Estimates {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := Estimates{Tier: map[plan.Tier]TierCost{}, Measured: map[plan.Tier]uint64{},
+		PrefillPerToken: seconds(m.prefillLocked()), PrefillConfigured: m.fixed > 0, StepsMeasured: m.prefill.n}
+	for i, t := range []plan.Tier{plan.G2, plan.G3, plan.G4} {
+		e.Tier[t] = m.tierLocked(i)
+		e.Measured[t] = m.tiers[i].n
+	}
+	return e
+}
+
+func seconds(s float64) time.Duration {
+	if s >= math.MaxInt64/1e9 {
+		return math.MaxInt64
+	}
+	return time.Duration(s * 1e9)
+}

@@ -293,6 +293,53 @@ def test_mamba_groups_turn_kvbm_off_naming_them_and_leave_hma_on(env, caplog):
         h.close()
 
 
+def test_mamba_align_groups_name_the_missing_boundary_states(env):
+    """With prefix caching on (vLLM's mamba_cache_mode='align') the reason
+    says what a hit needs and kvbm lacks: each state group's state at the
+    hit's block boundary, which vLLM hands connectors as boundary-state
+    offloads and kvbm's position blocks do not hold."""
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256,
+                      mamba_cache_mode="align")
+    h = Hybrid(hybrid_config(second=mamba))
+    try:
+        reason = h.sched._disabled_reason
+        assert reason is not None and h.sched._leader is None and h.worker._worker is None
+        assert "KV cache groups of kind mamba are not served by kvbm yet" in reason
+        assert "state at the block boundary N" in reason and "boundary_state_offloads" in reason
+        assert "mamba_cache_mode='align'" in reason
+    finally:
+        h.close()
+
+
+def test_mamba_without_prefix_caching_says_no_prefix_can_be_stored(env):
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256,
+                      mamba_cache_mode="none")
+    h = Hybrid(hybrid_config(second=mamba))
+    try:
+        reason = h.sched._disabled_reason
+        assert reason is not None and "mamba_cache_mode=none (prefix caching off)" in reason
+        assert "no prefix of such a model can be stored or loaded" in reason
+    finally:
+        h.close()
+
+
+def test_a_pure_state_space_model_is_refused_not_served_as_positions(env):
+    """One KV cache group of recurrent state (a Mamba-only model): its
+    blocks are states, not token positions, so kvbm must not store or load
+    them as positions (it would load a state into the wrong boundary)."""
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), mamba_cache_mode="align")
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(SLIDING, mamba)])
+    layout, why = kv_groups(kvc, BS)
+    assert layout is None and why is not None
+    assert "KV cache groups of kind mamba are not served by kvbm yet (this model's groups: mamba)" in why
+    full = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(FULL, attn(FullAttentionSpec))])
+    assert kv_groups(full, BS)[0] is not None  # one attention group: served as before
+
+
 def test_group_layout_is_part_of_the_fingerprint(hybrid):
     from kvbm._core import Worker
 

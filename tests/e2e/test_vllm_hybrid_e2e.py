@@ -75,8 +75,10 @@ def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
     off vLLM fails: "Failed to promote local KV cache specs to one unified
     type"), turns itself off with a line naming the group kinds, and vLLM
     serves the model with the output it computes without kvbm. (Prefix
-    caching is off: vLLM's CPU Mamba2 kernels fail with its 'align' state
-    cache mode, with or without a connector.)"""
+    caching is off: with it, vLLM's Mamba2 layers declare a prefill
+    checkpoint block, and its CPU SSD kernel returns no intermediate
+    states, so vLLM fails with or without a connector; the short-convolution
+    hybrid below runs vLLM's mamba prefix caching on CPU.)"""
     engine = {"num_gpu_blocks_override": 64, "enable_prefix_caching": False}
     actions = [gen("a", A), gen("b", B)]
     res = harness({"model": SSM_MODEL, "engine": engine, "actions": actions})
@@ -89,6 +91,35 @@ def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
     t = {a["tag"]: a for a in res["actions"]}
     b = {a["tag"]: a for a in base["actions"]}
     assert t["a"]["tokens"] == b["a"]["tokens"] and t["b"]["tokens"] == b["b"]["tokens"]
+
+
+LFM2_MODEL = {"dir": "/tmp/kvbm-tiny-lfm2", "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+              "arch": "lfm2"}
+
+
+def test_state_space_hybrid_with_vllm_prefix_caching_keeps_hma_and_kvbm_off(harness):
+    """A hybrid whose state layers (LFM2's short convolutions, vLLM's
+    MambaSpec) vLLM's CPU backend runs with prefix caching of their state
+    (mamba_cache_mode 'align'): vLLM keeps its hybrid manager with kvbm
+    configured, kvbm turns itself off with a line saying what it lacks (the
+    state at a hit's block boundary), and vLLM serves the model, its own
+    prefix cache included, with the output it computes without kvbm."""
+    engine = {"num_gpu_blocks_override": 64}
+    actions = [gen("a", A), gen("a_again", A), gen("b", B)]
+    res = harness({"model": LFM2_MODEL, "engine": engine, "actions": actions})
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert ("kvbm disabled for this engine: KV cache groups of kind mamba are not served by kvbm yet "
+            "(this model's groups: mamba, full_attention)") in log, log[-4000:]
+    assert "needs each state group's state at the block boundary N" in log
+    assert "kvbm failed" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["a_again"]["num_cached_tokens"] == [6 * BS]  # vLLM's own prefix cache, state included
+    base = harness({"model": LFM2_MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("a", "a_again", "b"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag
+    assert t["a_again"]["tokens"] == t["a"]["tokens"]
 
 
 C = prompt(3, 8 * BS + 1)

@@ -160,3 +160,41 @@ def test_sliding_window_model_disk_tier_and_corrupted_block(harness, tmp_path):
     assert t["b_corrupted"]["metrics"]["kvbm_load_errors"] > 0
     assert "vLLM recomputes the whole prompt of 1 request(s)" in log
     assert t["b_corrupted"]["tokens"] == t["b"]["tokens"]
+
+
+BUCKET = "kvbm-hybrid"
+POKE = prompt(99, 8)  # a tiny request: keeps the engine stepping (workers report with each step)
+# kvbm stores every layer of each position: 4 layers × (K and V) × 32 tokens × 2 KV heads × 32 dims × 4 bytes.
+BLOCK_BYTES = 4 * 2 * BS * 2 * 32 * 4
+
+
+def test_sliding_window_model_shares_g4_between_two_engines(harness, s3_server):
+    """Two KV cache groups through G4: engine one computes A and uploads its
+    blocks, a second engine process (empty G1 and G2, no G3) loads every
+    full block of A from the bucket into both groups' blocks, with vLLM's
+    output without kvbm. The group layout is in the objects' fingerprint,
+    so both engines (same model, same grouping) share them. Bytes kvbm
+    stored for A are counted: its 6 full blocks, every layer."""
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET)}
+    engine = {"num_gpu_blocks_override": 32}
+    ref = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)]})
+    one = harness({"model": MODEL, "engine": engine, "env": env, "actions": [
+        gen("a", A),
+        {"s3_objects": s3_server.state_dir, "bucket": BUCKET, "at_least": 6, "tag": "uploaded"},
+        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 6, "poke": POKE, "tag": "counted"},
+    ]})
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in one["log"]
+    assert "Turning off hybrid kv cache manager" not in one["log"]
+    t1 = {a["tag"]: a for a in one["actions"]}
+    assert t1["uploaded"]["reached"] and t1["uploaded"]["objects"] == 6, t1["uploaded"]
+    m = t1["a"]["metrics"]
+    assert m["kvbm_block_bytes"] == BLOCK_BYTES
+    assert m["kvbm_offload_blocks_d2h"] * m["kvbm_block_bytes"] == 6 * BLOCK_BYTES  # A's bytes stored
+    two = harness({"model": MODEL, "engine": engine, "env": env, "actions": [gen("a", A)]})
+    assert "Turning off hybrid kv cache manager" not in two["log"]
+    t2 = {a["tag"]: a for a in two["actions"]}
+    m2 = t2["a"]["metrics"]
+    assert m2["kvbm_onboard_blocks_obj2h"] == 6, m2
+    assert m2["kvbm_load_errors"] == 0, m2
+    assert t2["a"]["num_cached_tokens"] == [6 * BS]
+    assert t2["a"]["tokens"] == t1["a"]["tokens"] == ref["actions"][0]["tokens"]

@@ -137,8 +137,9 @@ def main():
     revisit = {c: statistics.mean(runs[c]["revisit"]["secs_each"]) for c in cols}
     p90 = {c: compare.pct(runs[c]["revisit"]["secs_each"], 0.9) for c in cols}
     tput = {c: max(ntok / runs[c][t]["secs"] for t in ("no_reuse", "no_reuse_2")) for c in cols}
-    split = {c: compare.tier_split([runs[c]["revisit"]], runs[c]["first_visit"].get("metrics") if c == "kvbm"
-                                   else None) for c in cols}
+    split = {c: compare.tier_split([runs[c]["revisit"]],
+                                   runs[c]["first_visit"].get("metrics") if c.startswith("kvbm") else None)
+             for c in cols}
     block_bytes = runs["kvbm"]["revisit"].get("metrics", {}).get("kvbm_block_bytes")
     first_tokens = sum(len(d) for d in docs)
     stored = {c: compare.stored_bytes_per_token(runs[c]["first_visit"], first_tokens) if c.startswith("kvbm")

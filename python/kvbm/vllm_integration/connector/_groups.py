@@ -78,6 +78,19 @@ class GroupLayout:
             return (num_computed // extra) * extra // self._block_size
         return 0
 
+    @property
+    def full_hit_ok(self) -> bool:
+        """Whether a prompt cached whole may load every block and leave vLLM
+        its last token (leader load_full_hit). Not with a sliding-window or
+        chunked-local group: vLLM allocates that group's window for the hit
+        length, and a window ending one token short of a block boundary
+        starts one block later than the window of the block-aligned hit its
+        own prefix cache takes (it caps hits at the prompt's last whole
+        block before its last token), so the block that window needs is
+        never allocated and that prompt never hits G1 again. The hit stays
+        block aligned, as vLLM's own."""
+        return not any(w != (0, 0) for w in self.windows)
+
     _block_size: int = 1
 
     @property

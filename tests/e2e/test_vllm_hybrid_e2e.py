@@ -198,3 +198,28 @@ def test_sliding_window_model_shares_g4_between_two_engines(harness, s3_server):
     assert m2["kvbm_load_errors"] == 0, m2
     assert t2["a"]["num_cached_tokens"] == [6 * BS]
     assert t2["a"]["tokens"] == t1["a"]["tokens"] == ref["actions"][0]["tokens"]
+
+
+W = prompt(4, 6 * BS)  # whole blocks only
+
+
+def test_whole_block_prompt_loaded_from_kvbm_hits_g1_again(harness):
+    """A prompt of whole blocks cached whole, with a sliding-window group:
+    kvbm loads all but its last block (vLLM computes that block), and the
+    next request for the same prompt is a G1 hit of vLLM's own, with
+    nothing loaded from kvbm (loading all but the last token would leave
+    vLLM a sliding window one block short of its own hit's, and every
+    re-visit would come from kvbm again)."""
+    engine = {"num_gpu_blocks_override": 32}
+    actions = [gen("first", W), {"reset": True, "tag": "reset"}, gen("loaded", W), gen("g1", W)]
+    res = harness({"model": MODEL, "engine": engine, "actions": actions,
+                   "env": {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100}})
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["loaded"]["metrics"]["kvbm_onboard_blocks_h2d"] == 5
+    assert t["loaded"]["num_cached_tokens"] == [5 * BS]
+    assert t["g1"]["metrics"]["kvbm_onboard_blocks_h2d"] == 5, "the re-visit came from kvbm again"
+    assert t["g1"]["num_cached_tokens"] == [5 * BS]  # vLLM's own G1 hit (it caps at the last whole block)
+    base = harness({"model": MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("first", "loaded", "g1"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag

@@ -17,10 +17,16 @@ host memory, G3 on disk, every block written through to disk).
 
 The model (random weights, generated locally) is a ~25M-parameter Qwen2-like
 one by default; --model 0.5b has Qwen2-0.5B's dimensions (hidden 896, 24
-layers, 14 heads, 2 KV heads; bf16), for a machine with more cores. --quick
-uses 1K-token documents instead of 2K.
+layers, 14 heads, 2 KV heads; bf16), for a machine with more cores. --model
+sliding is the small model's size with Gemma-3-like attention: every other
+layer attends within a 256-token sliding window, so vLLM's hybrid KV cache
+manager gives it two KV cache groups; it adds a column, kvbm with the hybrid
+manager off (one group, full-size KV for every layer: what vLLM does with a
+connector that cannot handle groups), and a row of the bytes kvbm stored per
+prompt token in both kvbm columns. --quick uses 1K-token documents instead
+of 2K.
 
-    python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b] [--docs N]
+    python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b|sliding] [--docs N]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from kvbm.testing import compare  # noqa: E402
 from kvbm.testing.tiny_model import QWEN2_05B_LIKE  # noqa: E402
 
 SMALL = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8000, arch="qwen2")
+SLIDING = dict(SMALL, arch="llama", sliding_window=256)
 CHECK_TOKENS = 16
 
 
@@ -61,13 +68,20 @@ def main():
                     help="run every column N times (column order rotated) and keep, per column, the run whose "
                          "first visits and no-reuse batches were fastest: on a shared machine interference only "
                          "slows a run down, and those requests have nothing for kvbm to reuse")
-    ap.add_argument("--model", choices=("small", "0.5b"), default="small",
+    ap.add_argument("--model", choices=("small", "0.5b", "sliding"), default="small",
                     help="small: ~25M parameters (default, minutes on 2 cores); 0.5b: Qwen2-0.5B's dimensions "
-                         "(about 20× the prefill work: for a machine with more cores)")
+                         "(about 20× the prefill work: for a machine with more cores); sliding: small with every "
+                         "other layer in a 256-token sliding window (two KV cache groups)")
     a = ap.parse_args()
+    columns = compare.COLUMNS
     if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")
         mname = "Qwen2-0.5B-like (hidden 896, 24 layers, 14 heads, 2 KV heads)"
+    elif a.model == "sliding":
+        model = dict(SLIDING, dir="/tmp/kvbm-bench-sliding-small")
+        mname = ("~25M-parameter Llama-like with a 256-token sliding window on every other layer "
+                 "(hidden 512, 8 layers, 2 KV heads; two KV cache groups)")
+        columns = compare.COLUMNS + (compare.KVBM_HMA_OFF,)
     else:
         model = dict(SMALL, dir="/tmp/kvbm-demo-model-small")
         mname = "~25M-parameter Qwen2-like (hidden 512, 8 layers, 2 KV heads)"
@@ -105,13 +119,14 @@ def main():
     print(compare.engine_threads(), flush=True)
     tries = []
     for k in range(max(a.repeat, 1)):
-        order_k = compare.COLUMNS[k % 4:] + compare.COLUMNS[:k % 4]
+        r = k % len(columns)
+        order_k = columns[r:] + columns[:r]
         tries.append(compare.run_columns(model, engine, g1, host, disk, actions, columns=order_k))
 
     def machine_time(r):
         return sum(r["first_visit"]["secs_each"]) + r["no_reuse"]["secs"] + r["no_reuse_2"]["secs"]
 
-    runs = {c: min((t[c] for t in tries), key=machine_time) for c in compare.COLUMNS}
+    runs = {c: min((t[c] for t in tries), key=machine_time) for c in columns}
     cols = list(runs)
 
     ref = runs["no kvbm"]["revisit"]["check"]
@@ -122,9 +137,13 @@ def main():
     revisit = {c: statistics.mean(runs[c]["revisit"]["secs_each"]) for c in cols}
     p90 = {c: compare.pct(runs[c]["revisit"]["secs_each"], 0.9) for c in cols}
     tput = {c: max(ntok / runs[c][t]["secs"] for t in ("no_reuse", "no_reuse_2")) for c in cols}
-    split = {c: compare.tier_split([runs[c]["revisit"]], runs[c]["first_visit"].get("metrics") if c == "kvbm"
-                                   else None) for c in cols}
+    split = {c: compare.tier_split([runs[c]["revisit"]],
+                                   runs[c]["first_visit"].get("metrics") if c.startswith("kvbm") else None)
+             for c in cols}
     block_bytes = runs["kvbm"]["revisit"].get("metrics", {}).get("kvbm_block_bytes")
+    first_tokens = sum(len(d) for d in docs)
+    stored = {c: compare.stored_bytes_per_token(runs[c]["first_visit"], first_tokens) if c.startswith("kvbm")
+              else None for c in cols}
 
     ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
     print()
@@ -135,7 +154,8 @@ def main():
         ("re-visit, prompt tokens served by", split, compare.fmt_split),
         (f"re-visit, {CHECK_TOKENS} output tokens identical to no kvbm", same, lambda v: "yes" if v else "NO"),
         (f"no reuse ({n_unique} × {unique_len} prompt + {out_len} out), tok/s", tput, lambda v: f"{v:.1f}"),
-    ], cols)
+    ] + ([("first visits, bytes kvbm stored per prompt token", stored,
+           lambda v: "-" if v is None else f"{v / 1e3:.1f} kB")] if compare.KVBM_HMA_OFF in cols else []), cols)
     best = compare.strongest(revisit)
     speed = revisit[best] / revisit["kvbm"]
     best_t = compare.strongest(tput, lower_is_better=False)

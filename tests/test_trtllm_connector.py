@@ -207,6 +207,37 @@ def test_unsupported_settings_are_rejected_by_name(change, setting):
             cls(args)
 
 
+def test_several_attention_windows_are_refused_saying_what_is_missing():
+    """Variable sliding-window attention: TensorRT-LLM's V1 manager (the one
+    kvbm moves blocks of) refuses a connector with several window sizes, and
+    per-window pools reach a connector only through KVCacheManagerV2's
+    layout and per-layer-group calls, which kvbm does not implement. The
+    refusal says so, and the connector indeed implements none of them."""
+    from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
+
+    args = make_llm_args(dict(BASE_SPEC))
+    args.kv_cache_config.max_attention_window = [512, 4096, 512, 4096]
+    for cls in (DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker):
+        with pytest.raises(ValueError) as e:
+            cls(args)
+        msg = str(e.value)
+        assert "kv_cache_config.max_attention_window=[512, 4096, 512, 4096]" in msg
+        assert "KV Cache Connector is not supported with multiple window sizes" in msg
+        for api in ("register_kv_cache_layout", "update_state_after_alloc_by_layer_group",
+                    "request_finished_by_layer_group", "KVCacheManagerV2"):
+            assert api in msg
+    # register_kv_cache_layout only turns kvbm off (test_kv_cache_manager_v2_layout_turns_kvbm_off_on_both_sides);
+    # the per-layer-group scheduler calls are not kvbm's (TensorRT-LLM's defaults refuse several groups).
+    for name in ("update_state_after_alloc_by_layer_group", "request_finished_by_layer_group"):
+        meth = getattr(DynamoKVBMConnectorLeader, name, None)
+        assert meth is None or meth.__qualname__.split(".")[0] != "DynamoKVBMConnectorLeader"
+    # One window size (repeated per layer) is served.
+    args.kv_cache_config.max_attention_window = [4096, 4096]
+    from kvbm.trtllm_integration.connector._common import check_supported
+
+    check_supported(args)
+
+
 def test_attention_dp_is_rejected():
     from kvbm.trtllm_integration.connector import DynamoKVBMConnectorWorker
 

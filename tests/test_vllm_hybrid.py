@@ -229,6 +229,37 @@ def test_two_groups_load_into_each_groups_blocks_and_skip_the_null_block(hybrid)
     assert bool((h.kv[SLIDING[0]][:, 21] == 1234.0).all())
 
 
+def test_a_prompt_cached_whole_leaves_vllm_its_last_block_with_a_sliding_window(hybrid):
+    """A prompt of whole blocks cached whole: with a sliding-window group
+    the hit stays block aligned (the last block is left to vLLM), as vLLM's
+    own prefix cache caps it. Loading all but the last token would make vLLM
+    allocate the window ending one token short of the boundary, which starts
+    a block later than the window its own later G1 hits of that prompt need
+    (block 23 of a 1024-token prompt with a 256-token window), so that prompt
+    would never hit G1 again."""
+    h = hybrid
+    tokens = PROMPT[:5 * BS]
+    a = request("a", tokens)
+    h.sched.update_state_after_alloc(a, Blocks(A0[:5], A1[:5]), 0)
+    meta, so = h.step(new=[(a, (A0[:5], A1[:5]), 0, len(tokens))])
+    h.run_worker(meta, so, forward=lambda: h.forward((A0, A1), 0, len(tokens)))
+    h.sched.request_finished_all_groups(a, (A0[:5], A1[:5]))
+    h.step(finished=["a"])
+    assert h.sched.get_num_new_matched_tokens(request("b", tokens), 0) == (4 * BS, True)
+
+
+def test_one_full_attention_group_still_loads_a_prompt_cached_whole(env):
+    """Without a windowed group every block loads and vLLM computes only the last token."""
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    full = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(FULL, attn(FullAttentionSpec))])
+    layout, _ = kv_groups(full, BS)
+    assert layout is not None and layout.full_hit_ok
+    layout, _ = kv_groups(hybrid_config(), BS)
+    assert layout is not None and not layout.full_hit_ok
+
+
 def test_a_failed_block_fails_the_whole_requests_load(hybrid):
     """With several groups vLLM maps failures to requests, not blocks: a
     load with one failed block is reported in failed_recving (vLLM
@@ -291,6 +322,53 @@ def test_mamba_groups_turn_kvbm_off_naming_them_and_leave_hma_on(env, caplog):
         assert "KV cache groups of kind mamba are not served by kvbm yet" in caplog.text
     finally:
         h.close()
+
+
+def test_mamba_align_groups_name_the_missing_boundary_states(env):
+    """With prefix caching on (vLLM's mamba_cache_mode='align') the reason
+    says what a hit needs and kvbm lacks: each state group's state at the
+    hit's block boundary, which vLLM hands connectors as boundary-state
+    offloads and kvbm's position blocks do not hold."""
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256,
+                      mamba_cache_mode="align")
+    h = Hybrid(hybrid_config(second=mamba))
+    try:
+        reason = h.sched._disabled_reason
+        assert reason is not None and h.sched._leader is None and h.worker._worker is None
+        assert "KV cache groups of kind mamba are not served by kvbm yet" in reason
+        assert "state at the block boundary N" in reason and "boundary_state_offloads" in reason
+        assert "mamba_cache_mode='align'" in reason
+    finally:
+        h.close()
+
+
+def test_mamba_without_prefix_caching_says_no_prefix_can_be_stored(env):
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256,
+                      mamba_cache_mode="none")
+    h = Hybrid(hybrid_config(second=mamba))
+    try:
+        reason = h.sched._disabled_reason
+        assert reason is not None and "mamba_cache_mode=none (prefix caching off)" in reason
+        assert "no prefix of such a model can be stored or loaded" in reason
+    finally:
+        h.close()
+
+
+def test_a_pure_state_space_model_is_refused_not_served_as_positions(env):
+    """One KV cache group of recurrent state (a Mamba-only model): its
+    blocks are states, not token positions, so kvbm must not store or load
+    them as positions (it would load a state into the wrong boundary)."""
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), mamba_cache_mode="align")
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(SLIDING, mamba)])
+    layout, why = kv_groups(kvc, BS)
+    assert layout is None and why is not None
+    assert "KV cache groups of kind mamba are not served by kvbm yet (this model's groups: mamba)" in why
+    full = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(FULL, attn(FullAttentionSpec))])
+    assert kv_groups(full, BS)[0] is not None  # one attention group: served as before
 
 
 def test_group_layout_is_part_of_the_fingerprint(hybrid):

@@ -75,8 +75,10 @@ def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
     off vLLM fails: "Failed to promote local KV cache specs to one unified
     type"), turns itself off with a line naming the group kinds, and vLLM
     serves the model with the output it computes without kvbm. (Prefix
-    caching is off: vLLM's CPU Mamba2 kernels fail with its 'align' state
-    cache mode, with or without a connector.)"""
+    caching is off: with it, vLLM's Mamba2 layers declare a prefill
+    checkpoint block, and its CPU SSD kernel returns no intermediate
+    states, so vLLM fails with or without a connector; the short-convolution
+    hybrid below runs vLLM's mamba prefix caching on CPU.)"""
     engine = {"num_gpu_blocks_override": 64, "enable_prefix_caching": False}
     actions = [gen("a", A), gen("b", B)]
     res = harness({"model": SSM_MODEL, "engine": engine, "actions": actions})
@@ -89,6 +91,35 @@ def test_hybrid_ssm_model_starts_with_hma_and_kvbm_off(harness):
     t = {a["tag"]: a for a in res["actions"]}
     b = {a["tag"]: a for a in base["actions"]}
     assert t["a"]["tokens"] == b["a"]["tokens"] and t["b"]["tokens"] == b["b"]["tokens"]
+
+
+LFM2_MODEL = {"dir": "/tmp/kvbm-tiny-lfm2", "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+              "arch": "lfm2"}
+
+
+def test_state_space_hybrid_with_vllm_prefix_caching_keeps_hma_and_kvbm_off(harness):
+    """A hybrid whose state layers (LFM2's short convolutions, vLLM's
+    MambaSpec) vLLM's CPU backend runs with prefix caching of their state
+    (mamba_cache_mode 'align'): vLLM keeps its hybrid manager with kvbm
+    configured, kvbm turns itself off with a line saying what it lacks (the
+    state at a hit's block boundary), and vLLM serves the model, its own
+    prefix cache included, with the output it computes without kvbm."""
+    engine = {"num_gpu_blocks_override": 64}
+    actions = [gen("a", A), gen("a_again", A), gen("b", B)]
+    res = harness({"model": LFM2_MODEL, "engine": engine, "actions": actions})
+    log = res["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert ("kvbm disabled for this engine: KV cache groups of kind mamba are not served by kvbm yet "
+            "(this model's groups: mamba, full_attention)") in log, log[-4000:]
+    assert "needs each state group's state at the block boundary N" in log
+    assert "kvbm failed" not in log
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["a_again"]["num_cached_tokens"] == [6 * BS]  # vLLM's own prefix cache, state included
+    base = harness({"model": LFM2_MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("a", "a_again", "b"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag
+    assert t["a_again"]["tokens"] == t["a"]["tokens"]
 
 
 C = prompt(3, 8 * BS + 1)
@@ -129,3 +160,66 @@ def test_sliding_window_model_disk_tier_and_corrupted_block(harness, tmp_path):
     assert t["b_corrupted"]["metrics"]["kvbm_load_errors"] > 0
     assert "vLLM recomputes the whole prompt of 1 request(s)" in log
     assert t["b_corrupted"]["tokens"] == t["b"]["tokens"]
+
+
+BUCKET = "kvbm-hybrid"
+POKE = prompt(99, 8)  # a tiny request: keeps the engine stepping (workers report with each step)
+# kvbm stores every layer of each position: 4 layers × (K and V) × 32 tokens × 2 KV heads × 32 dims × 4 bytes.
+BLOCK_BYTES = 4 * 2 * BS * 2 * 32 * 4
+
+
+def test_sliding_window_model_shares_g4_between_two_engines(harness, s3_server):
+    """Two KV cache groups through G4: engine one computes A and uploads its
+    blocks, a second engine process (empty G1 and G2, no G3) loads every
+    full block of A from the bucket into both groups' blocks, with vLLM's
+    output without kvbm. The group layout is in the objects' fingerprint,
+    so both engines (same model, same grouping) share them. Bytes kvbm
+    stored for A are counted: its 6 full blocks, every layer."""
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET)}
+    engine = {"num_gpu_blocks_override": 32}
+    ref = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)]})
+    one = harness({"model": MODEL, "engine": engine, "env": env, "actions": [
+        gen("a", A),
+        {"s3_objects": s3_server.state_dir, "bucket": BUCKET, "at_least": 6, "tag": "uploaded"},
+        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 6, "poke": POKE, "tag": "counted"},
+    ]})
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in one["log"]
+    assert "Turning off hybrid kv cache manager" not in one["log"]
+    t1 = {a["tag"]: a for a in one["actions"]}
+    assert t1["uploaded"]["reached"] and t1["uploaded"]["objects"] == 6, t1["uploaded"]
+    m = t1["a"]["metrics"]
+    assert m["kvbm_block_bytes"] == BLOCK_BYTES
+    assert m["kvbm_offload_blocks_d2h"] * m["kvbm_block_bytes"] == 6 * BLOCK_BYTES  # A's bytes stored
+    two = harness({"model": MODEL, "engine": engine, "env": env, "actions": [gen("a", A)]})
+    assert "Turning off hybrid kv cache manager" not in two["log"]
+    t2 = {a["tag"]: a for a in two["actions"]}
+    m2 = t2["a"]["metrics"]
+    assert m2["kvbm_onboard_blocks_obj2h"] == 6, m2
+    assert m2["kvbm_load_errors"] == 0, m2
+    assert t2["a"]["num_cached_tokens"] == [6 * BS]
+    assert t2["a"]["tokens"] == t1["a"]["tokens"] == ref["actions"][0]["tokens"]
+
+
+W = prompt(4, 6 * BS)  # whole blocks only
+
+
+def test_whole_block_prompt_loaded_from_kvbm_hits_g1_again(harness):
+    """A prompt of whole blocks cached whole, with a sliding-window group:
+    kvbm loads all but its last block (vLLM computes that block), and the
+    next request for the same prompt is a G1 hit of vLLM's own, with
+    nothing loaded from kvbm (loading all but the last token would leave
+    vLLM a sliding window one block short of its own hit's, and every
+    re-visit would come from kvbm again)."""
+    engine = {"num_gpu_blocks_override": 32}
+    actions = [gen("first", W), {"reset": True, "tag": "reset"}, gen("loaded", W), gen("g1", W)]
+    res = harness({"model": MODEL, "engine": engine, "actions": actions,
+                   "env": {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 100}})
+    t = {a["tag"]: a for a in res["actions"]}
+    assert t["loaded"]["metrics"]["kvbm_onboard_blocks_h2d"] == 5
+    assert t["loaded"]["num_cached_tokens"] == [5 * BS]
+    assert t["g1"]["metrics"]["kvbm_onboard_blocks_h2d"] == 5, "the re-visit came from kvbm again"
+    assert t["g1"]["num_cached_tokens"] == [5 * BS]  # vLLM's own G1 hit (it caps at the last whole block)
+    base = harness({"model": MODEL, "engine": engine, "actions": actions, "kvbm": False})
+    b = {a["tag"]: a for a in base["actions"]}
+    for tag in ("first", "loaded", "g1"):
+        assert t[tag]["tokens"] == b[tag]["tokens"], tag

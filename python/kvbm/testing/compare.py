@@ -37,6 +37,11 @@ BS = 32  # vLLM block size of the harness
 ENLARGED = "no kvbm, G1 + G2 bytes"
 COLUMNS = ("no kvbm", "no-op connector", ENLARGED, "kvbm")
 BASELINES = COLUMNS[:3]
+# kvbm with vLLM's hybrid KV cache manager turned off
+# (--disable-hybrid-kv-cache-manager: one KV cache group, full-size KV for
+# every layer): what vLLM does with a connector that cannot handle groups.
+# An extra column for models with several KV cache groups.
+KVBM_HMA_OFF = "kvbm, hybrid manager off"
 
 # Cores vLLM's CPU backend keeps free of the model's OpenMP threads, the same
 # in every column. vLLM reserves one core per rank for its scheduler, and one
@@ -133,9 +138,12 @@ def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, action
     out: dict[str, dict[str, Any]] = {}
     for i, col in enumerate(columns):
         eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
-        spec = {"model": model, "engine": eng, "kvbm": col == "kvbm",
+        with_kvbm = col in ("kvbm", KVBM_HMA_OFF)
+        if col == KVBM_HMA_OFF:
+            eng["disable_hybrid_kv_cache_manager"] = True
+        spec = {"model": model, "engine": eng, "kvbm": with_kvbm,
                 "noop_connector": col == "no-op connector", "actions": actions, "env": {}}
-        if col == "kvbm":
+        if with_kvbm:
             spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
                                 "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
         res = run_harness(spec, f"run {i + 1}/{len(columns)}: {col} (G1 {eng['num_gpu_blocks_override']} blocks)")
@@ -158,6 +166,17 @@ def tier_split(recs: list[dict], before: dict | None) -> dict:
         g3 = (after.get("kvbm_onboard_blocks_d2d", 0) - before.get("kvbm_onboard_blocks_d2d", 0)) * BS
     g1 = max(cached - g2 - g3, 0)
     return {"prompt": prompt, "G1": g1, "G2": g2, "G3": g3, "recomputed": max(prompt - cached, 0)}
+
+
+def stored_bytes_per_token(rec: dict, prompt_tokens: int) -> float | None:
+    """Bytes kvbm wrote from G1 per prompt token, by the end of the record
+    rec (kvbm's offload counters × its block bytes); None without them."""
+    m = rec.get("metrics") or {}
+    blocks = m.get("kvbm_offload_blocks_d2h", 0) + m.get("kvbm_offload_blocks_d2d", 0)
+    bb = m.get("kvbm_block_bytes")
+    if not bb or prompt_tokens <= 0:
+        return None
+    return float(blocks * bb / prompt_tokens)
 
 
 def fmt_split(s: dict) -> str:

@@ -105,6 +105,9 @@ def make_tiny_model(
     arch "nemotron_h" (NemotronHForCausalLM) is a hybrid SSM model: Mamba2,
     MLP, attention and MLP layers in turn, whose Mamba2 layers vLLM keeps in
     KV cache groups of their own (MambaSpec) beside the attention group.
+    arch "lfm2" (Lfm2ForCausalLM) is a hybrid with short-convolution state
+    layers (vLLM: MambaSpec, the ShortConv backend, which vLLM's CPU platform
+    runs, with prefix caching too) and full attention layers in turn.
     sliding_window: with "llama", odd layers attend within a sliding window
     of this many tokens and even layers attend fully (``layer_types``, as
     Gemma 3 interleaves them); vLLM's hybrid KV cache manager gives each
@@ -118,8 +121,8 @@ def make_tiny_model(
         raise ValueError(f"head_dim {head_dim} not supported by vLLM CPU attention {CPU_HEAD_SIZES}")
     if heads % kv_heads:
         raise ValueError("heads must be divisible by kv_heads")
-    if arch not in ("llama", "qwen2", "nemotron_h"):
-        raise ValueError("arch must be 'llama', 'qwen2' or 'nemotron_h'")
+    if arch not in ("llama", "qwen2", "nemotron_h", "lfm2"):
+        raise ValueError("arch must be 'llama', 'qwen2', 'nemotron_h' or 'lfm2'")
     if arch == "nemotron_h" and layers % 4:
         raise ValueError("nemotron_h repeats Mamba2, MLP, attention, MLP: layers must be a multiple of 4")
     if intermediate is None:
@@ -174,6 +177,13 @@ def make_tiny_model(
             head_dim=head_dim, hybrid_override_pattern="M-*-" * (layers // 4), mamba_num_heads=heads,
             mamba_head_dim=head_dim, ssm_state_size=16, n_groups=1, chunk_size=32, expand=1, **common)
         cls = transformers.NemotronHForCausalLM
+    elif arch == "lfm2":
+        lfm = {k: v for k, v in common.items() if k not in ("rms_norm_eps", "rope_theta")}
+        cfg = transformers.Lfm2Config(
+            norm_eps=1e-5, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], **lfm)
+        cfg.conv_dim = cfg.block_dim = hidden  # what vLLM's Lfm2 reads (LFM2 checkpoints carry them)
+        cls = transformers.Lfm2ForCausalLM
     else:
         cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM

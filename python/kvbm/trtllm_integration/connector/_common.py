@@ -162,6 +162,17 @@ def _policy_name(policy: Any) -> str:
     return name.rsplit(".", 1)[-1].upper()
 
 
+# Why several attention window sizes (variable sliding-window attention) are
+# refused, from TensorRT-LLM's connector contract (docs/design.md §11).
+VSWA_MISSING = (
+    "several attention window sizes: TensorRT-LLM's V1 KV cache manager, whose primary pool kvbm moves, "
+    "keeps one pool per window size and hands a connector one pool (get_unique_primary_pool), so it refuses "
+    "a KV cache connector with several (\"KV Cache Connector is not supported with multiple window sizes\"); "
+    "per-window pools reach a connector only from KVCacheManagerV2, through register_kv_cache_layout and "
+    "update_state_after_alloc_by_layer_group / request_finished_by_layer_group (TensorRT-LLM main, not 1.2), "
+    "which kvbm does not implement; serve the model with one window size")
+
+
 def check_supported(llm_args: Any) -> None:
     """Refuse settings kvbm cannot serve correctly, naming the setting.
 
@@ -198,7 +209,7 @@ def check_supported(llm_args: Any) -> None:
                         "set it to false)")
     windows = _get(kvc, "max_attention_window")
     if isinstance(windows, (list, tuple)) and len(set(windows)) > 1:
-        problems.append(f"kv_cache_config.max_attention_window={list(windows)} (several window sizes)")
+        problems.append(f"kv_cache_config.max_attention_window={list(windows)} ({VSWA_MISSING})")
     if problems:
         raise ValueError("kvbm TensorRT-LLM connector: unsupported setting(s): " + "; ".join(problems))
     if isinstance(v2, str) and v2.lower() == "auto":

@@ -78,6 +78,19 @@ class GroupLayout:
             return (num_computed // extra) * extra // self._block_size
         return 0
 
+    @property
+    def full_hit_ok(self) -> bool:
+        """Whether a prompt cached whole may load every block and leave vLLM
+        its last token (leader load_full_hit). Not with a sliding-window or
+        chunked-local group: vLLM allocates that group's window for the hit
+        length, and a window ending one token short of a block boundary
+        starts one block later than the window of the block-aligned hit its
+        own prefix cache takes (it caps hits at the prompt's last whole
+        block before its last token), so the block that window needs is
+        never allocated and that prompt never hits G1 again. The hit stays
+        block aligned, as vLLM's own."""
+        return not any(w != (0, 0) for w in self.windows)
+
     _block_size: int = 1
 
     @property
@@ -97,7 +110,8 @@ def kv_groups(kv_cache_config: Any, block_size: int,
               on_device: bool = False) -> tuple[GroupLayout | None, str | None]:
     """The groups of a vLLM KVCacheConfig kvbm serves, or None with the reason.
 
-    One group: served as before (whatever its kind). Several: every group
+    One group: served as before (whatever its attention kind; a group of
+    recurrent state, a pure state-space model, is refused). Several: every group
     must be full, sliding-window or chunked-local attention with the
     engine's block size, one must be full attention, and the KV cache must
     be host memory (``on_device``: the CUDA copier moves whole blocks of one
@@ -111,13 +125,17 @@ def kv_groups(kv_cache_config: Any, block_size: int,
     layer_group = {name: i for i, g in enumerate(groups) for name in g.layer_names}
     page = int(groups[0].kv_cache_spec.page_size_bytes)
     windows = tuple(_window(g.kv_cache_spec, k) for g, k in zip(groups, kinds))
-    if len(groups) == 1:
-        return GroupLayout(kinds, 0, layer_group, page, windows, block_size), None
     what = ", ".join(kinds)
+    if len(groups) == 1 and not _is_state_spec(groups[0].kv_cache_spec):
+        return GroupLayout(kinds, 0, layer_group, page, windows, block_size), None
     unserved = sorted({k for k in kinds if not _served(k)})
     if unserved:
-        return None, (f"KV cache groups of kind {', '.join(unserved)} are not served by kvbm yet "
-                      f"(this model's groups: {what}); kvbm serves full, sliding-window and chunked local attention")
+        why = (f"KV cache groups of kind {', '.join(unserved)} are not served by kvbm yet "
+               f"(this model's groups: {what}); kvbm serves full, sliding-window and chunked local attention")
+        state = [g.kv_cache_spec for g in groups if _is_state_spec(g.kv_cache_spec)]
+        if state:
+            why += "; " + state_groups_missing(state)
+        return None, why
     if "full_attention" not in kinds:
         return None, f"several KV cache groups ({what}) and none of full attention, which kvbm plans positions with"
     for i, g in enumerate(groups):
@@ -135,6 +153,26 @@ def kv_groups(kv_cache_config: Any, block_size: int,
         return None, (f"{len(groups)} KV cache groups ({what}) on device memory: kvbm's CUDA copier "
                       "does not copy per KV cache group yet (host-memory KV caches are served)")
     return GroupLayout(kinds, kinds.index("full_attention"), layer_group, page, windows, block_size), None
+
+
+def _is_state_spec(spec: Any) -> bool:
+    # vLLM's MambaSpec covers every recurrent-state layer kind (Mamba,
+    # Mamba2, short convolution, linear attention, gated delta nets).
+    return any(c.__name__ == "MambaSpec" for c in type(spec).__mro__)
+
+
+def state_groups_missing(specs: list[Any]) -> str:
+    """What kvbm lacks to serve recurrent-state groups (docs/design.md §11),
+    for the line that turns kvbm off."""
+    modes = sorted({str(getattr(s, "mamba_cache_mode", "none")) for s in specs})
+    if modes != ["align"]:
+        return (f"with mamba_cache_mode={'/'.join(modes)} (prefix caching off) vLLM keeps only each "
+                "request's running state, so no prefix of such a model can be stored or loaded")
+    return ("a hit of N tokens on such a model needs each state group's state at the block boundary N "
+            "(vLLM's mamba_cache_mode='align' state block, handed to connectors as the scheduler "
+            "output's boundary_state_offloads); kvbm's tiers keep one block per token position "
+            "holding every layer and do not store boundary states yet, so its hits could not be "
+            "completed; vLLM's own prefix cache still serves the model")
 
 
 def platform_on_device() -> bool:

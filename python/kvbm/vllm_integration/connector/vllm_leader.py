@@ -135,7 +135,9 @@ class VllmConnectorLeader(VllmSide):
             num_workers=tp_size,
             consolidator=consolidator,
             g4_async=True,  # vLLM asks again when told "not ready yet" (None)
-            load_full_hit=True,  # vLLM computes the last token of a prompt cached whole
+            # vLLM computes the last token of a prompt cached whole; not with a
+            # windowed group (_groups.GroupLayout.full_hit_ok).
+            load_full_hit=groups.full_hit_ok,
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
             tier_events=events_enabled(self._vllm_config),
         )

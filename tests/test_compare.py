@@ -86,7 +86,11 @@ def test_lmcache_column_gets_kvbms_bytes_and_local_sockets():
     assert s["python"].endswith(os.path.join(".venv-lmcache", "bin", "python"))
     kv = s["kv_transfer_config"]
     assert kv["kv_connector"] == "LMCacheMPConnector" and kv["kv_role"] == "kv_both"
-    assert kv["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5601}
+    extra = kv["kv_connector_extra_config"]
+    assert extra["lmcache.mp.host"] == "tcp://127.0.0.1" and extra["lmcache.mp.port"] == 5601
+    # the path the connector asks for is one the server serves
+    assert extra["lmcache.mp.mp_transfer_mode"] == peers.LMCACHE_TRANSFER_MODE
+    assert opt("--supported-transfer-mode") in ("auto", peers.LMCACHE_TRANSFER_MODE)
 
 
 def test_offloading_column_gets_kvbms_host_bytes():

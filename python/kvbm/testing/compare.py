@@ -104,7 +104,13 @@ def harness_env(spec: dict, root: str, run_dir: str) -> dict[str, str]:
 
 
 def _root() -> str:
+    """The directory holding the kvbm package (python/ in a checkout)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _checkout() -> str:
+    """The checkout's top directory, where .venv-lmcache lives."""
+    return os.path.dirname(_root())
 
 
 _ERROR_LINE = re.compile(r"(?:^|\) )((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$")
@@ -224,7 +230,7 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
                             "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
     elif col == peers.LMCACHE:
         bb = peers.block_bytes(model, eng)
-        env_dir = peers.lmcache_env_dir(_root())
+        env_dir = peers.lmcache_env_dir(_checkout())
         spec["python"] = os.path.join(env_dir, "bin", "python")
         spec["kv_transfer_config"] = peers.lmcache_transfer_config(port)
         spec["env"] = dict(peers.LMCACHE_ENV)
@@ -246,8 +252,9 @@ def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, action
     on (LMCache without its environment: scripts/lmcache-env.sh)."""
     out: dict[str, dict[str, Any]] = {}
     for i, col in enumerate(columns):
-        if col == peers.LMCACHE and peers.lmcache_python(_root()) is None:
-            why = f"no LMCache environment at {peers.lmcache_env_dir(_root())} (scripts/lmcache-env.sh creates it)"
+        if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
+            why = (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
+                   "(scripts/lmcache-env.sh creates it)")
             print(f"== run {i + 1}/{len(columns)}: {col}: skipped, {why}", flush=True)
             out[col] = {"error": why}
             continue
@@ -301,8 +308,9 @@ def fmt_split(s: dict) -> str:
 def strongest(vals: dict, lower_is_better: bool = True) -> str:
     """The column other than kvbm with the best value (baselines and the
     peers that ran)."""
-    cands = [c for c in vals if c != "kvbm"]
-    return (min if lower_is_better else max)(cands, key=lambda c: vals[c])
+    cands: list[str] = [c for c in vals if c != "kvbm"]
+    best: str = (min if lower_is_better else max)(cands, key=lambda c: vals[c])
+    return best
 
 
 def print_table(rows: list[tuple[str, dict, Callable[[Any], str]]], columns: Sequence[str]) -> None:

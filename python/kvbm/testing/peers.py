@@ -36,6 +36,12 @@ PEERS = (LMCACHE, OFFLOADING)
 # left G2); the disk tier evicts LRU once its bytes are used.
 LMCACHE_STORE_POLICY = "skip_l1"
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false"}
+# How KV moves between vLLM's cache and the server: "lmcache_driven" is the
+# server reading and writing the engine's cache through shared memory (no
+# copy in the engine; LMCache's default on CUDA, its CPU path here),
+# "engine_driven" the engine's worker copying. The connector's "auto" picks
+# engine_driven on the CPU backend, which the server's default refuses.
+LMCACHE_TRANSFER_MODE = "lmcache_driven"
 GIB = 1 << 30
 
 
@@ -57,10 +63,12 @@ def block_bytes(model: dict, engine: dict) -> int:
     peers get the same bytes."""
     from kvbm.testing.compare import BS
 
-    head_dim = model["hidden"] // model["heads"]
+    head_dim: int = model["hidden"] // model["heads"]
+    layers: int = model["layers"]
+    kv_heads: int = model["kv_heads"]
     dtype = engine.get("dtype") or model.get("dtype") or "float32"
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return 2 * model["layers"] * model["kv_heads"] * head_dim * BS * size
+    return 2 * layers * kv_heads * head_dim * BS * size
 
 
 def lmcache_server_argv(env_dir: str, port: int, http_port: int, l1_bytes: int, disk_bytes: int,
@@ -73,16 +81,21 @@ def lmcache_server_argv(env_dir: str, port: int, http_port: int, l1_bytes: int, 
             "--host", "127.0.0.1", "--port", str(port),
             "--http-host", "127.0.0.1", "--http-port", str(http_port),
             "--disable-metrics",
-            "--l1-size-gb", repr(l1_bytes / GIB), "--l1-init-size-gb", repr(l1_bytes / GIB),
+            "--l1-size-gb", repr(l1_bytes / GIB),
             "--eviction-policy", "LRU",
             "--l2-adapter", json.dumps(l2, sort_keys=True),
-            "--l2-store-policy", store_policy]
+            "--l2-store-policy", store_policy,
+            # Both transfer paths served; the connector picks the
+            # server-driven one (lmcache_transfer_config).
+            "--supported-transfer-mode", "auto"]
 
 
 def lmcache_transfer_config(port: int) -> dict[str, Any]:
     """vLLM's LMCacheMPConnector pointed at the server on 127.0.0.1:port."""
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                                          "lmcache.mp.mp_transfer_mode": LMCACHE_TRANSFER_MODE,
+                                          "lmcache.mp.mq_timeout": 60.0}}
 
 
 def offloading_transfer_config(cpu_bytes: int) -> dict[str, Any]:

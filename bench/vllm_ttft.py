@@ -30,8 +30,9 @@ layers, 14 heads, 2 KV heads; bf16), for a machine with more cores. --quick
 uses 1K-token documents instead of 2K.
 
 3. --cost: only kvbm's cost when nothing is reused (first visits and
-   no-reuse throughput of kvbm, the no-op connector and no connector,
-   --repeat rounds, default 3, every round printed with the spread).
+   no-reuse throughput of kvbm, of kvbm with its threads left on the
+   model's cores, of the no-op connector and of no connector, --repeat
+   rounds, default 3, every round printed with the spread).
 
     python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b] [--docs N] [--no-peers] [--cost]
 """
@@ -84,9 +85,10 @@ def spread(xs):
 
 def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique_len, out_len, vocab):
     """kvbm's cost when nothing is reused: first visits and no-reuse
-    throughput of kvbm, the no-op connector and no connector, every column
-    run --repeat times (column order rotated), every run printed."""
-    cols = ["no kvbm", "no-op connector", "kvbm"]
+    throughput of kvbm, kvbm with its threads on the model's cores (before
+    DYN_KVBM_THREAD_AFFINITY), the no-op connector and no connector, every
+    column run --repeat times (column order rotated), every run printed."""
+    cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT]
     actions = [
         {"each": [docs[0][:256]], "max_tokens": 1, "tag": "warmup"},
         {"each": docs, "max_tokens": 1, "tag": "first_visit", "progress": True},
@@ -103,7 +105,7 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     tput = {c: [] for c in cols}
     ntok = n_unique * out_len
     for k in range(n):
-        order = cols[k % 3:] + cols[:k % 3]
+        order = cols[k % len(cols):] + cols[:k % len(cols)]
         r = compare.run_columns(model, engine, g1, host, disk, actions, columns=order)
         for c in cols:
             first[c].append(1000 * statistics.mean(r[c]["first_visit"]["secs_each"]))
@@ -115,11 +117,12 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
         ("first visit, TTFT mean per run, ms", first, spread),
         ("no reuse, tok/s per run", tput, spread),
     ], cols)
-    for base in ("no-op connector", "no kvbm"):
-        f = [first[base][i] / first["kvbm"][i] for i in range(n)]
-        t = [tput["kvbm"][i] / tput[base][i] for i in range(n)]
-        print(f"kvbm against {base}, same round: first-visit TTFT {spread([100 * x for x in f])} % of kvbm's "
-              f"speed (100 = equal), no-reuse throughput {spread([100 * x for x in t])} %")
+    for kv in ("kvbm", compare.KVBM_INHERIT):
+        for base in ("no-op connector", "no kvbm"):
+            f = [first[base][i] / first[kv][i] for i in range(n)]
+            t = [tput[kv][i] / tput[base][i] for i in range(n)]
+            print(f"{kv} against {base}, same round: first visits at {spread([100 * x for x in f])} % of "
+                  f"{base}'s speed (100 = equal), no-reuse throughput {spread([100 * x for x in t])} %")
     fm = statistics.mean(first["no-op connector"]) / statistics.mean(first["kvbm"])
     tm = statistics.mean(tput["kvbm"]) / statistics.mean(tput["no-op connector"])
     rows.emit("vllm_cost", f"vLLM no reuse, kvbm vs no-op connector, {n} rounds: first-visit TTFT",
@@ -146,7 +149,8 @@ def main():
                     help="leave out the peer columns (LMCache, vLLM's OffloadingConnector)")
     ap.add_argument("--cost", action="store_true",
                     help="only kvbm's cost when nothing is reused: first visits and no-reuse throughput of kvbm, "
-                         "the no-op connector and no connector, --repeat rounds (default 3), every run printed")
+                         "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), the "
+                         "no-op connector and no connector, --repeat rounds (default 3), every run printed")
     a = ap.parse_args()
     if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")

@@ -156,3 +156,10 @@ def test_strongest_is_over_every_column_that_ran():
     vals = {"no kvbm": 3.0, "kvbm": 1.0, peers.LMCACHE: 2.0}
     assert compare.strongest(vals) == peers.LMCACHE
     assert compare.strongest(vals, lower_is_better=False) == "no kvbm"
+
+
+def test_cost_benchs_before_column_is_kvbm_with_inherited_threads():
+    s = compare.column_spec(compare.KVBM_INHERIT, SMALL, ENGINE, 70, 64, 768, [])
+    k = compare.column_spec("kvbm", SMALL, ENGINE, 70, 64, 768, [])
+    assert s["kvbm"] and s["env"] == dict(k["env"], DYN_KVBM_THREAD_AFFINITY="inherit")
+    assert "DYN_KVBM_THREAD_AFFINITY" not in k["env"]

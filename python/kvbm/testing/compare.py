@@ -41,6 +41,9 @@ BS = 32  # vLLM block size of the harness
 ENLARGED = "no kvbm, G1 + G2 bytes"
 COLUMNS = ("no kvbm", "no-op connector", ENLARGED, "kvbm")
 BASELINES = COLUMNS[:3]
+# kvbm with its threads left on the cores the engine's worker thread is bound
+# to (DYN_KVBM_THREAD_AFFINITY=inherit): the cost bench's "before".
+KVBM_INHERIT = "kvbm, threads on the model's cores"
 
 # Cores vLLM's CPU backend keeps free of the model's OpenMP threads, the same
 # in every column. vLLM reserves one core per rank for its scheduler, and one
@@ -223,11 +226,13 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
     bytes of host memory and disk blocks' bytes on disk (peers: port and
     http_port for a server's sockets)."""
     eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
-    spec: dict[str, Any] = {"model": model, "engine": eng, "kvbm": col == "kvbm",
+    spec: dict[str, Any] = {"model": model, "engine": eng, "kvbm": col in ("kvbm", KVBM_INHERIT),
                             "noop_connector": col == "no-op connector", "actions": actions, "env": {}}
-    if col == "kvbm":
+    if col in ("kvbm", KVBM_INHERIT):
         spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
                             "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
+        if col == KVBM_INHERIT:
+            spec["env"]["DYN_KVBM_THREAD_AFFINITY"] = "inherit"
     elif col == peers.LMCACHE:
         bb = peers.block_bytes(model, eng)
         env_dir = peers.lmcache_env_dir(_checkout())
@@ -241,7 +246,7 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
     elif col == peers.OFFLOADING:
         spec["kv_transfer_config"] = peers.offloading_transfer_config(host * peers.block_bytes(model, eng))
     elif col not in COLUMNS:
-        raise ValueError(f"unknown column {col!r}: one of {', '.join(COLUMNS + peers.PEERS)}")
+        raise ValueError(f"unknown column {col!r}: one of {', '.join(COLUMNS + peers.PEERS + (KVBM_INHERIT,))}")
     return spec
 
 

@@ -151,7 +151,11 @@ def main():
                     help="only kvbm's cost when nothing is reused: first visits and no-reuse throughput of kvbm, "
                          "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), the "
                          "no-op connector and no connector, --repeat rounds (default 3), every run printed")
+    ap.add_argument("--lmcache-store-policy", choices=("skip_l1", "default"), default=peers.LMCACHE_STORE_POLICY,
+                    help="LMCache's L2 store policy: skip_l1 (every chunk to disk, out of L1; default) or default "
+                         "(every chunk to disk and kept in L1 while it fits)")
     a = ap.parse_args()
+    peers.LMCACHE_STORE_POLICY = a.lmcache_store_policy
     if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")
         mname = "Qwen2-0.5B-like (hidden 896, 24 layers, 14 heads, 2 KV heads)"

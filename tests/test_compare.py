@@ -163,3 +163,9 @@ def test_cost_benchs_before_column_is_kvbm_with_inherited_threads():
     k = compare.column_spec("kvbm", SMALL, ENGINE, 70, 64, 768, [])
     assert s["kvbm"] and s["env"] == dict(k["env"], DYN_KVBM_THREAD_AFFINITY="inherit")
     assert "DYN_KVBM_THREAD_AFFINITY" not in k["env"]
+
+
+def test_lmcache_store_policy_is_the_benchs_choice(monkeypatch):
+    monkeypatch.setattr(peers, "LMCACHE_STORE_POLICY", "default")
+    argv = _specs()[peers.LMCACHE]["server"]["argv"]
+    assert argv[argv.index("--l2-store-policy") + 1] == "default"

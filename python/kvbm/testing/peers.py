@@ -72,9 +72,12 @@ def block_bytes(model: dict, engine: dict) -> int:
 
 
 def lmcache_server_argv(env_dir: str, port: int, http_port: int, l1_bytes: int, disk_bytes: int,
-                        disk_path: str, store_policy: str = LMCACHE_STORE_POLICY) -> list[str]:
+                        disk_path: str, store_policy: str | None = None) -> list[str]:
     """``lmcache server`` with L1 = l1_bytes of host memory (LRU) and an
-    O_DIRECT disk tier of disk_bytes under disk_path (LRU)."""
+    O_DIRECT disk tier of disk_bytes under disk_path (LRU); store_policy
+    (default LMCACHE_STORE_POLICY, read at the call): "skip_l1" or
+    "default" (chunks stay in L1 too)."""
+    store_policy = store_policy or LMCACHE_STORE_POLICY
     l2 = {"type": "fs_native", "base_path": disk_path, "use_odirect": True,
           "max_capacity_gb": disk_bytes / GIB, "eviction": {"eviction_policy": "LRU"}}
     return [os.path.join(env_dir, "bin", "lmcache"), "server",

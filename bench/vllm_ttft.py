@@ -154,8 +154,13 @@ def main():
     ap.add_argument("--lmcache-store-policy", choices=("skip_l1", "default"), default=peers.LMCACHE_STORE_POLICY,
                     help="LMCache's L2 store policy: skip_l1 (every chunk to disk, out of L1; default) or default "
                          "(every chunk to disk and kept in L1 while it fits)")
+    ap.add_argument("--lmcache-transfer-mode", choices=("lmcache_driven", "engine_driven"),
+                    default=peers.LMCACHE_TRANSFER_MODE,
+                    help="how KV moves between vLLM and LMCache's server: lmcache_driven (the server through shared "
+                         "memory; default) or engine_driven (the engine's worker copies)")
     a = ap.parse_args()
     peers.LMCACHE_STORE_POLICY = a.lmcache_store_policy
+    peers.LMCACHE_TRANSFER_MODE = a.lmcache_transfer_mode
     if a.model == "0.5b":
         model = dict(QWEN2_05B_LIKE, dir="/tmp/kvbm-bench-qwen2-05b-like", dtype="bfloat16")
         mname = "Qwen2-0.5B-like (hidden 896, 24 layers, 14 heads, 2 KV heads)"
@@ -204,7 +209,7 @@ def main():
     if not a.no_peers:
         print(f"peers, same G1 and the same bytes as kvbm ({bb / 1e3:.0f} kB blocks): LMCache {lmcache_version()} "
               f"(vLLM's LMCacheMPConnector + `lmcache server`, L1 {host * bb / 1e6:.0f} MB LRU, disk "
-              f"{disk * bb / 1e6:.0f} MB O_DIRECT LRU, store policy {peers.LMCACHE_STORE_POLICY}); vLLM's "
+              f"{disk * bb / 1e6:.0f} MB O_DIRECT LRU, store policy {peers.LMCACHE_STORE_POLICY}, transfers {peers.LMCACHE_TRANSFER_MODE}); vLLM's "
               f"OffloadingConnector with {host * bb / 1e6:.0f} MB of host memory", flush=True)
     tries = []
     for k in range(max(a.repeat, 1)):

@@ -93,11 +93,12 @@ def lmcache_server_argv(env_dir: str, port: int, http_port: int, l1_bytes: int, 
             "--supported-transfer-mode", "auto"]
 
 
-def lmcache_transfer_config(port: int) -> dict[str, Any]:
-    """vLLM's LMCacheMPConnector pointed at the server on 127.0.0.1:port."""
+def lmcache_transfer_config(port: int, transfer_mode: str | None = None) -> dict[str, Any]:
+    """vLLM's LMCacheMPConnector pointed at the server on 127.0.0.1:port
+    (transfer_mode: default LMCACHE_TRANSFER_MODE, read at the call)."""
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
-                                          "lmcache.mp.mp_transfer_mode": LMCACHE_TRANSFER_MODE,
+                                          "lmcache.mp.mp_transfer_mode": transfer_mode or LMCACHE_TRANSFER_MODE,
                                           "lmcache.mp.mq_timeout": 60.0}}
 
 

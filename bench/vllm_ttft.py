@@ -156,8 +156,9 @@ def main():
                          "(every chunk to disk and kept in L1 while it fits)")
     ap.add_argument("--lmcache-transfer-mode", choices=("lmcache_driven", "engine_driven"),
                     default=peers.LMCACHE_TRANSFER_MODE,
-                    help="how KV moves between vLLM and LMCache's server: lmcache_driven (the server through shared "
-                         "memory; default) or engine_driven (the engine's worker copies)")
+                    help="how KV moves between vLLM and LMCache's server: engine_driven (the engine's worker "
+                         "copies; default, the connector's own choice on CPU) or lmcache_driven (the server, through "
+                         "shared memory)")
     a = ap.parse_args()
     peers.LMCACHE_STORE_POLICY = a.lmcache_store_policy
     peers.LMCACHE_TRANSFER_MODE = a.lmcache_transfer_mode

@@ -38,8 +38,8 @@ LMCACHE_STORE_POLICY = "skip_l1"
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false"}
 # How KV moves between vLLM's cache and the server: "engine_driven", the
 # engine's worker copying (what the connector's own "auto" picks on the CPU
-# backend, and the faster of the two here: 120 against 166 ms a re-visit,
-# docs/benchmarks.md), or "lmcache_driven", the server reading and writing
+# backend; 120 ms a re-visit against 166 ms for the other in the runs of
+# docs/benchmarks.md, not the same run), or "lmcache_driven", the server reading and writing
 # the engine's cache through shared memory. The server serves both
 # (--supported-transfer-mode auto); its default serves only lmcache_driven,
 # and the connector's auto request then hangs until its timeout.

@@ -9,7 +9,7 @@ needs .venv-lmcache, which .ci/run does not build. Run it by name:
       PYTHONPATH=$PWD/python .venv/bin/python -m pytest tests/e2e/lmcache_smoke.py -q
 
 Without the environment it fails (never skips) and says how to create it.
-About a minute on 2 cores.
+One to four minutes on 2 cores, with the load.
 """
 
 import os

@@ -89,7 +89,9 @@ bench: build
 	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator $(QUICK_FLAG)
 	@echo "== G4 object storage vs the same S3 server's raw PUT/GET (versitygw: .ci/s3-server.sh)"; $(GO) run ./bench/g4 $(QUICK_FLAG)
 	@if [ -f bench/wire/main.go ]; then echo "== leader/worker side channel"; $(GO) run ./bench/wire $(QUICK_FLAG); fi
-	@echo "== vLLM (CPU backend): kvbm against no kvbm, G1 + the same memory, and a no-op connector"; $(PY) bench/vllm_ttft.py $(QUICK_FLAG)
+	@echo "== LMCache's environment for the peer column (.venv-lmcache, scripts/lmcache-env.sh)"; \
+	  scripts/lmcache-env.sh $(PY) >/dev/null || echo "no LMCache environment: its column will say so"
+	@echo "== vLLM (CPU backend): kvbm against no kvbm, G1 + the same memory, a no-op connector, LMCache and vLLM's OffloadingConnector"; $(PY) bench/vllm_ttft.py $(QUICK_FLAG)
 	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"
 	@$(PY) bench/summary.py $(BENCH_OUT)
 

@@ -1,7 +1,13 @@
 """The bench and demo harness (kvbm.testing.compare): every column's engine
-runs the same model thread layout."""
+runs the same model thread layout, and the peer columns (kvbm.testing.peers)
+get kvbm's bytes. No engine runs here."""
 
-from kvbm.testing import compare
+import json
+import os
+
+import pytest
+
+from kvbm.testing import compare, peers
 
 
 def test_every_column_reserves_the_same_cores(monkeypatch):
@@ -19,3 +25,147 @@ def test_every_column_reserves_the_same_cores(monkeypatch):
     assert all(e["DYN_KVBM_DISK_CACHE_DIR"] == "/run-dir" for e in envs.values())
     assert all(e["PYTHONPATH"].startswith("/root-of-tree") for e in envs.values())
     assert f"VLLM_CPU_NUM_OF_RESERVED_CPU={compare.RESERVED_CPUS}" in compare.engine_threads()
+
+
+SMALL = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8000, arch="qwen2")
+ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 2048, "max_num_seqs": 8}
+
+
+def _specs(**kw):
+    return {c: compare.column_spec(c, SMALL, ENGINE, g1=70, host=64, disk=768, actions=[{"tag": "a"}],
+                                   port=5601, http_port=5602, **kw)
+            for c in compare.COLUMNS + peers.PEERS}
+
+
+def test_block_bytes_is_kvbm_block():
+    """K and V of every layer for 32 tokens: 2 × 8 layers × 2 KV heads ×
+    64 head dims × 32 tokens × 4 bytes (float32); bf16 halves it."""
+    assert peers.block_bytes(SMALL, ENGINE) == 2 * 8 * 2 * 64 * 32 * 4
+    assert peers.block_bytes(SMALL, dict(ENGINE, dtype="bfloat16")) == 2 * 8 * 2 * 64 * 32 * 2
+
+
+def test_every_column_runs_the_same_engine_and_actions(monkeypatch):
+    """Same actions and engine settings in every column; G1 differs only
+    for the enlarged baseline, by exactly kvbm's host blocks; every column
+    reserves the same cores."""
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")
+    specs = _specs()
+    for c, s in specs.items():
+        assert s["actions"] == [{"tag": "a"}]
+        want = 70 + (64 if c == compare.ENLARGED else 0)
+        assert s["engine"] == dict(ENGINE, num_gpu_blocks_override=want), c
+        env = compare.harness_env(s, "/root-of-tree", "/run")
+        assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(compare.RESERVED_CPUS), c
+    assert [c for c, s in specs.items() if s["kvbm"]] == ["kvbm"]
+    assert [c for c, s in specs.items() if s.get("kv_transfer_config")] == list(peers.PEERS)
+
+
+def test_lmcache_column_gets_kvbms_bytes_and_local_sockets():
+    """LMCache's server: L1 = kvbm's G2 bytes (LRU), an O_DIRECT disk tier of
+    kvbm's G3 bytes (LRU) in the run's directory, skip_l1, sockets on
+    127.0.0.1, metrics off, usage reporting off in the server and the
+    engine; the engine's connector points at the server's port."""
+    s = _specs()[peers.LMCACHE]
+    bb = peers.block_bytes(SMALL, ENGINE)
+    argv = s["server"]["argv"]
+    assert argv[0].endswith(os.path.join(".venv-lmcache", "bin", "lmcache")) and argv[1] == "server"
+
+    def opt(name):
+        return argv[argv.index(name) + 1]
+
+    assert opt("--host") == "127.0.0.1" and opt("--http-host") == "127.0.0.1"
+    assert opt("--port") == "5601" and opt("--http-port") == "5602" and s["server"]["port"] == 5601
+    assert "--disable-metrics" in argv
+    assert opt("--eviction-policy") == "LRU" and opt("--l2-store-policy") == "skip_l1"
+    assert round(float(opt("--l1-size-gb")) * (1 << 30)) == 64 * bb
+    l2 = json.loads(opt("--l2-adapter"))
+    assert l2["use_odirect"] is True and l2["eviction"] == {"eviction_policy": "LRU"}
+    assert round(l2["max_capacity_gb"] * (1 << 30)) == 768 * bb
+    assert l2["base_path"].startswith("{run_dir}")
+    assert s["server"]["env"]["LMCACHE_TRACK_USAGE"] == "false" and s["env"]["LMCACHE_TRACK_USAGE"] == "false"
+    assert s["python"].endswith(os.path.join(".venv-lmcache", "bin", "python"))
+    kv = s["kv_transfer_config"]
+    assert kv["kv_connector"] == "LMCacheMPConnector" and kv["kv_role"] == "kv_both"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["lmcache.mp.host"] == "tcp://127.0.0.1" and extra["lmcache.mp.port"] == 5601
+    # the path the connector asks for is one the server serves
+    assert extra["lmcache.mp.mp_transfer_mode"] == peers.LMCACHE_TRANSFER_MODE
+    assert opt("--supported-transfer-mode") in ("auto", peers.LMCACHE_TRANSFER_MODE)
+
+
+def test_offloading_column_gets_kvbms_host_bytes():
+    s = _specs()[peers.OFFLOADING]
+    kv = s["kv_transfer_config"]
+    assert kv["kv_connector"] == "OffloadingConnector"
+    assert kv["kv_connector_extra_config"]["cpu_bytes_to_use"] == 64 * peers.block_bytes(SMALL, ENGINE)
+    assert "server" not in s and "python" not in s
+
+
+def test_harness_uses_the_columns_connector():
+    """The harness engine gets a peer's connector instead of kvbm's."""
+    from kvbm.testing import vllm_harness
+
+    specs = _specs()
+    for c in peers.PEERS:
+        kw = vllm_harness.engine_kwargs("/m", specs[c])
+        assert kw["kv_transfer_config"] == specs[c]["kv_transfer_config"]
+    assert vllm_harness.engine_kwargs("/m", specs["kvbm"])["kv_transfer_config"] == vllm_harness.CONNECTOR
+    assert "kv_transfer_config" not in vllm_harness.engine_kwargs("/m", specs["no kvbm"])
+
+
+def test_unknown_column_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown column 'lmcache'"):
+        compare.column_spec("lmcache", SMALL, ENGINE, 70, 64, 768, [])
+
+
+def test_startup_error_is_the_root_cause():
+    """vLLM prints the engine core's error, then the front end's; the
+    column's result is the first."""
+    tail = ["INFO something\n",
+            "(EngineCore_DP0 pid=12) ERROR Traceback (most recent call last):\n",
+            "(EngineCore_DP0 pid=12) ValueError: CPU Offloading is currently only supported on CUDA-alike and "
+            "XPU GPUs\n",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"]
+    assert compare.startup_error(tail) == ("ValueError: CPU Offloading is currently only supported on CUDA-alike "
+                                           "and XPU GPUs")
+    assert compare.startup_error(["RuntimeError: Engine core initialization failed.\n"]).startswith("RuntimeError")
+    assert compare.startup_error(["killed\n", "\n"]) == "killed"
+
+
+def test_a_failing_peer_column_reports_its_error_and_the_bench_goes_on(monkeypatch, tmp_path):
+    """run_harness(may_fail=True) returns the engine's root cause instead of
+    ending the run (a script stands in for the engine)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'starting'\necho '(EngineCore_DP0 pid=1) NotImplementedError: no CPU path'\n"
+                    "echo 'RuntimeError: Engine core initialization failed.'\nexit 1\n")
+    fake.chmod(0o755)
+    spec = {"python": str(fake), "env": {}, "kvbm": False}
+    assert compare.run_harness(spec, "peer", may_fail=True) == {"error": "NotImplementedError: no CPU path"}
+    with pytest.raises(SystemExit, match="NotImplementedError: no CPU path"):
+        compare.run_harness(spec, "baseline")
+
+
+def test_lmcache_column_without_its_environment_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBM_LMCACHE_ENV", str(tmp_path / "absent"))
+    out = compare.run_columns(SMALL, ENGINE, 70, 64, 768, [], columns=[peers.LMCACHE])
+    assert "no LMCache environment" in out[peers.LMCACHE]["error"]
+    assert "scripts/lmcache-env.sh" in out[peers.LMCACHE]["error"]
+
+
+def test_strongest_is_over_every_column_that_ran():
+    vals = {"no kvbm": 3.0, "kvbm": 1.0, peers.LMCACHE: 2.0}
+    assert compare.strongest(vals) == peers.LMCACHE
+    assert compare.strongest(vals, lower_is_better=False) == "no kvbm"
+
+
+def test_cost_benchs_before_column_is_kvbm_with_inherited_threads():
+    s = compare.column_spec(compare.KVBM_INHERIT, SMALL, ENGINE, 70, 64, 768, [])
+    k = compare.column_spec("kvbm", SMALL, ENGINE, 70, 64, 768, [])
+    assert s["kvbm"] and s["env"] == dict(k["env"], DYN_KVBM_THREAD_AFFINITY="inherit")
+    assert "DYN_KVBM_THREAD_AFFINITY" not in k["env"]
+
+
+def test_lmcache_store_policy_is_the_benchs_choice(monkeypatch):
+    monkeypatch.setattr(peers, "LMCACHE_STORE_POLICY", "default")
+    argv = _specs()[peers.LMCACHE]["server"]["argv"]
+    assert argv[argv.index("--l2-store-policy") + 1] == "default"

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, TypeVar, Union
 
+from kvbm import _affinity
 from kvbm._errors import BY_CODE, KvbmError, KvbmForkError
 
 if TYPE_CHECKING:
@@ -162,8 +163,14 @@ def lib() -> ctypes.CDLL:
                     f"kvbm native library not found at {path}; build it with `make build` or reinstall "
                     f"with `pip install .` (needs Go)"
                 )
-            handle = ctypes.CDLL(path)
+            # The Go runtime starts its threads during the load: off the
+            # cores an engine bound its model to (kvbm._affinity).
+            cores = _affinity.runtime_cores()
+            with _affinity.on_cores(cores):
+                handle = ctypes.CDLL(path)
             _declare(handle)
+            if cores:
+                log.info("kvbm: threads on cores %s, off the engine's model cores", sorted(cores))
             _lib, _lib_pid, _lib_path, _lib_variant = handle, pid, path, variant
             log.info("kvbm %s: loaded %s library %s (pid %d)", version(), variant, path, pid)
     return lib()

@@ -51,7 +51,8 @@ def chart(path: str, runs: dict, turns_at: list[int], title: str) -> str | None:
         print("no chart: matplotlib is not installed (pip install matplotlib)")
         return None
     styles = {"no kvbm": ("tab:red", "-"), "no kvbm, G1 + G2 bytes": ("tab:orange", "--"),
-              "no-op connector": ("tab:gray", ":"), "kvbm": ("tab:green", "-")}
+              "no-op connector": ("tab:gray", ":"), "kvbm": ("tab:green", "-"),
+              "LMCache": ("tab:blue", "-."), "vLLM OffloadingConnector": ("tab:purple", "-.")}
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
     for col, r in runs.items():
         ys = [t * 1000 for t in r["ttft_each"]]
@@ -85,11 +86,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--host-blocks", type=int, default=64, help="kvbm G2 (host memory) blocks")
     ap.add_argument("--disk-blocks", type=int, default=1024, help="kvbm G3 (disk) blocks")
     ap.add_argument("--skip-noop", action="store_true", help="leave out the no-op connector column")
+    ap.add_argument("--peers", action="store_true",
+                    help="add the peer columns: LMCache (from .venv-lmcache, scripts/lmcache-env.sh) and vLLM's "
+                         "OffloadingConnector, with kvbm's G2 and G3 bytes; a peer that cannot run says why")
     ap.add_argument("--chart", default=os.path.join(tempfile.gettempdir(), "kvbm-demo", "ttft-per-request.png"),
                     help="where the PNG chart goes")
     a = ap.parse_args(argv)
 
-    from kvbm.testing import compare
+    from kvbm.testing import compare, peers
     from kvbm.testing.tiny_model import QWEN2_05B_LIKE
 
     model = dict(QWEN2_05B_LIKE) if a.model == "0.5b" else dict(MODELS[a.model] or {})
@@ -103,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = {"max_model_len": min(max_len, (a.g1_blocks - 1) * bs), "max_num_batched_tokens": 1024}
     if a.model == "0.5b":
         engine["dtype"] = model["dtype"] = "bfloat16"
-    columns = [c for c in compare.COLUMNS if not (a.skip_noop and c == "no-op connector")]
+    asked = [c for c in compare.COLUMNS if not (a.skip_noop and c == "no-op connector")]
+    asked += list(peers.PEERS) if a.peers else []
     print(f"kvbm demo: {a.conversations} chat conversations × {a.turns} turns, interleaved; shared system prompt "
           f"{a.system_len} tokens, user messages {a.user_len}, replies {a.reply_len} tokens. Their KV by the last "
           f"turn: ~{need} blocks of {bs} tokens; vLLM's G1 {a.g1_blocks} blocks; kvbm G2 {a.host_blocks} blocks "
@@ -111,17 +116,20 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"on disk", flush=True)
     print(compare.engine_threads(), flush=True)
     warm = {"each": [[5 + (i % 200) for i in range(96)]], "max_tokens": 1, "tag": "warmup"}
-    runs = compare.run_columns(model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks, [warm, chat], columns,
+    runs = compare.run_columns(model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks, [warm, chat], asked,
                                kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})
+    failed = {c: runs[c]["error"] for c in asked if "error" in runs[c]}
+    columns = [c for c in asked if c not in failed]
     chats = {c: runs[c]["chat"] for c in columns}
     same = {c: chats[c]["tokens"] == chats["no kvbm"]["tokens"] for c in columns}
     ttft = {c: chats[c]["ttft_each"] for c in columns}
     later = {c: ttft[c][a.conversations:] for c in columns}  # turns 2.. (turn 1 has nothing to reuse but the system prompt)
-    split = {c: compare.tier_split([chats[c]], runs[c]["warmup"].get("metrics") if c == "kvbm" else None)
+    split = {c: compare.tier_split([chats[c]], runs[c]["warmup"].get("metrics") if c == "kvbm" else None,
+                                   peer=c if c in peers.PEERS else None)
              for c in columns}
     ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
     print()
-    compare.print_table([
+    compare.print_table(([("engine started", {c: failed.get(c, "yes") for c in asked}, str)] if a.peers else []) + [
         ("requests", {c: len(ttft[c]) for c in columns}, str),
         ("TTFT mean", {c: statistics.mean(ttft[c]) for c in columns}, ms),
         ("TTFT p50", {c: compare.pct(ttft[c], 0.5) for c in columns}, ms),
@@ -129,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         (f"TTFT mean, turns 2–{a.turns}", {c: statistics.mean(later[c]) for c in columns}, ms),
         ("prompt tokens served by", split, compare.fmt_split),
         (f"replies ({a.reply_len} tokens) identical to no kvbm", same, lambda v: "yes" if v else "NO"),
-    ], columns)
+    ], asked)
     means = {c: statistics.mean(ttft[c]) for c in columns}
     best = compare.strongest(means)
     lbest = compare.strongest({c: statistics.mean(later[c]) for c in columns})
@@ -138,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         r = b / k
         return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
 
-    print(f"\nkvbm against the strongest baseline: TTFT mean {vs(means[best], means['kvbm'])} ({best}); "
+    print(f"\nkvbm against the strongest other column: TTFT mean {vs(means[best], means['kvbm'])} ({best}); "
           f"turns 2–{a.turns}, where there is history to reuse: "
           f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}).")
     print("The enlarged-G1 column has kvbm's host memory given to vLLM; what it cannot hold, kvbm keeps on disk.")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from kvbm.testing import peers
 
 BS = 32  # vLLM block size of the harness
 
@@ -42,6 +46,9 @@ BASELINES = COLUMNS[:3]
 # every layer): what vLLM does with a connector that cannot handle groups.
 # An extra column for models with several KV cache groups.
 KVBM_HMA_OFF = "kvbm, hybrid manager off"
+# kvbm with its threads left on the cores the engine's worker thread is bound
+# to (DYN_KVBM_THREAD_AFFINITY=inherit): the cost bench's "before".
+KVBM_INHERIT = "kvbm, threads on the model's cores"
 
 # Cores vLLM's CPU backend keeps free of the model's OpenMP threads, the same
 # in every column. vLLM reserves one core per rank for its scheduler, and one
@@ -104,10 +111,82 @@ def harness_env(spec: dict, root: str, run_dir: str) -> dict[str, str]:
     return env
 
 
-def run_harness(spec: dict, label: str) -> dict:
-    """One engine run of kvbm.testing.vllm_harness in a subprocess; prints its
-    per-request progress lines."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def _root() -> str:
+    """The directory holding the kvbm package (python/ in a checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _checkout() -> str:
+    """The checkout's top directory, where .venv-lmcache lives."""
+    return os.path.dirname(_root())
+
+
+_ERROR_LINE = re.compile(r"(?:^|\) )((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$")
+
+
+def startup_error(lines: Sequence[str]) -> str:
+    """The root cause among an engine's last output lines: the first
+    exception line (vLLM prints the engine core's own error before the
+    front end's "Engine core initialization failed"), without the process
+    prefix; else the last line."""
+    errs = [m.group(1).strip() for m in (_ERROR_LINE.search(ln.rstrip()) for ln in lines) if m]
+    errs = [e for e in errs if "initialization failed" not in e] or errs
+    if errs:
+        return errs[0]
+    rest = [ln.strip() for ln in lines if ln.strip()]
+    return rest[-1] if rest else "no output"
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def _start_server(server: dict, run_dir: str, label: str) -> tuple[subprocess.Popen, Any]:
+    """A peer's server process (its own session, output to a log in the run
+    directory), once it accepts connections on server["port"]."""
+    log = open(os.path.join(run_dir, "server.log"), "w+")
+    argv = [a.replace("{run_dir}", run_dir) for a in server["argv"]]
+    env = dict(os.environ, **{k: str(v) for k, v in (server.get("env") or {}).items()})
+    p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if not _wait_port(server["port"], p, server.get("timeout_s", 180)):
+        log.seek(0)
+        tail = log.read().splitlines()[-40:]
+        _stop_server(p, log)
+        raise _ColumnFailed(f"{label}: server did not start: " + startup_error(tail), tail)
+    return p, log
+
+
+def _stop_server(p: subprocess.Popen, log: Any) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log.close()
+
+
+class _ColumnFailed(Exception):
+    def __init__(self, msg: str, tail: Sequence[str]) -> None:
+        super().__init__(msg)
+        self.tail = list(tail)
+
+
+def run_harness(spec: dict, label: str, may_fail: bool = False) -> dict:
+    """One engine run of kvbm.testing.vllm_harness in a subprocess (with
+    spec["python"] when given, else this interpreter), after the column's
+    server (spec["server"]) when it has one; prints its per-request progress
+    lines. may_fail: a run that fails returns {"error": its root cause}
+    instead of ending the bench."""
+    root = _root()
     with tempfile.TemporaryDirectory(prefix="kvbm-run-", dir=disk_dir()) as d:
         sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
         with open(sp, "w") as f:
@@ -115,48 +194,108 @@ def run_harness(spec: dict, label: str) -> dict:
         env = harness_env(spec, root, d)
         print(f"== {label}: starting vLLM (CPU backend) ...", flush=True)
         t0 = time.time()
-        p = subprocess.Popen([sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail: list[str] = []
-        assert p.stdout is not None
-        for line in p.stdout:
-            tail = (tail + [line])[-200:]
-            if _PROGRESS.match(line):
-                print("   " + line.rstrip()[:200], flush=True)
-        if p.wait() != 0:
-            sys.stdout.write("".join(tail))
-            raise SystemExit(f"{label}: vLLM run failed (exit {p.returncode})")
+        server = None
+        try:
+            if spec.get("server"):
+                server = _start_server(spec["server"], d, label)
+            p = subprocess.Popen([spec.get("python") or sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail: list[str] = []
+            assert p.stdout is not None
+            for line in p.stdout:
+                tail = (tail + [line])[-200:]
+                if _PROGRESS.match(line):
+                    print("   " + line.rstrip()[:200], flush=True)
+            if p.wait() != 0:
+                raise _ColumnFailed(f"{label}: vLLM run failed (exit {p.returncode}): {startup_error(tail)}", tail)
+        except _ColumnFailed as e:
+            if not may_fail:
+                sys.stdout.write("".join(x if x.endswith("\n") else x + "\n" for x in e.tail))
+                raise SystemExit(str(e)) from None
+            print(f"== {e}", flush=True)
+            return {"error": startup_error(e.tail)}
+        finally:
+            if server is not None:
+                _stop_server(*server)
         print(f"== {label}: finished in {time.time() - t0:.0f} s", flush=True)
         with open(op) as f:
             out: dict[str, Any] = json.load(f)
             return out
 
 
+def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: int, actions: list,
+                kv_env: dict | None = None, port: int = 0, http_port: int = 0) -> dict:
+    """The harness spec of one column: its engine settings, connector,
+    environment, interpreter and server. Every column gets G1 of g1 blocks
+    (the enlarged baseline g1 + host); kvbm and the peers get host blocks'
+    bytes of host memory and disk blocks' bytes on disk (peers: port and
+    http_port for a server's sockets)."""
+    eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
+    with_kvbm = col in ("kvbm", KVBM_INHERIT, KVBM_HMA_OFF)
+    if col == KVBM_HMA_OFF:
+        eng["disable_hybrid_kv_cache_manager"] = True
+    spec: dict[str, Any] = {"model": model, "engine": eng, "kvbm": with_kvbm,
+                            "noop_connector": col == "no-op connector", "actions": actions, "env": {}}
+    if with_kvbm:
+        spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
+                            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
+        if col == KVBM_INHERIT:
+            spec["env"]["DYN_KVBM_THREAD_AFFINITY"] = "inherit"
+    elif col == peers.LMCACHE:
+        bb = peers.block_bytes(model, eng)
+        env_dir = peers.lmcache_env_dir(_checkout())
+        spec["python"] = os.path.join(env_dir, "bin", "python")
+        spec["kv_transfer_config"] = peers.lmcache_transfer_config(port)
+        spec["env"] = dict(peers.LMCACHE_ENV)
+        spec["server"] = {"argv": peers.lmcache_server_argv(env_dir, port, http_port, host * bb, disk * bb,
+                                                            os.path.join("{run_dir}", "lmcache-l2")),
+                          "env": dict(peers.LMCACHE_ENV),
+                          "port": port}
+    elif col == peers.OFFLOADING:
+        spec["kv_transfer_config"] = peers.offloading_transfer_config(host * peers.block_bytes(model, eng))
+    elif col not in COLUMNS:
+        raise ValueError(f"unknown column {col!r}: one of "
+                         f"{', '.join(COLUMNS + peers.PEERS + (KVBM_INHERIT, KVBM_HMA_OFF))}")
+    return spec
+
+
 def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, actions: list,
                 columns: Sequence[str] = COLUMNS, kv_env: dict | None = None) -> dict:
-    """Every column's run of actions; returns {column: {tag: action record}}."""
+    """Every column's run of actions; returns {column: {tag: action record}}.
+    A peer column that cannot run returns {"error": why} and the others go
+    on (LMCache without its environment: scripts/lmcache-env.sh)."""
     out: dict[str, dict[str, Any]] = {}
     for i, col in enumerate(columns):
-        eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
-        with_kvbm = col in ("kvbm", KVBM_HMA_OFF)
-        if col == KVBM_HMA_OFF:
-            eng["disable_hybrid_kv_cache_manager"] = True
-        spec = {"model": model, "engine": eng, "kvbm": with_kvbm,
-                "noop_connector": col == "no-op connector", "actions": actions, "env": {}}
-        if with_kvbm:
-            spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
-                                "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
-        res = run_harness(spec, f"run {i + 1}/{len(columns)}: {col} (G1 {eng['num_gpu_blocks_override']} blocks)")
-        out[col] = {a["tag"]: a for a in res["actions"]}
+        if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
+            why = (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
+                   "(scripts/lmcache-env.sh creates it)")
+            print(f"== run {i + 1}/{len(columns)}: {col}: skipped, {why}", flush=True)
+            out[col] = {"error": why}
+            continue
+        spec = column_spec(col, model, engine, g1, host, disk, actions, kv_env,
+                           port=free_port(), http_port=free_port())
+        res = run_harness(spec, f"run {i + 1}/{len(columns)}: {col} "
+                                f"(G1 {spec['engine']['num_gpu_blocks_override']} blocks)",
+                          may_fail=col in peers.PEERS)
+        out[col] = {"error": res["error"]} if "error" in res else {a["tag"]: a for a in res["actions"]}
     return out
 
 
-def tier_split(recs: list[dict], before: dict | None) -> dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def tier_split(recs: list[dict], before: dict | None, peer: str | None = None) -> dict:
     """Prompt tokens served by G1, G2, G3 and recomputed, over the timed
     requests of the records recs (in order); before: kvbm's metrics before
     the first of them (None without kvbm). kvbm's onboard counters count
     engine-sized blocks (BS tokens); a connector's tokens are part of vLLM's
-    num_cached_tokens, so G1's share is what remains."""
+    num_cached_tokens, so G1's share is what remains. peer: a peer
+    connector's name; vLLM does not tell its loads from G1 hits, so they
+    are counted together under "G1 or <peer>"."""
     prompt = sum(sum(r["prompt_lens"]) for r in recs)
     cached = sum(sum(c or 0 for c in r["num_cached_tokens"]) for r in recs)
     g2 = g3 = 0
@@ -165,7 +304,10 @@ def tier_split(recs: list[dict], before: dict | None) -> dict:
         g2 = (after.get("kvbm_onboard_blocks_h2d", 0) - before.get("kvbm_onboard_blocks_h2d", 0)) * BS
         g3 = (after.get("kvbm_onboard_blocks_d2d", 0) - before.get("kvbm_onboard_blocks_d2d", 0)) * BS
     g1 = max(cached - g2 - g3, 0)
-    return {"prompt": prompt, "G1": g1, "G2": g2, "G3": g3, "recomputed": max(prompt - cached, 0)}
+    out = {"prompt": prompt, "G1": g1, "G2": g2, "G3": g3, "recomputed": max(prompt - cached, 0)}
+    if peer:
+        out["peer"] = peer
+    return out
 
 
 def stored_bytes_per_token(rec: dict, prompt_tokens: int) -> float | None:
@@ -181,7 +323,7 @@ def stored_bytes_per_token(rec: dict, prompt_tokens: int) -> float | None:
 
 def fmt_split(s: dict) -> str:
     p = max(s["prompt"], 1)
-    parts = [f"G1 {100 * s['G1'] / p:.0f}%"]
+    parts = [f"{'G1 or ' + s['peer'] if s.get('peer') else 'G1'} {100 * s['G1'] / p:.0f}%"]
     if s["G2"] or s["G3"]:
         parts += [f"G2 {100 * s['G2'] / p:.0f}%", f"G3 {100 * s['G3'] / p:.0f}%"]
     parts.append(f"recomputed {100 * s['recomputed'] / p:.0f}%")
@@ -189,9 +331,11 @@ def fmt_split(s: dict) -> str:
 
 
 def strongest(vals: dict, lower_is_better: bool = True) -> str:
-    """The baseline column with the best value."""
-    cands = [c for c in BASELINES if c in vals]
-    return (min if lower_is_better else max)(cands, key=lambda c: vals[c])
+    """The column other than kvbm's with the best value (baselines and the
+    peers that ran; kvbm's own variants are not baselines)."""
+    cands: list[str] = [c for c in vals if not c.startswith("kvbm")]
+    best: str = (min if lower_is_better else max)(cands, key=lambda c: vals[c])
+    return best
 
 
 def print_table(rows: list[tuple[str, dict, Callable[[Any], str]]], columns: Sequence[str]) -> None:

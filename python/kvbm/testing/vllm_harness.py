@@ -8,6 +8,7 @@ fresh interpreter)::
 spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "engine": {...LLM kwargs overrides...},
        "kvbm": true|false, "env": {...},
+       "kv_transfer_config": {...} (another connector instead of kvbm's),
        "events": false | {"endpoint": "tcp://*:5557"},
        "collect": {name: endpoint} (ZMQ subscribers; "consolidated" is kvbm's),
        "settle_collectors": seconds (collectors other than "consolidated" are
@@ -84,7 +85,9 @@ def engine_kwargs(model: str, spec: dict) -> dict:
         disable_log_stats=True,
     )
     kw.update(spec.get("engine", {}))
-    if spec.get("kvbm", True):
+    if spec.get("kv_transfer_config"):  # a peer's connector (kvbm.testing.peers)
+        kw["kv_transfer_config"] = dict(spec["kv_transfer_config"])
+    elif spec.get("kvbm", True):
         kw["kv_transfer_config"] = dict(CONNECTOR)
     elif spec.get("noop_connector"):
         kw["kv_transfer_config"] = {"kv_connector": "NoopConnector", "kv_role": "kv_both",

@@ -11,6 +11,8 @@ configures Python alone:
   consolidator, decided in processes that never load the library (an
   engine's front end);
 - KVBM_LIBRARY, KVBM_DISABLE_CUDA (_native.py): which library to load;
+- DYN_KVBM_THREAD_AFFINITY (_affinity.py): the cores the Go runtime starts
+  its threads on, decided before the library loads;
 - KVBM_CUDA_PACK_KV_CACHE (_kvpool.py), DYN_KVBM_ENABLE_RECORD and
   DYN_KVBM_RECORD_PATH (_record.py): Python-side features.
 

@@ -27,6 +27,7 @@ var notConfig = map[string]string{
 	"KVBM_CUDA_PACK_KV_CACHE":      "python/kvbm/_kvpool.py: the vLLM connector's KV cache pool",
 	"DYN_NAMESPACE":                "the engine adapters' RouterEvent namespace",
 	"DYN_KVBM_WORKER_ID":           "the engine adapters' RouterEvent worker id",
+	"DYN_KVBM_THREAD_AFFINITY":     "python/kvbm/_affinity.py: where the Go runtime starts its threads, before the library loads",
 }
 
 var (

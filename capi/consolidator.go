@@ -18,7 +18,7 @@ import (
 // consolidatorOptions configures the KV event consolidator, either started by
 // a leader (fed the leader's G2/G3 events in-process) or standalone.
 type consolidatorOptions struct {
-	Engine         string `json:"engine"`          // "vllm" or "trtllm"
+	Engine         string `json:"engine"`          // "vllm", "trtllm" or "sglang"
 	EngineEndpoint string `json:"engine_endpoint"` // engine KV events (ZMQ SUB connects here); "" = none
 	ZMQBind        string `json:"zmq_bind"`        // consolidated output (ZMQ PUB binds here); "" = none
 	NATS           bool   `json:"nats"`            // publish RouterEvents on NATS (NATS_SERVER or nats_url)
@@ -55,8 +55,10 @@ func startConsolidator(o *consolidatorOptions, cfg *config.Config, m *metrics.Me
 		cc.Engine = consolidator.EngineVllm
 	case "trtllm", "tensorrt_llm":
 		cc.Engine = consolidator.EngineTrtllm
+	case "sglang":
+		cc.Engine = consolidator.EngineSglang
 	default:
-		return nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm or trtllm)", o.Engine)
+		return nil, errorf(statusInvalid, "consolidator: unknown engine %q (want vllm, trtllm or sglang)", o.Engine)
 	}
 	if o.EngineEndpoint != "" {
 		cc.EngineEndpoints = []string{o.EngineEndpoint}

@@ -7,8 +7,13 @@ import "C"
 
 import (
 	"encoding/json"
+	"math"
+	"strconv"
+	"sync"
 	"unsafe"
 
+	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/metrics"
 	"github.com/kvbm/kvbm/goext/pagestore"
 )
 
@@ -25,6 +30,8 @@ type pagestoreHandle struct {
 	lifetime
 	s         *pagestore.Store
 	releaseG4 func() // nil without G4
+	events    bool   // pages carry SGLang's event hashes to a consolidator
+	pool      string // its label on the metrics endpoint ("" when not exported)
 }
 
 type pagestoreOptions struct {
@@ -35,6 +42,69 @@ type pagestoreOptions struct {
 	PageBytes int64             `json:"page_bytes"`
 	Rank      int               `json:"rank"`
 	Env       map[string]string `json:"env"`
+	// Share is the fraction of the disk tier's size (DYN_KVBM_DISK_CACHE_GB
+	// or _OVERRIDE_NUM_BLOCKS) this store gets, in (0, 1]; 0: all of it.
+	// SGLang's hybrid models store one pool per store and split the size.
+	Share float64 `json:"share"`
+	// Pool labels the store's counters on kvbm's metrics endpoint
+	// (DYN_KVBM_METRICS); "": "kv".
+	Pool string `json:"pool"`
+	// Consolidator, when not 0, is a consolidator handle
+	// (kvbm_consolidator_new, engine "sglang") that receives the store's
+	// pages as disk tier events named by SGLang's event hash of each key
+	// (pagestore.SGLangEventHash).
+	Consolidator uint64 `json:"consolidator"`
+}
+
+// pagestoreMetricsState is the process's page store metrics endpoint: one
+// registry for every store of the process (one per SGLang pool), served on
+// DYN_KVBM_METRICS_PORT + the first store's rank once the first store of a
+// process with DYN_KVBM_METRICS on opens, until the process ends.
+var pagestoreMetricsState struct {
+	sync.Mutex
+	c      *pagestore.Collector
+	served bool
+}
+
+// exportPagestore adds s to the process's page store metrics, starting the
+// endpoint on first use.
+func exportPagestore(cfg *config.Config, rank int, pool string, s *pagestore.Store) {
+	st := &pagestoreMetricsState
+	st.Lock()
+	defer st.Unlock()
+	if st.c == nil {
+		st.c = pagestore.NewCollector()
+	}
+	st.c.Add(pool, s)
+	if st.served {
+		return
+	}
+	st.served = true
+	m := metrics.New()
+	m.Registry.MustRegister(st.c)
+	port := cfg.MetricsPort + rank
+	if port > 65535 {
+		kvbmLogger().Warn("kvbm pagestore metrics endpoint not started: DYN_KVBM_METRICS_PORT + rank is past 65535",
+			"port", cfg.MetricsPort, "rank", rank)
+		return
+	}
+	c := *cfg
+	c.MetricsPort = port
+	srv, err := m.ServeWith(c.MetricsAddr(), metrics.ServerOptionsFrom(&c))
+	if err != nil {
+		kvbmLogger().Warn("kvbm pagestore metrics endpoint not started", "err", err)
+		return
+	}
+	kvbmLogger().Info("kvbm metrics endpoint", "url", "http://"+srv.Addr+"/metrics")
+}
+
+func unexportPagestore(pool string, s *pagestore.Store) {
+	st := &pagestoreMetricsState
+	st.Lock()
+	defer st.Unlock()
+	if st.c != nil {
+		st.c.Remove(pool, s)
+	}
 }
 
 //export kvbm_pagestore_new
@@ -61,6 +131,11 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 		return finish(errorf(statusInvalid, "%s: options: page_bytes=%d, must be > 0", fn, o.PageBytes), errOut)
 	case o.Rank < 0:
 		return finish(errorf(statusInvalid, "%s: options: rank=%d, must be >= 0", fn, o.Rank), errOut)
+	case math.IsNaN(o.Share) || o.Share < 0 || o.Share > 1:
+		return finish(errorf(statusInvalid, "%s: options: share=%g, must be in (0, 1]", fn, o.Share), errOut)
+	}
+	if o.Pool == "" {
+		o.Pool = "kv"
 	}
 	cfg, err := configFor(o.Env, false)
 	if err != nil {
@@ -71,9 +146,13 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 			"(or DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS); pages are stored there", fn), errOut)
 	}
 	pages := cfg.DiskBlocks(o.PageBytes)
+	if o.Share > 0 {
+		pages = int(float64(pages) * o.Share)
+	}
 	if pages <= 0 {
-		return finish(errorf(statusConfig, "%s: DYN_KVBM_DISK_CACHE_GB=%g holds no page of %d bytes", fn,
-			cfg.DiskCacheGB, o.PageBytes), errOut)
+		return finish(errorf(statusConfig, "%s: DYN_KVBM_DISK_CACHE_GB=%g (DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS=%d) "+
+			"holds no page of %d bytes for pool %s (its share %s of the size)", fn, cfg.DiskCacheGB, cfg.DiskCacheOverrideBlocks,
+			o.PageBytes, o.Pool, strconv.FormatFloat(max(o.Share, 0), 'g', 3, 64)), errOut)
 	}
 	key, err := g3Key(cfg)
 	if err != nil {
@@ -83,6 +162,15 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 		Dir: cfg.DiskCacheDir, NumPages: pages, PageBytes: o.PageBytes, Identity: o.Identity, Rank: o.Rank,
 		Persist: cfg.DiskPersist, DisableODirect: cfg.DiskDisableODirect, OpenDirect: cfg.DiskAllocatorType == "open-direct",
 		Key: key, Logger: kvbmLogger(),
+	}
+	if o.Consolidator != 0 {
+		c, done, err := acquire[*consolidatorHandle](C.uint64_t(o.Consolidator))
+		if err != nil {
+			done()
+			return finish(err, errOut)
+		}
+		so.Events = c.c // a closed consolidator ignores events: no lifetime tie needed
+		done()
 	}
 	var release func()
 	if cfg.Object.Enabled {
@@ -100,7 +188,12 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 		}
 		return finish(withCode(statusIO, err), errOut)
 	}
-	*out = newHandle(&pagestoreHandle{s: s, releaseG4: release})
+	h := &pagestoreHandle{s: s, releaseG4: release, events: o.Consolidator != 0}
+	if cfg.Metrics {
+		h.pool = o.Pool
+		exportPagestore(cfg, o.Rank, o.Pool, s)
+	}
+	*out = newHandle(h)
 	return statusOK
 }
 
@@ -109,6 +202,9 @@ func kvbm_pagestore_free(hd C.uint64_t) {
 	defer guardVoid()
 	freeHook()
 	freeHandle(hd, nil, func(h *pagestoreHandle) {
+		if h.pool != "" {
+			unexportPagestore(h.pool, h.s)
+		}
 		_ = h.s.Close()
 		if h.releaseG4 != nil {
 			h.releaseG4()
@@ -139,11 +235,19 @@ func kvbm_pagestore_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errO
 // pageKeys splits the key buffer at ends (each key's end offset) and maps
 // every key to the store's.
 func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t) ([]pagestore.Key, error) {
+	ks, _, err := pageKeysExt(fn, s, keys, keysLen, ends, n, false)
+	return ks, err
+}
+
+// pageKeysExt is pageKeys that also gives each key's SGLang event hash
+// when withExt.
+func pageKeysExt(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t,
+	withExt bool) ([]pagestore.Key, []pagestore.Ext, error) {
 	if err := checkIn(fn, "keys", keys, keysLen); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := checkIn(fn, "key_ends", unsafe.Pointer(ends), n); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	buf := goBytes(keys, keysLen)
 	var endv []C.int64_t
@@ -151,15 +255,22 @@ func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int6
 		endv = unsafe.Slice(ends, int(n))
 	}
 	out := make([]pagestore.Key, len(endv))
+	var exts []pagestore.Ext
+	if withExt {
+		exts = make([]pagestore.Ext, len(endv))
+	}
 	start := int64(0)
 	for i, e := range endv {
 		if int64(e) < start || int64(e) > int64(keysLen) {
-			return nil, errorf(statusInvalid, "%s: key_ends[%d]=%d outside [%d, %d]", fn, i, int64(e), start, int64(keysLen))
+			return nil, nil, errorf(statusInvalid, "%s: key_ends[%d]=%d outside [%d, %d]", fn, i, int64(e), start, int64(keysLen))
 		}
 		out[i] = s.Key(buf[start:int64(e)])
+		if withExt {
+			exts[i] = pagestore.SGLangEventHash(buf[start:int64(e)])
+		}
 		start = int64(e)
 	}
-	return out, nil
+	return out, exts, nil
 }
 
 // pageSegs views the pages: segs holds (address, length) pairs, page i is
@@ -241,7 +352,7 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
 		return err
 	}
-	ks, err := pageKeys(fn, h.s, keys, keysLen, ends, n)
+	ks, exts, err := pageKeysExt(fn, h.s, keys, keysLen, ends, n, h.events)
 	if err != nil {
 		return err
 	}
@@ -254,9 +365,9 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	}
 	var ok []bool
 	if put {
-		ok, err = h.s.Put(ks, bufs)
+		ok, err = h.s.PutExt(ks, exts, bufs)
 	} else {
-		ok, err = h.s.Get(ks, bufs)
+		ok, err = h.s.GetExt(ks, exts, bufs)
 	}
 	if err != nil {
 		return withCode(statusIO, err)
@@ -314,6 +425,32 @@ func kvbm_pagestore_exists(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t
 	}
 	*outHits = C.int64_t(h.s.Exists(ks))
 	return statusOK
+}
+
+// kvbm_pagestore_has: out_ok[i] = 1 where the store holds key i (the disk
+// tier, else the object tier), key by key (HiCache's v2 hit policies).
+//
+//export kvbm_pagestore_has
+func kvbm_pagestore_has(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
+	outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	const fn = "kvbm_pagestore_has"
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
+		return finish(err, errOut)
+	}
+	ks, err := pageKeys(fn, h.s, keys, keysLen, keyEnds, n)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if int(outCap) < len(ks) {
+		return finish(errorf(statusInvalid, "%s: out_ok holds %d results, want %d", fn, int64(outCap), len(ks)), errOut)
+	}
+	return finish(pageOK(fn, h.s.Has(ks), outOK, outCap), errOut)
 }
 
 //export kvbm_pagestore_clear

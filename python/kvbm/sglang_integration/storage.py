@@ -149,7 +149,9 @@ class _Pool:
         self.name = name
         self.pool = pool
         self.page_size = int(pool.page_size) or 1
-        dummy = pool.get_dummy_flat_data_page()
+        # The flat page's size and dtype, from a page of the pool (its
+        # get_dummy_flat_data_page allocates pinned memory, which needs CUDA).
+        dummy = pool.get_data_page(0, flat=True)
         self.page_numel: int = int(dummy.numel())
         self.dtype = dummy.dtype
         self.page_bytes: int = int(dummy.numel() * dummy.element_size())

@@ -158,3 +158,34 @@ func TestSGLangPassthroughIgnoresHostTier(t *testing.T) {
 	require.Equal(t, 1, c.tr.Queued()+int(c.Stats().ZMQEvents))
 	require.Equal(t, uint64(1), c.Stats().NotForwarded)
 }
+
+// TestSGLangPendingIsBounded: by-hash stores the engine never announces
+// wait at most maxBlocks deep (the oldest go first), and a waiting store
+// that the engine then announces joins its block.
+func TestSGLangPendingIsBounded(t *testing.T) {
+	tr := NewTracker(EngineSglang, nil, WithMaxBlocks(4))
+	for h := uint64(1); h <= 10; h++ {
+		tr.StoreByHash(h, events.HolderKvbmDisk)
+	}
+	require.Equal(t, 4, tr.Pending())
+	require.Zero(t, tr.Queued(), "nothing announced without the engine")
+	tr.ApplyEngine(&events.EngineEvent{Kind: events.KindStored, BlockHashes: []uint64{1, 10}, TokenIDs: anyTokensU(8),
+		BlockSize: 4, Medium: "GPU"})
+	require.Equal(t, []events.Holder{events.HolderEngine}, tr.Holders(1), "1 was forgotten")
+	require.Equal(t, []events.Holder{events.HolderEngine, events.HolderKvbmDisk}, tr.Holders(10))
+	require.Equal(t, 3, tr.Pending())
+	tr.ApplyEngine(&events.EngineEvent{Kind: events.KindRemoved, BlockHashes: []uint64{10}, Medium: "GPU"})
+	require.Equal(t, 2, tr.Queued(), "two STOREs, no REMOVE: the disk tier holds 10")
+	tr.ApplyKvbm(&events.BlockEvent{Removed: true, Holder: events.HolderKvbmDisk, SeqHash: 9, ByHash: true})
+	require.Equal(t, 2, tr.Pending())
+	tr.ClearHolder(events.HolderKvbmDisk)
+	require.Zero(t, tr.Pending())
+}
+
+func anyTokensU(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(100 + i)
+	}
+	return out
+}

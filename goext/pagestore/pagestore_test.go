@@ -250,6 +250,7 @@ func TestObjectTierSharesPagesAcrossStores(t *testing.T) {
 	b := openObj(privateDir(t))
 	defer func() { require.NoError(t, b.Close()) }()
 	require.Equal(t, 2, b.Exists(keys(b, "p0", "p1", "p2")))
+	require.Equal(t, []bool{false, true, true}, b.Has(keys(b, "p2", "p1", "p0")), "key by key, from the object tier")
 	dst := [][]byte{make([]byte, pageBytes), make([]byte, pageBytes)}
 	ok, err = b.Get(keys(b, "p1", "p0"), pg(dst...))
 	require.NoError(t, err)

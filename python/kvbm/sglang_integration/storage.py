@@ -337,15 +337,16 @@ class KvbmHiCacheStorage(HiCacheStorage):
 
     # -- events ------------------------------------------------------------
 
-    def _kv_events_endpoint(self) -> Optional[str]:
-        """SGLang's KV event stream of this scheduler: the extra config's
-        ``kv_events_endpoint``, else SGLang's --kv-events-config (its zmq
-        publisher's endpoint, offset by this data-parallel rank as SGLang
-        binds it), on the rank that publishes (pp, attention TP and CP rank
-        0); None elsewhere or without one."""
+    def _kv_events_source(self) -> Optional[tuple[str, int]]:
+        """SGLang's KV event stream of this scheduler and its publisher's
+        data-parallel index: the extra config's ``kv_events_endpoint`` (index:
+        the storage config's dp_rank), else SGLang's --kv-events-config (its
+        zmq publisher's endpoint, offset by that index as SGLang binds it), on
+        the rank that publishes (pp, attention TP and CP rank 0); None
+        elsewhere or without one."""
         extra = self.storage_config.extra_config or {}
         if extra.get("kv_events_endpoint"):
-            return str(extra["kv_events_endpoint"])
+            return str(extra["kv_events_endpoint"]), int(self.storage_config.dp_rank or 0)
         try:
             from sglang.srt.disaggregation.kv_events import (
                 KVEventsConfig,
@@ -364,26 +365,29 @@ class KvbmHiCacheStorage(HiCacheStorage):
             par = get_parallel()
             rank = select_kv_publisher_dp_rank(par.attn_dp_size, par.attn_dp_rank, par.dp_rank)
             ep = ZmqEventPublisher.offset_endpoint_port(cfg.endpoint, rank)
-            return str(ep) if ep else None
+            return (str(ep), int(rank)) if ep else None
         except Exception:  # noqa: BLE001  (no runtime context: not inside an SGLang scheduler)
             return None
 
     def _start_consolidator(self) -> Any:
         """kvbm's consolidator for SGLang's stream and this rank's disk tier
         (DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR, on by default; output on
-        DYN_KVBM_KV_EVENTS_BIND_HOST : DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000,
-        and NATS when NATS_SERVER is set), or None."""
+        DYN_KVBM_KV_EVENTS_BIND_HOST : DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 +
+        the publisher's data-parallel index, as SGLang offsets its own, so
+        that the schedulers of one host do not collide; NATS when
+        NATS_SERVER is set), or None."""
         env = self._env
         if env.get("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true").strip().lower() not in TRUTHY:
             return None
-        endpoint = self._kv_events_endpoint()
-        if endpoint is None:
+        source = self._kv_events_source()
+        if source is None:
             return None
+        endpoint, dp_index = source
         from kvbm._core import Consolidator
         from kvbm._envs import check_port
 
-        port = check_port(int(env.get("DYN_KVBM_LEADER_ZMQ_PUB_PORT", "56001")) + 1000,
-                          "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 (consolidator output port)")
+        port = check_port(int(env.get("DYN_KVBM_LEADER_ZMQ_PUB_PORT", "56001")) + 1000 + dp_index,
+                          "DYN_KVBM_LEADER_ZMQ_PUB_PORT + 1000 + data-parallel index (consolidator output port)")
         host = env.get("DYN_KVBM_KV_EVENTS_BIND_HOST", "").strip() or "0.0.0.0"
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         opts: dict[str, Any] = {"engine": "sglang", "engine_endpoint": endpoint, "zmq_bind": f"tcp://{host}:{port}"}

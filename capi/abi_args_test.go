@@ -67,6 +67,7 @@ var abiExports = map[string]any{
 	"kvbm_pagestore_put":    kvbm_pagestore_put,
 	"kvbm_pagestore_get":    kvbm_pagestore_get,
 	"kvbm_pagestore_exists": kvbm_pagestore_exists,
+	"kvbm_pagestore_has":    kvbm_pagestore_has,
 	"kvbm_pagestore_clear":  kvbm_pagestore_clear,
 }
 
@@ -121,6 +122,7 @@ var abiValid = map[string]cCall{
 	"kvbm_pagestore_put":    pagestoreIO(&abiPutPage),
 	"kvbm_pagestore_get":    pagestoreIO(&abiGetPage),
 	"kvbm_pagestore_exists": {"keys": []byte("ab"), "key_ends": []int64{2}},
+	"kvbm_pagestore_has":    {"keys": []byte("ab"), "key_ends": []int64{2}, "out_ok": make([]byte, 1)},
 	"kvbm_pagestore_clear":  {},
 }
 

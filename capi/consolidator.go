@@ -16,7 +16,7 @@ import (
 // consolidatorOptions configures the KV event consolidator, either started by
 // a leader (fed the leader's G2/G3 events in-process) or standalone.
 type consolidatorOptions struct {
-	Engine         string `json:"engine"`          // "vllm" or "trtllm"
+	Engine         string `json:"engine"`          // "vllm", "trtllm" or "sglang"
 	EngineEndpoint string `json:"engine_endpoint"` // engine KV events (ZMQ SUB connects here); "" = none
 	ZMQBind        string `json:"zmq_bind"`        // consolidated output (ZMQ PUB binds here); "" = none
 	NATS           bool   `json:"nats"`            // publish RouterEvents on NATS (NATS_SERVER or nats_url)

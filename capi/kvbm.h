@@ -109,6 +109,9 @@ int kvbm_pagestore_get(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_e
                        char **err);
 int kvbm_pagestore_exists(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_ends, int64_t n, int64_t *out_hits,
                           char **err);
+/* out_ok[i] = 1 where the store holds key i (disk tier, else object tier) */
+int kvbm_pagestore_has(uint64_t hd, void *keys, int64_t keys_len, int64_t *key_ends, int64_t n, uint8_t *out_ok,
+                       int64_t out_cap, char **err);
 int kvbm_pagestore_clear(uint64_t hd, char **err);
 
 /* test-only exports, present in libkvbm_debug.so (built with -tags kvbm_debug) */

@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"encoding/json"
+	"math"
 	"unsafe"
 
 	"github.com/kvbm/kvbm/goext/node"
@@ -24,8 +25,9 @@ import (
 
 type pagestoreHandle struct {
 	lifetime
-	s *pagestore.Store
-	n *node.PageStore
+	s      *pagestore.Store
+	n      *node.PageStore
+	events bool // pages carry SGLang's event hashes to a consolidator
 }
 
 type pagestoreOptions struct {
@@ -36,6 +38,18 @@ type pagestoreOptions struct {
 	PageBytes int64             `json:"page_bytes"`
 	Rank      int               `json:"rank"`
 	Env       map[string]string `json:"env"`
+	// Share is the fraction of the disk tier's size (DYN_KVBM_DISK_CACHE_GB
+	// or _OVERRIDE_NUM_BLOCKS) this store gets, in (0, 1]; 0: all of it.
+	// SGLang's hybrid models store one pool per store and split the size.
+	Share float64 `json:"share"`
+	// Pool labels the store's counters on kvbm's metrics endpoint
+	// (DYN_KVBM_METRICS); "": "kv".
+	Pool string `json:"pool"`
+	// Consolidator, when not 0, is a consolidator handle
+	// (kvbm_consolidator_new, engine "sglang") that receives the store's
+	// pages as disk tier events named by SGLang's event hash of each key
+	// (pagestore.SGLangEventHash).
+	Consolidator uint64 `json:"consolidator"`
 }
 
 //export kvbm_pagestore_new
@@ -62,17 +76,31 @@ func kvbm_pagestore_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc 
 		return finish(errorf(statusInvalid, "%s: options: page_bytes=%d, must be > 0", fn, o.PageBytes), errOut)
 	case o.Rank < 0:
 		return finish(errorf(statusInvalid, "%s: options: rank=%d, must be >= 0", fn, o.Rank), errOut)
+	case math.IsNaN(o.Share) || o.Share < 0 || o.Share > 1:
+		return finish(errorf(statusInvalid, "%s: options: share=%g, must be in (0, 1]", fn, o.Share), errOut)
+	}
+	if o.Pool == "" {
+		o.Pool = "kv"
 	}
 	cfg, err := configFor(o.Env, false)
 	if err != nil {
 		return finish(err, errOut)
 	}
-	n, err := node.NewPageStore(cfg, node.PageStoreSpec{Identity: o.Identity, PageBytes: o.PageBytes, Rank: o.Rank},
-		fn, nodeDeps())
+	spec := node.PageStoreSpec{Identity: o.Identity, PageBytes: o.PageBytes, Rank: o.Rank, Share: o.Share, Pool: o.Pool}
+	if o.Consolidator != 0 {
+		c, done, err := acquire[*consolidatorHandle](C.uint64_t(o.Consolidator))
+		if err != nil {
+			done()
+			return finish(err, errOut)
+		}
+		spec.Events = c.c // a closed consolidator ignores events: no lifetime tie needed
+		done()
+	}
+	n, err := node.NewPageStore(cfg, spec, fn, nodeDeps())
 	if err != nil {
 		return finish(err, errOut)
 	}
-	*out = newHandle(&pagestoreHandle{s: n.S, n: n})
+	*out = newHandle(&pagestoreHandle{s: n.S, n: n, events: o.Consolidator != 0})
 	return statusOK
 }
 
@@ -106,11 +134,19 @@ func kvbm_pagestore_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errO
 // pageKeys splits the key buffer at ends (each key's end offset) and maps
 // every key to the store's.
 func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t) ([]pagestore.Key, error) {
+	ks, _, err := pageKeysExt(fn, s, keys, keysLen, ends, n, false)
+	return ks, err
+}
+
+// pageKeysExt is pageKeys that also gives each key's SGLang event hash
+// when withExt.
+func pageKeysExt(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int64_t, ends *C.int64_t, n C.int64_t,
+	withExt bool) ([]pagestore.Key, []pagestore.Ext, error) {
 	if err := checkIn(fn, "keys", keys, keysLen); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := checkIn(fn, "key_ends", unsafe.Pointer(ends), n); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	buf := goBytes(keys, keysLen)
 	var endv []C.int64_t
@@ -118,15 +154,22 @@ func pageKeys(fn string, s *pagestore.Store, keys unsafe.Pointer, keysLen C.int6
 		endv = unsafe.Slice(ends, int(n))
 	}
 	out := make([]pagestore.Key, len(endv))
+	var exts []pagestore.Ext
+	if withExt {
+		exts = make([]pagestore.Ext, len(endv))
+	}
 	start := int64(0)
 	for i, e := range endv {
 		if int64(e) < start || int64(e) > int64(keysLen) {
-			return nil, errorf(statusInvalid, "%s: key_ends[%d]=%d outside [%d, %d]", fn, i, int64(e), start, int64(keysLen))
+			return nil, nil, errorf(statusInvalid, "%s: key_ends[%d]=%d outside [%d, %d]", fn, i, int64(e), start, int64(keysLen))
 		}
 		out[i] = s.Key(buf[start:int64(e)])
+		if withExt {
+			exts[i] = pagestore.SGLangEventHash(buf[start:int64(e)])
+		}
 		start = int64(e)
 	}
-	return out, nil
+	return out, exts, nil
 }
 
 // pageSegs views the pages: segs holds (address, length) pairs, page i is
@@ -208,7 +251,7 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
 		return err
 	}
-	ks, err := pageKeys(fn, h.s, keys, keysLen, ends, n)
+	ks, exts, err := pageKeysExt(fn, h.s, keys, keysLen, ends, n, h.events)
 	if err != nil {
 		return err
 	}
@@ -221,9 +264,9 @@ func pageIO(fn string, h *pagestoreHandle, keys unsafe.Pointer, keysLen C.int64_
 	}
 	var ok []bool
 	if put {
-		ok, err = h.s.Put(ks, bufs)
+		ok, err = h.s.PutExt(ks, exts, bufs)
 	} else {
-		ok, err = h.s.Get(ks, bufs)
+		ok, err = h.s.GetExt(ks, exts, bufs)
 	}
 	if err != nil {
 		return withCode(statusIO, err)
@@ -281,6 +324,32 @@ func kvbm_pagestore_exists(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t
 	}
 	*outHits = C.int64_t(h.s.Exists(ks))
 	return statusOK
+}
+
+// kvbm_pagestore_has: out_ok[i] = 1 where the store holds key i (the disk
+// tier, else the object tier), key by key (HiCache's v2 hit policies).
+//
+//export kvbm_pagestore_has
+func kvbm_pagestore_has(hd C.uint64_t, keys unsafe.Pointer, keysLen C.int64_t, keyEnds *C.int64_t, n C.int64_t,
+	outOK *C.uint8_t, outCap C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	const fn = "kvbm_pagestore_has"
+	h, done, err := acquire[*pagestoreHandle](hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn(fn, "out_ok", unsafe.Pointer(outOK), outCap); err != nil {
+		return finish(err, errOut)
+	}
+	ks, err := pageKeys(fn, h.s, keys, keysLen, keyEnds, n)
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if int(outCap) < len(ks) {
+		return finish(errorf(statusInvalid, "%s: out_ok holds %d results, want %d", fn, int64(outCap), len(ks)), errOut)
+	}
+	return finish(pageOK(fn, h.s.Has(ks), outOK, outCap), errOut)
 }
 
 //export kvbm_pagestore_clear

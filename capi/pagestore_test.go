@@ -87,3 +87,47 @@ func TestPagestoreNeedsTheDiskTier(t *testing.T) {
 	require.Equal(t, statusConfig, r.rc, "%s", r)
 	require.Contains(t, r.msg, "DYN_KVBM_DISK_CACHE_GB")
 }
+
+// TestPagestoreHasAndShare: kvbm_pagestore_has answers key by key, and a
+// store given a share of the disk tier's size gets that share of its pages.
+func TestPagestoreHasAndShare(t *testing.T) {
+	protos := parseHeader(t)
+	opts := `{"identity":"abi-has","page_bytes":64,"share":0.5,"pool":"mamba","env":{` +
+		`"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS":"8","DYN_KVBM_DISK_DISABLE_O_DIRECT":"true"}}`
+	h := newTestHandle(t, protos, "kvbm_pagestore_new", opts)
+	defer freeTestHandle("pagestore", h)
+	src := make([]byte, 64)
+	addr := uint64(uintptr(unsafe.Pointer(&src[0])))
+	ok := make([]byte, 3)
+	r := invoke(t, protos["kvbm_pagestore_put"], kvbm_pagestore_put, cCall{"hd": h, "keys": []byte("k1k3"),
+		"key_ends": []int64{2, 4}, "segs": []uint64{addr, 64, addr, 64}, "page_ends": []int64{1, 2}, "out_ok": ok})
+	require.Equal(t, statusOK, r.rc, "%s", r)
+	r = invoke(t, protos["kvbm_pagestore_has"], kvbm_pagestore_has, cCall{"hd": h, "keys": []byte("k1k2k3"),
+		"key_ends": []int64{2, 4, 6}, "out_ok": ok})
+	require.Equal(t, statusOK, r.rc, "%s", r)
+	require.Equal(t, []byte{1, 0, 1}, ok)
+	// Half of 8 pages: five more pages evict the two above and the first new one.
+	five := make([]uint64, 0, 10)
+	for range 5 {
+		five = append(five, addr, 64)
+	}
+	ok = make([]byte, 5)
+	r = invoke(t, protos["kvbm_pagestore_put"], kvbm_pagestore_put, cCall{"hd": h, "keys": []byte("a0a1a2a3a4"),
+		"key_ends": []int64{2, 4, 6, 8, 10}, "segs": five, "page_ends": []int64{1, 2, 3, 4, 5}, "out_ok": ok})
+	require.Equal(t, statusOK, r.rc, "%s", r)
+	got := make([]byte, 6)
+	r = invoke(t, protos["kvbm_pagestore_has"], kvbm_pagestore_has, cCall{"hd": h, "keys": []byte("a0a1a2a3a4k1"),
+		"key_ends": []int64{2, 4, 6, 8, 10, 12}, "out_ok": got})
+	require.Equal(t, statusOK, r.rc, "%s", r)
+	require.Equal(t, []byte{0, 1, 1, 1, 1, 0}, got, "4 pages: k1, k3 and a0 were evicted")
+
+	bad := `{"identity":"abi-has","page_bytes":64,"share":1.5,"env":{"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS":"8"}}`
+	var out uint64
+	r = invoke(t, protos["kvbm_pagestore_new"], kvbm_pagestore_new, cCall{"opts_json": bad, "out": &out})
+	require.Equal(t, statusInvalid, r.rc)
+	require.Contains(t, r.msg, "share=1.5")
+	tiny := `{"identity":"abi-has","page_bytes":64,"share":0.1,"pool":"swa","env":{"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS":"8"}}`
+	r = invoke(t, protos["kvbm_pagestore_new"], kvbm_pagestore_new, cCall{"opts_json": tiny, "out": &out})
+	require.Equal(t, statusConfig, r.rc)
+	require.Contains(t, r.msg, "pool swa")
+}

@@ -32,7 +32,13 @@ sglang = pytest.importorskip("sglang", reason="sglang not installed: .ci/python-
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
@@ -81,10 +87,11 @@ def storage_config(tmp_path, layout: str, *, model: str = "test/model", extra=No
 
 
 def attach(cfg: HiCacheStorageConfig, pool: MHATokenToKVPoolHost):
-    """What HiCacheController.attach_storage_backend does: the factory, then
-    the host pool registration."""
+    """What HiCacheController.attach_storage_backend does: the factory, the
+    host pool registration, then on_host_pools_registered."""
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
     return backend
 
 
@@ -348,25 +355,23 @@ def test_object_tier_shares_pages_between_instances(tmp_path, s3_server):
     r.close()
 
 
-def test_hybrid_pools_fail_at_attach(tmp_path):
-    """A hybrid model's controller registers its pools through v2: refused
-    there (the v2 calls are not implemented), not at the first prefetch."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
+def test_pool_without_flat_pages_is_refused_at_attach(tmp_path):
+    """A host pool kvbm cannot read whole pages of is refused by name when
+    SGLang registers it, not at the first prefetch."""
+    with pytest.raises(NotImplementedError, match="SimpleNamespace .*has no flat pages"):
+        attach(storage_config(tmp_path, "page_first"), types.SimpleNamespace(page_size=PAGE))
     pool = host_pool("page_first")
     backend = attach(storage_config(tmp_path, "page_first"), pool)
-    with pytest.raises(NotImplementedError, match="hybrid"):
-        backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+    with pytest.raises(NotImplementedError, match="has no flat pages"):
+        backend.register_mem_host_pool_v2(types.SimpleNamespace(page_size=1), PoolName.INDEXER)
     backend.close()
-    # An anchor pool without flat pages (a pool group) is refused by name.
-    with pytest.raises(NotImplementedError, match="SimpleNamespace has no flat pages"):
-        attach(storage_config(tmp_path, "page_first"), types.SimpleNamespace(page_size=PAGE))
 
 
 def test_signatures_match_sglang_base_class():
     """The methods SGLang calls keep the base class's parameters."""
     for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "get", "set", "batch_get", "batch_set", "exists",
-                 "clear", "get_stats", "register_mem_pool_host", "register_mem_host_pool_v2"):
+                 "clear", "get_stats", "register_mem_pool_host", "register_mem_host_pool_v2", "on_host_pools_registered",
+                 "batch_exists_v2", "batch_get_v2", "batch_set_v2"):
         ours = list(inspect.signature(getattr(KvbmHiCacheStorage, name)).parameters)
         base = list(inspect.signature(getattr(HiCacheStorage, name)).parameters)
         assert ours == base, f"{name}: {ours} vs SGLang's {base}"

@@ -1,5 +1,7 @@
-"""kvbm as SGLang HiCache's storage backend: runs tests/sglang_contract.py
-(the contract tests against SGLang's real classes) in a pytest process of its
+"""kvbm as SGLang HiCache's storage backend: runs tests/sglang_contract.py,
+tests/sglang_hybrid_contract.py and tests/sglang_events_contract.py (the
+contract tests against SGLang's real classes; hybrid pools through the v2
+calls; SGLang's KV events with the disk tier's) in a pytest process of its
 own, because importing sglang patches transformers for the whole process
 (sglang/__init__.py applies its Hugging Face patches at import), which must
 not reach the vLLM tests of this run.
@@ -35,7 +37,8 @@ def test_sglang_contract():
         pytest.skip(why)
     r = subprocess.run(
         [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "--rootdir", os.path.dirname(HERE),
-         os.path.join(HERE, "sglang_contract.py")],
+         *(os.path.join(HERE, f) for f in ("sglang_contract.py", "sglang_hybrid_contract.py",
+                                           "sglang_events_contract.py"))],
         capture_output=True, text=True, timeout=900,
     )
     out = r.stdout + r.stderr

@@ -61,13 +61,15 @@ const DefaultNamespace = "dynamo"
 
 // defaultComponent is the NATS subject component per engine when
 // Config.Component is empty.
-var defaultComponent = map[Engine]string{EngineVllm: "backend", EngineTrtllm: "tensorrt_llm"}
+var defaultComponent = map[Engine]string{EngineVllm: "backend", EngineTrtllm: "tensorrt_llm", EngineSglang: "backend"}
 
 // Config configures a Consolidator. At least one output (ZMQBind or
 // NATSURL) is required; inputs are optional (kvbm's in-process events
 // arrive through Publish).
 type Config struct {
-	// Engine names the engine source in logs (Vllm or Trtllm).
+	// Engine names the engine source in logs (Vllm, Trtllm or Sglang);
+	// with Sglang, the engine's host tier events (medium "CPU_PINNED") are
+	// a holder of their own (sglang.go).
 	Engine Engine
 	// Mode is ModeDedup (default when empty) or ModePassthrough.
 	Mode Mode
@@ -250,8 +252,8 @@ func (cfg *Config) normalize() error {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	if cfg.Engine != EngineVllm && cfg.Engine != EngineTrtllm {
-		return fmt.Errorf("consolidator: engine %d is neither vLLM nor TensorRT-LLM", cfg.Engine)
+	if cfg.Engine != EngineVllm && cfg.Engine != EngineTrtllm && cfg.Engine != EngineSglang {
+		return fmt.Errorf("consolidator: engine %d is not vLLM, TensorRT-LLM or SGLang", cfg.Engine)
 	}
 	switch cfg.Mode {
 	case "":
@@ -444,7 +446,7 @@ func (c *Consolidator) applyBatch(b *events.Batch) {
 	}
 	d0, u0 := c.tr.deduped, c.tr.unknownRemoves
 	for i := range b.Events {
-		if !engineTier(&b.Events[i]) {
+		if !c.fromEngine(&b.Events[i]) {
 			// Another tier's events in the engine's stream (kvbm's own G2/G3,
 			// which arrive here in-process, or the engine's offloading).
 			c.stats.NotForwarded += uint64(len(b.Events[i].BlockHashes))

@@ -21,17 +21,21 @@ type Engine uint8
 const (
 	EngineVllm   Engine = iota // vLLM (default)
 	EngineTrtllm               // TensorRT-LLM
+	EngineSglang               // SGLang (its G1 and its HiCache host tier; kvbm as HiCache storage)
 )
 
 func (e Engine) String() string {
-	if e == EngineTrtllm {
+	switch e {
+	case EngineTrtllm:
 		return "Trtllm"
+	case EngineSglang:
+		return "Sglang"
 	}
 	return "Vllm"
 }
 
-// numHolders bounds events.Holder values (1..3) for the per-holder arrays.
-const numHolders = 4
+// numHolders bounds events.Holder values (1..5) for the per-holder arrays.
+const numHolders = 6
 
 // extEntry maps one external hash to its block.
 type extEntry struct {
@@ -99,6 +103,10 @@ type Tracker struct {
 	firsts map[uint64]uint64   // a live block's first hash → its key
 	queue  []events.ConsolidatedEvent
 	groups map[int]string // the engine's KV cache groups: index → attention kind (groups.go)
+	// pending holds the by-hash stores (sglang.go) of blocks the engine has
+	// not announced yet: external hash → holders, oldest first in order.
+	pending      map[uint64]uint8
+	pendingOrder []uint64
 
 	maxBlocks      int    // len(blocks) never exceeds it
 	oldest, newest *block // ends of the age list (nil when empty)
@@ -164,7 +172,7 @@ func (t *Tracker) holderName(h events.Holder) string {
 }
 
 func validHolder(h events.Holder) bool {
-	return h >= events.HolderEngine && h <= events.HolderKvbmDisk
+	return (h >= events.HolderEngine && h <= events.HolderKvbmDisk) || h == events.HolderEngineHost
 }
 
 // Key returns the dedup key of a block: the router sequence hash (design §3)
@@ -222,6 +230,7 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 		b := t.blocks[key]
 		t.addExt(b, key, ext, bit)
 		t.addRef(b, key, h, ext, len(tokens))
+		t.adoptPending(b, key, ext)
 		return false
 	}
 
@@ -229,6 +238,7 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 	if b, ok := t.blocks[key]; ok {
 		t.addExt(b, key, ext, bit)
 		t.addRef(b, key, h, ext, len(tokens))
+		t.adoptPending(b, key, ext)
 		return false
 	}
 
@@ -252,6 +262,7 @@ func (t *Tracker) Store(ext uint64, h events.Holder, tokens []uint32, parentExt 
 	t.pushNewest(b)
 	t.queue = append(t.queue, ev)
 	t.stores++
+	t.adoptPending(b, key, ext)
 	if t.debug {
 		t.log.Debug(fmt.Sprintf("Block %d (seq_hash=%d) stored in first source %s, will publish STORE event (total tracked: %d, hash_mapping: %d)",
 			ext, key, t.holderName(h), len(t.blocks), len(t.ext)))
@@ -359,6 +370,9 @@ func (t *Tracker) addRef(b *block, key uint64, h events.Holder, ext uint64, ntok
 func (t *Tracker) Remove(ext uint64, h events.Holder) bool {
 	e, ok := t.ext[ext]
 	if !ok {
+		if t.dropPending(ext, h) {
+			return false
+		}
 		t.unknownRemoves++
 		t.warn.Warn(fmt.Sprintf("Attempted to remove unknown block %d from source %s (not in hash_mapping)", ext, t.holderName(h)))
 		return false
@@ -405,6 +419,7 @@ func (t *Tracker) ClearAll() {
 	clear(t.blocks)
 	clear(t.ext)
 	clear(t.firsts)
+	t.clearPending(0)
 	t.oldest, t.newest = nil, nil
 	t.queue = append(t.queue, events.ConsolidatedEvent{Kind: events.KindCleared})
 	t.clears++
@@ -423,6 +438,7 @@ func (t *Tracker) ClearHolder(h events.Holder) {
 		return
 	}
 	bit := uint8(1) << h
+	t.clearPending(bit)
 	others := false
 	for _, b := range t.blocks {
 		if b.holders()&^bit != 0 {
@@ -473,23 +489,28 @@ func (t *Tracker) ClearHolder(h events.Holder) {
 	}
 }
 
-// ApplyEngine feeds one decoded engine event (holder: the engine).
+// ApplyEngine feeds one decoded engine event (holder: the engine; SGLang's
+// host tier events: events.HolderEngineHost).
 func (t *Tracker) ApplyEngine(ev *events.EngineEvent) {
 	if t.otherGroup(ev) {
 		return
 	}
+	holder := t.engineHolder(ev)
 	switch ev.Kind {
 	case events.KindStored:
 		for i, h := range ev.BlockHashes {
 			p, hp := ev.Parent(i)
-			t.Store(h, events.HolderEngine, ev.Block(i), p, hp, ev.BlockSize, ev.LoraName)
+			t.Store(h, holder, ev.Block(i), p, hp, ev.BlockSize, ev.LoraName)
 		}
 	case events.KindRemoved:
 		for _, h := range ev.BlockHashes {
-			t.Remove(h, events.HolderEngine)
+			t.Remove(h, holder)
 		}
 	case events.KindCleared:
 		t.ClearHolder(events.HolderEngine)
+		if t.name == EngineSglang {
+			t.ClearHolder(events.HolderEngineHost)
+		}
 	}
 }
 
@@ -520,6 +541,10 @@ func (t *Tracker) Forward(ev *events.EngineEvent) {
 // ApplyKvbm feeds one kvbm tier event: its external hash is kvbm's
 // sequence hash, its parent the parent's sequence hash.
 func (t *Tracker) ApplyKvbm(ev *events.BlockEvent) {
+	if ev.ByHash && !ev.Removed {
+		t.StoreByHash(ev.SeqHash, ev.Holder)
+		return
+	}
 	if ev.Removed {
 		t.Remove(ev.SeqHash, ev.Holder)
 		return
@@ -557,7 +582,7 @@ func (t *Tracker) Holders(ext uint64) []events.Holder {
 	}
 	var out []events.Holder
 	set := t.blocks[e.key].holders()
-	for h := events.HolderEngine; h <= events.HolderKvbmDisk; h++ {
+	for h := events.HolderEngine; h < numHolders; h++ {
 		if set&(1<<h) != 0 {
 			out = append(out, h)
 		}

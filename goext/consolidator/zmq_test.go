@@ -197,7 +197,7 @@ func TestConfigValidation(t *testing.T) {
 		{"nats namespace with a space", Config{NATSURL: "nats://127.0.0.1:1", Namespace: "my ns", Component: "backend"}, "NATS namespace"},
 		{"nats component with a dot", Config{NATSURL: "nats://127.0.0.1:1", Namespace: "dynamo", Component: "a.b"}, "NATS component"},
 		{"negative buffer", Config{ZMQBind: "tcp://127.0.0.1:0", BufferLimit: -1}, "buffer limit -1"},
-		{"bad engine", Config{ZMQBind: "tcp://127.0.0.1:0", Engine: 7}, "neither vLLM nor TensorRT-LLM"},
+		{"bad engine", Config{ZMQBind: "tcp://127.0.0.1:0", Engine: 7}, "is not vLLM, TensorRT-LLM or SGLang"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := New(tc.cfg)

@@ -14,6 +14,10 @@ const (
 	// believes the object store holds (tier events only, never the
 	// consolidator's).
 	HolderKvbmObject Holder = 4
+	// HolderEngineHost: the engine's own host memory tier (SGLang HiCache's
+	// L2, KV events of medium "CPU_PINNED"), a holder of its own so that a
+	// block evicted from the GPU but kept there stays announced.
+	HolderEngineHost Holder = 5
 )
 
 func (h Holder) String() string {
@@ -26,6 +30,8 @@ func (h Holder) String() string {
 		return "KvbmDisk"
 	case HolderKvbmObject:
 		return "KvbmObject"
+	case HolderEngineHost:
+		return "EngineHost"
 	}
 	return "Unknown"
 }
@@ -44,6 +50,12 @@ type BlockEvent struct {
 	Tokens    []uint32 // the block's tokens (stores only)
 	BlockSize int
 	LoraName  string
+	// ByHash: SeqHash is the engine's own external hash of the block, not
+	// kvbm's sequence hash, and the event carries no tokens (kvbm's SGLang
+	// HiCache storage, whose calls name pages by SGLang's page keys only).
+	// The consolidator adds or drops the holder of the engine's block of
+	// that hash; a store it cannot place yet waits for the engine's STORE.
+	ByHash bool
 }
 
 // Sink receives kvbm's tier events. Implementations must not block for long:

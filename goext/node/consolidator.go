@@ -13,7 +13,7 @@ import (
 // ConsolidatorSpec configures the KV event consolidator, either started by
 // a leader (fed the leader's G2/G3 events in-process) or standalone.
 type ConsolidatorSpec struct {
-	Engine         string // "vllm" (or "") or "trtllm"
+	Engine         string // "vllm" (or ""), "trtllm" or "sglang"
 	EngineEndpoint string // engine KV events (ZMQ SUB connects here); "" = none
 	ZMQBind        string // consolidated output (ZMQ PUB binds here); "" = none
 	NATS           bool   // publish RouterEvents on NATS (NATSURL, else NATS_SERVER)
@@ -50,11 +50,13 @@ func NewConsolidator(cfg *config.Config, spec ConsolidatorSpec, m *metrics.Metri
 	switch strings.ToLower(spec.Engine) {
 	case "", "vllm":
 		cc.Engine = consolidator.EngineVllm
+	case "sglang":
+		cc.Engine = consolidator.EngineSglang
 	case "trtllm", "tensorrt_llm":
 		cc.Engine = consolidator.EngineTrtllm
 	default:
 		// errprefix: the message names the component the engine configures, as before the assembly moved here
-		return nil, withKind(KindInvalid, fmt.Errorf("consolidator: unknown engine %q (want vllm or trtllm)", spec.Engine))
+		return nil, withKind(KindInvalid, fmt.Errorf("consolidator: unknown engine %q (want vllm, trtllm or sglang)", spec.Engine))
 	}
 	if spec.EngineEndpoint != "" {
 		cc.EngineEndpoints = []string{spec.EngineEndpoint}

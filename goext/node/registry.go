@@ -28,7 +28,9 @@ import (
 //   - the metric set every worker of the process records into
 //     (WorkerMetrics); the leader's endpoint serves its transfer families;
 //   - the side channel's in-process hubs (wire.InProcHubs): a leader and
-//     its ranks in one process meet there by endpoint.
+//     its ranks in one process meet there by endpoint;
+//   - the page stores' metrics endpoint: every store of the process (one
+//     per SGLang pool) is served by the first one's.
 //
 // Two more process-wide meeting points stay in the packages whose protocol
 // they are part of, and are listed here so that this is the one place
@@ -51,6 +53,7 @@ type Registry struct {
 
 	workerMetrics func() *metrics.Metrics
 	hubs          *wire.InProcHubs
+	pageStores    pageStoreMetrics // the page stores' metrics endpoint (pagestore.go)
 }
 
 type g4Ref struct {

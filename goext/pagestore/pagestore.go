@@ -31,6 +31,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/storage"
@@ -59,6 +60,21 @@ type Options struct {
 	Object ObjectTier
 	// LookupTimeout bounds one Exists' requests to Object (0: 2 s).
 	LookupTimeout time.Duration
+	// Events, when set, receives the disk tier's changes as kvbm tier
+	// events (holder HolderKvbmDisk) named by the engine's own event hash
+	// of each page (Ext, passed with the key to PutExt / GetExt), without
+	// tokens (BlockEvent.ByHash): a page stored, first read, or learnt
+	// after a restart is a store; an evicted, dropped or cleared page a
+	// removal. Pages without an event hash are not announced. Called with
+	// the store's lock held: it must not call back into the store.
+	Events events.Sink
+}
+
+// Ext is the engine's event hash of a page (what its KV events name the
+// page by); OK is false when the page has none.
+type Ext struct {
+	Hash uint64
+	OK   bool
 }
 
 // ObjectTier is what the store uses of goext/object.Store.
@@ -90,6 +106,7 @@ func KeyOf(fp fingerprint.Fingerprint, s []byte) Key {
 
 type slot struct {
 	key  Key
+	ext  Ext    // the engine's event hash, once known (not persisted)
 	sum  uint64 // XXH3 of the payload
 	used bool   // holds a page that is in the index
 	pins int    // reads or a write in progress: not evicted
@@ -141,6 +158,7 @@ type Store struct {
 
 	obj           ObjectTier
 	lookupTimeout time.Duration
+	sink          events.Sink // nil: no events
 
 	puts, dups, putFail, hits, misses, corrupt, evictions, bytesW, bytesR, objHits, objUploads atomic.Int64
 }
@@ -168,7 +186,7 @@ func Open(o Options) (*Store, error) {
 	}
 	s := &Store{d: d, fp: fp, pageBytes: o.PageBytes, log: log, index: map[Key]int{},
 		slots: make([]slot, o.NumPages), lru: list.New(), discarded: map[string]int{},
-		obj: o.Object, lookupTimeout: o.LookupTimeout}
+		obj: o.Object, lookupTimeout: o.LookupTimeout, sink: o.Events}
 	if s.lookupTimeout <= 0 {
 		s.lookupTimeout = 2 * time.Second
 	}
@@ -253,6 +271,34 @@ func (s *Store) Exists(keys []Key) int {
 	return n + s.obj.Lookup(ctx, hashes)
 }
 
+// Has reports, key by key, whether the store holds it: the disk tier, then
+// the object tier for the keys the disk lacks (one lookup each, all
+// bounded by LookupTimeout).
+func (s *Store) Has(keys []Key) []bool {
+	out := make([]bool, len(keys))
+	var missing []int
+	s.mu.Lock()
+	for i, k := range keys {
+		_, out[i] = s.index[k]
+		if !out[i] {
+			missing = append(missing, i)
+		}
+	}
+	s.mu.Unlock()
+	if len(missing) == 0 || s.obj == nil {
+		return out
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.lookupTimeout)
+	defer cancel()
+	for _, i := range missing {
+		if ctx.Err() != nil {
+			break
+		}
+		out[i] = s.obj.Lookup(ctx, []uint64{keys[i].Lo}) == 1
+	}
+	return out
+}
+
 func (s *Store) localPrefix(keys []Key) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -284,7 +330,8 @@ func (s *Store) take() int {
 	return -1
 }
 
-// unindex removes slot i's page from the index and the LRU (mu held).
+// unindex removes slot i's page from the index and the LRU, announcing
+// its removal (mu held).
 func (s *Store) unindex(i int) {
 	sl := &s.slots[i]
 	if !sl.used {
@@ -292,7 +339,36 @@ func (s *Store) unindex(i int) {
 	}
 	delete(s.index, sl.key)
 	s.lru.Remove(sl.elem)
+	s.announce(sl.ext, true)
 	*sl = slot{pins: sl.pins}
+}
+
+// announce publishes a store or removal of the page with event hash ext
+// (mu held).
+func (s *Store) announce(ext Ext, removed bool) {
+	if s.sink == nil || !ext.OK {
+		return
+	}
+	s.sink.Publish(events.BlockEvent{Removed: removed, Holder: events.HolderKvbmDisk, SeqHash: ext.Hash, ByHash: true})
+}
+
+// learn records slot i's event hash when it has none yet (a page
+// recovered at start, or stored without one) and announces the page
+// (mu held).
+func (s *Store) learn(i int, ext Ext) {
+	sl := &s.slots[i]
+	if !ext.OK || sl.ext.OK || !sl.used {
+		return
+	}
+	sl.ext = ext
+	s.announce(ext, false)
+}
+
+func extAt(exts []Ext, k int) Ext {
+	if k < len(exts) {
+		return exts[k]
+	}
+	return Ext{}
 }
 
 // Page is one page's bytes as segments, in order (a strided host page, e.g.
@@ -328,6 +404,12 @@ func (p Page) scatter(buf []byte) {
 // store holds already is kept as it is (SGLang's keys name their content).
 // ok[k] reports whether the store holds keys[k] afterwards.
 func (s *Store) Put(keys []Key, pages []Page) (ok []bool, err error) {
+	return s.PutExt(keys, nil, pages)
+}
+
+// PutExt is Put with the pages' event hashes (exts[k] for keys[k]; nil or
+// short: none), announced to Options.Events.
+func (s *Store) PutExt(keys []Key, exts []Ext, pages []Page) (ok []bool, err error) {
 	if len(keys) != len(pages) {
 		return nil, fmt.Errorf("pagestore: put: %d keys, %d pages", len(keys), len(pages))
 	}
@@ -341,7 +423,7 @@ func (s *Store) Put(keys []Key, pages []Page) (ok []bool, err error) {
 			return ok, fmt.Errorf("pagestore: put: page %d has %d bytes, want %d", k, n, s.pageBytes)
 		}
 		pages[k].gather(buf)
-		stored, dup, werr := s.putLocal(key, buf)
+		stored, dup, werr := s.putLocal(key, extAt(exts, k), buf)
 		if dup {
 			ok[k] = true
 			continue
@@ -364,10 +446,11 @@ func (s *Store) Put(keys []Key, pages []Page) (ok []bool, err error) {
 
 // putLocal writes the page in buf (a full aligned I/O buffer) to a slot
 // under key: stored; dup when the key was held already (kept as it is).
-func (s *Store) putLocal(key Key, buf []byte) (stored, dup bool, err error) {
+func (s *Store) putLocal(key Key, ext Ext, buf []byte) (stored, dup bool, err error) {
 	s.mu.Lock()
 	if i, have := s.index[key]; have {
 		s.lru.MoveToFront(s.slots[i].elem)
+		s.learn(i, ext)
 		s.mu.Unlock()
 		s.dups.Add(1)
 		return true, true, nil
@@ -396,6 +479,7 @@ func (s *Store) putLocal(key Key, buf []byte) (stored, dup bool, err error) {
 		sl.key, sl.sum, sl.used = key, sum, true
 		sl.elem = s.lru.PushFront(i)
 		s.index[key] = i
+		s.learn(i, ext)
 	}
 	s.mu.Unlock()
 	if werr != nil {
@@ -420,7 +504,11 @@ func anyTrue(b []bool) bool {
 // Get reads keys[k] into dsts[k] (PageBytes each). ok[k] is false for a key
 // the store does not hold, or whose page fails its checksum or MAC (the
 // page is then dropped): dsts[k] is then left as it was.
-func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
+func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) { return s.GetExt(keys, nil, dsts) }
+
+// GetExt is Get with the pages' event hashes (see PutExt): a page read
+// whose event hash was not known yet (recovered at start) is announced.
+func (s *Store) GetExt(keys []Key, exts []Ext, dsts []Page) (ok []bool, err error) {
 	if len(keys) != len(dsts) {
 		return nil, fmt.Errorf("pagestore: get: %d keys, %d pages", len(keys), len(dsts))
 	}
@@ -436,7 +524,7 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 		i, have := s.index[key]
 		if !have {
 			s.mu.Unlock()
-			ok[k] = s.getObject(key, dsts[k], buf)
+			ok[k] = s.getObject(key, extAt(exts, k), dsts[k], buf)
 			continue
 		}
 		sl := &s.slots[i]
@@ -466,6 +554,8 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 		if bad && sl.used && sl.key == key {
 			s.unindex(i)
 			s.free = append(s.free, i)
+		} else if !bad && sl.used && sl.key == key {
+			s.learn(i, extAt(exts, k))
 		}
 		s.mu.Unlock()
 		if !bad {
@@ -473,7 +563,7 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 			s.bytesR.Add(s.pageBytes)
 			ok[k] = true
 		} else {
-			ok[k] = s.getObject(key, dsts[k], buf)
+			ok[k] = s.getObject(key, extAt(exts, k), dsts[k], buf)
 		}
 	}
 	return ok, nil
@@ -481,7 +571,7 @@ func (s *Store) Get(keys []Key, dsts []Page) (ok []bool, err error) {
 
 // getObject reads a page the disk tier lacks from the object tier
 // (verified there) into dst, and keeps it on disk.
-func (s *Store) getObject(key Key, dst Page, buf []byte) bool {
+func (s *Store) getObject(key Key, ext Ext, dst Page, buf []byte) bool {
 	if s.obj == nil {
 		s.misses.Add(1)
 		return false
@@ -493,7 +583,7 @@ func (s *Store) getObject(key Key, dst Page, buf []byte) bool {
 	dst.scatter(buf[:s.pageBytes])
 	s.objHits.Add(1)
 	s.bytesR.Add(s.pageBytes)
-	_, _, _ = s.putLocal(key, buf)
+	_, _, _ = s.putLocal(key, ext, buf)
 	return true
 }
 

@@ -10,8 +10,12 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/integrity"
 	"github.com/kvbm/kvbm/goext/storage"
 )
@@ -246,6 +250,7 @@ func TestObjectTierSharesPagesAcrossStores(t *testing.T) {
 	b := openObj(privateDir(t))
 	defer func() { require.NoError(t, b.Close()) }()
 	require.Equal(t, 2, b.Exists(keys(b, "p0", "p1", "p2")))
+	require.Equal(t, []bool{false, true, true}, b.Has(keys(b, "p2", "p1", "p0")), "key by key, from the object tier")
 	dst := [][]byte{make([]byte, pageBytes), make([]byte, pageBytes)}
 	ok, err = b.Get(keys(b, "p1", "p0"), pg(dst...))
 	require.NoError(t, err)
@@ -312,4 +317,99 @@ func TestConcurrentPutGetUnderEviction(t *testing.T) {
 	require.LessOrEqual(t, st.Used, 4)
 	require.Positive(t, st.Evictions)
 	require.Zero(t, st.Corrupt)
+}
+
+// recordSink records the events a store publishes.
+type recordSink struct {
+	mu  sync.Mutex
+	evs []string
+}
+
+func (r *recordSink) Publish(ev events.BlockEvent) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	op := "store"
+	if ev.Removed {
+		op = "remove"
+	}
+	r.evs = append(r.evs, fmt.Sprintf("%s %x %v %v", op, ev.SeqHash, ev.Holder, ev.ByHash))
+}
+
+func (r *recordSink) take() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := r.evs
+	r.evs = nil
+	return out
+}
+
+// TestEventsHasAndCollector: a store announces its pages by their event
+// hash (stored, evicted, corrupt, cleared; a recovered page once it is
+// read), Has answers key by key, and the collector exports its counters.
+func TestEventsHasAndCollector(t *testing.T) {
+	dir := t.TempDir()
+	sink := &recordSink{}
+	o := Options{Dir: dir, NumPages: 2, PageBytes: pageBytes, Identity: "events", Persist: true,
+		DisableODirect: true, Key: testKey(t, "pagestore test secret"), Events: sink}
+	s, err := Open(o)
+	require.NoError(t, err)
+	ext := func(h uint64) []Ext { return []Ext{{Hash: h, OK: true}} }
+	_, err = s.PutExt(keys(s, "a"), ext(0xa), pg(page(1)))
+	require.NoError(t, err)
+	_, err = s.PutExt(keys(s, "a"), ext(0xa), pg(page(1))) // a duplicate: no second store
+	require.NoError(t, err)
+	_, err = s.PutExt(keys(s, "b"), nil, pg(page(2))) // no event hash: not announced
+	require.NoError(t, err)
+	_, err = s.PutExt(keys(s, "c"), ext(0xc), pg(page(3))) // evicts a
+	require.NoError(t, err)
+	require.Equal(t, []string{"store a KvbmDisk true", "remove a KvbmDisk true", "store c KvbmDisk true"}, sink.take())
+	require.Equal(t, []bool{false, true, true}, s.Has(keys(s, "a", "b", "c")))
+
+	c := NewCollector()
+	c.Add("kv", s)
+	require.Equal(t, 2.0, testutil.ToFloat64(metricOf(t, c, "kvbm_pagestore_pages_used")))
+	require.Equal(t, 1.0, testutil.ToFloat64(metricOf(t, c, "kvbm_pagestore_evictions")))
+	require.NoError(t, s.Close())
+
+	// Reopened: the recovered pages are announced once they are read or
+	// put again with their event hash.
+	s, err = Open(o)
+	require.NoError(t, err)
+	defer s.Close()
+	require.Empty(t, sink.take())
+	dst := make([]byte, pageBytes)
+	ok, err := s.GetExt(keys(s, "c"), ext(0xc), pg(dst))
+	require.NoError(t, err)
+	require.Equal(t, []bool{true}, ok)
+	_, err = s.PutExt(keys(s, "b"), ext(0xb), pg(page(2)))
+	require.NoError(t, err)
+	require.Equal(t, []string{"store c KvbmDisk true", "store b KvbmDisk true"}, sink.take())
+	require.NoError(t, s.Clear())
+	require.ElementsMatch(t, []string{"remove c KvbmDisk true", "remove b KvbmDisk true"}, sink.take())
+}
+
+// metricOf is collector c's single series named name.
+func metricOf(t *testing.T, c *Collector, name string) prometheus.Collector {
+	t.Helper()
+	r := prometheus.NewPedanticRegistry()
+	require.NoError(t, r.Register(c))
+	mfs, err := r.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			require.Len(t, mf.GetMetric(), 1)
+			require.Equal(t, "kv", mf.GetMetric()[0].GetLabel()[0].GetValue())
+			return gaugeFrom(mf)
+		}
+	}
+	t.Fatalf("no %s", name)
+	return nil
+}
+
+func gaugeFrom(mf *dto.MetricFamily) prometheus.Collector {
+	m := mf.GetMetric()[0]
+	v := m.GetGauge().GetValue() + m.GetCounter().GetValue()
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "x"})
+	g.Set(v)
+	return g
 }

@@ -32,7 +32,7 @@ class ConsolidatorOptions(TypedDict, total=False):
     """Options of a KV event consolidator (capi/consolidator.go
     consolidatorOptions): :class:`Consolidator` keywords, ``Leader(consolidator=)``."""
 
-    engine: str  # "vllm" or "trtllm"
+    engine: str  # "vllm", "trtllm" or "sglang"
     engine_endpoint: str  # engine KV events (ZMQ SUB connects here); "" = none
     zmq_bind: str  # consolidated output (ZMQ PUB binds here); "" = none
     nats: bool  # publish RouterEvents on NATS (NATS_SERVER or nats_url)
@@ -553,7 +553,7 @@ class Consolidator(_native.Handle):
     feeds it kvbm's G2/G3 events; this class is for the engine-only case and
     for tests.
 
-    Keywords: engine ("vllm"|"trtllm"), engine_endpoint, zmq_bind, nats (bool),
+    Keywords: engine ("vllm"|"trtllm"|"sglang"), engine_endpoint, zmq_bind, nats (bool),
     nats_url (default NATS_SERVER), namespace, component, worker_id,
     buffer_limit, legacy_subject.
     """

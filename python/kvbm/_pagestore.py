@@ -38,6 +38,10 @@ _native.register_signatures(
             c_int,
             [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, POINTER(c_int64), _ERR],
         ),
+        "kvbm_pagestore_has": (
+            c_int,
+            [c_uint64, c_void_p, c_int64, POINTER(c_int64), c_int64, c_void_p, c_int64, _ERR],
+        ),
         "kvbm_pagestore_clear": (c_int, [c_uint64, _ERR]),
     }
 )
@@ -59,13 +63,22 @@ def _keys(keys: Sequence[str]) -> tuple[Any, int, Any, int]:
 class PageStore(_native.Handle):
     """A page store: ``identity`` (model, parallel and page layout, dtype)
     names its file and salts every key, so stores of incompatible setups
-    never share a page; ``env`` is kvbm's configuration (DYN_KVBM_DISK_*)."""
+    never share a page; ``env`` is kvbm's configuration (DYN_KVBM_DISK_*).
+    ``share`` is the fraction of the disk tier's size it gets (one store per
+    pool of a hybrid model); ``pool`` labels its counters on kvbm's metrics
+    endpoint; ``consolidator`` (a :class:`kvbm.Consolidator` started with
+    engine "sglang") receives its pages as disk tier events under SGLang's
+    event hash of each key."""
 
     _free = "kvbm_pagestore_free"
 
-    def __init__(self, identity: str, page_bytes: int, *, rank: int = 0, env: Mapping[str, str] | None = None):
-        opts = {"identity": identity, "page_bytes": int(page_bytes), "rank": int(rank),
-                "env": dict(_native.env_snapshot() if env is None else env)}
+    def __init__(self, identity: str, page_bytes: int, *, rank: int = 0, env: Mapping[str, str] | None = None,
+                 share: float = 0.0, pool: str = "kv", consolidator: Any = None):
+        opts: dict[str, Any] = {"identity": identity, "page_bytes": int(page_bytes), "rank": int(rank),
+                                "env": dict(_native.env_snapshot() if env is None else env),
+                                "share": float(share), "pool": pool}
+        if consolidator is not None:
+            opts["consolidator"] = int(consolidator._h)
         h = c_uint64()
         _native.call("kvbm_pagestore_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
@@ -106,6 +119,16 @@ class PageStore(_native.Handle):
         hits = c_int64()
         _native.call("kvbm_pagestore_exists", self._h, buf, n_bytes, ends, n, byref(hits))
         return hits.value
+
+    def has(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each of ``keys`` (disk tier, else the
+        object tier), key by key."""
+        if not keys:
+            return []
+        buf, n_bytes, ends, n = _keys(keys)
+        ok = (c_uint8 * n)()
+        _native.call("kvbm_pagestore_has", self._h, buf, n_bytes, ends, n, ok, n)
+        return [bool(v) for v in ok]
 
     def clear(self) -> None:
         _native.call("kvbm_pagestore_clear", self._h)

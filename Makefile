@@ -92,6 +92,8 @@ bench: build
 	@echo "== LMCache's environment for the peer column (.venv-lmcache, scripts/lmcache-env.sh)"; \
 	  scripts/lmcache-env.sh $(PY) >/dev/null || echo "no LMCache environment: its column will say so"
 	@echo "== vLLM (CPU backend): kvbm against no kvbm, G1 + the same memory, a no-op connector, LMCache and vLLM's OffloadingConnector"; $(PY) bench/vllm_ttft.py $(QUICK_FLAG)
+	@echo "== G3/G4 admission: blocks written with and without admission, 20% reuse"; $(GO) test -run '^$$' -bench AdmissionWrites -benchtime 1x ./goext/leader
+	@echo "== load or recompute: re-visit TTFT from G4 behind +0/20/100 ms per request, always vs cost vs no kvbm (versitygw)"; $(PY) bench/load_policy.py $(QUICK_FLAG)
 	@echo "(GPU transfers: bench/gpu_transfer.py on a CUDA machine, see docs/cuda.md)"
 	@$(PY) bench/summary.py $(BENCH_OUT)
 

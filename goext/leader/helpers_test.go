@@ -106,7 +106,7 @@ func seed(t *testing.T, p *pool.Pool, tokens []uint32, blocks ...int) {
 	}
 }
 
-func (e *env) step(t *testing.T, ups ...RequestUpdate) *plan.Step {
+func (e *env) step(t testing.TB, ups ...RequestUpdate) *plan.Step {
 	t.Helper()
 	b, err := e.l.Step(ups)
 	require.NoError(t, err)

@@ -103,7 +103,7 @@ func TestLoadPolicyLearnsPrefillFromSteps(t *testing.T) {
 
 // newAdmissionEnv: G2 (and G3 when disk > 0) with the given admission, and
 // G4 (registry only) when object is set.
-func newAdmissionEnv(t *testing.T, disk int, a config.Admission, g4 bool) *env {
+func newAdmissionEnv(t testing.TB, disk int, a config.Admission, g4 bool) *env {
 	t.Helper()
 	e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
 	o := Options{
@@ -123,7 +123,7 @@ func newAdmissionEnv(t *testing.T, disk int, a config.Admission, g4 bool) *env {
 
 // request runs one request of prompt through matching, its load (if any)
 // and its saves; it returns the plans of its steps.
-func (e *env) request(t *testing.T, id string, prompt []uint32) []*plan.Step {
+func (e *env) request(t testing.TB, id string, prompt []uint32) []*plan.Step {
 	t.Helper()
 	ids := make([]int64, len(prompt)/bs+1)
 	for i := range ids {

@@ -265,9 +265,14 @@ func (l *Leader) g4Match(reqID string, salt uint64, rest []uint64) (n int, pendi
 func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
+	start := l.now()
 	s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
+	took := l.now().Sub(start)
 	l.mu.Lock()
 	p.done = true
+	if m := l.pol.model; m != nil {
+		m.ObserveLookup(took) // the registry knew none of hashes: this asked the bucket
+	}
 	l.mu.Unlock()
 }
 

@@ -161,8 +161,8 @@ func (l *Leader) timeLoad(il *inflightLoad) {
 // g4WorthLooking reports whether a G4 lookup of the rest blocks of a
 // request's match could pay: under a policy other than always, a lookup is
 // not started when loading all of them from G4 is expected to lose (cost)
-// or to take longer than the bound even for one block (never-slower-than).
-// The lookup's own round trip comes on top, so this errs towards looking.
+// or to take longer than the bound even for one block (never-slower-than),
+// the lookup's own round trip included (measured by g4Lookup).
 // l.mu held.
 func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
 	p := &l.pol
@@ -177,7 +177,9 @@ func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
 	for k := range tiers {
 		tiers[k] = plan.G4
 	}
-	if d := p.model.Decide(p.load, tiers, p.shape); d.Load > 0 {
+	sh := p.shape
+	sh.Overhead = p.model.LookupSeconds() // the lookup comes first
+	if d := p.model.Decide(p.load, tiers, sh); d.Load > 0 {
 		return true
 	}
 	p.pm.LookupsSkipped.Inc()

@@ -269,3 +269,33 @@ func TestLoadPolicySkipsAHopelessG4Lookup(t *testing.T) {
 		}
 	}
 }
+
+// A G4 whose downloads are fast but whose lookups are slow loses too: the
+// lookup's measured time comes before any block moves, so the cost policy
+// does not start one that cannot pay for itself; with fast lookups it does.
+func TestLoadPolicyCountsTheLookup(t *testing.T) {
+	for _, slowLookup := range []bool{true, false} {
+		e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
+		l, err := New(Options{
+			Config: &config.Config{CPUCacheOverrideBlocks: 16, CacheStatsMaxRequests: 10, CacheStatsLogInterval: time.Hour,
+				LoadPolicy: config.LoadPolicy{Mode: config.LoadCost, PrefillUsPerToken: 100}},
+			BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1, Metrics: e.m, Now: e.clock.Now,
+			Logger: slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+			G4:     &G4Options{Registry: object.NewRegistry(100)},
+		})
+		require.NoError(t, err)
+		teach(l, plan.G4, time.Millisecond, 0)
+		// Recomputing the 4 blocks costs 4·bs·100 µs, loading them from G4
+		// about 1 ms: a lookup of a second loses, one of 10 µs does not.
+		lookup := 10 * time.Microsecond
+		if slowLookup {
+			lookup = time.Second
+		}
+		l.CostModel().ObserveLookup(lookup)
+		l.mu.Lock()
+		worth := l.g4WorthLooking("r", 4)
+		l.mu.Unlock()
+		require.Equal(t, !slowLookup, worth)
+		require.Equal(t, map[bool]float64{true: 1, false: 0}[slowLookup], val(l.pol.pm.LookupsSkipped))
+	}
+}

@@ -98,6 +98,10 @@ type Shape struct {
 	// 1. A tier's measurements are per batch; G4 downloads are measured per
 	// load (the store bounds their concurrency itself).
 	BatchBlocks, Concurrency int
+	// Overhead: seconds any load of the match pays before its first block
+	// moves (a G4 lookup still to be made: Model.LookupSeconds); 0 once the
+	// lookup is done (its time is spent either way).
+	Overhead float64
 }
 
 // batched is the expected time of c blocks of a tier copied in batches:
@@ -158,7 +162,7 @@ func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 		if i, ok := tierIndex(t); ok {
 			counts[i]++
 		}
-		loads[k+1] = loadOf()
+		loads[k+1] = loadOf() + sh.Overhead
 	}
 	d.LoadAll = loads[n]
 	d.RecomputeAll = perToken * float64(n*sh.BlockTokens)

@@ -175,3 +175,34 @@ func TestDecideCostExplores(t *testing.T) {
 	require.False(t, d.Explored)
 	require.Equal(t, 0, d.Load)
 }
+
+// Shape.Overhead (a G4 lookup still to make) is paid by any load: it turns
+// a G4 prefix that pays for itself into one that does not, and counts
+// toward never-slower-than's bound.
+func TestDecideOverhead(t *testing.T) {
+	m := NewModel(1000) // 1 ms per token
+	m.ObserveLoad(plan.G4, 0, 10*time.Millisecond)
+	sh := Shape{BlockTokens: 32, MBPerBlock: 0.01}
+	tiers := []plan.Tier{plan.G4, plan.G4, plan.G4, plan.G4} // recompute: 128 ms; load: about 12 ms
+	require.Equal(t, 4, m.Decide(LoadPolicy{Mode: Cost}, tiers, sh).Load)
+	sh.Overhead = 0.5
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers, sh)
+	require.Zero(t, d.Load)
+	require.Equal(t, [3]int{0, 0, 4}, d.Skipped)
+	sh.Overhead = 0.05
+	require.Zero(t, m.Decide(LoadPolicy{Mode: Cap, Cap: 40 * time.Millisecond}, tiers, sh).Load)
+	sh.Overhead = 0
+	require.Equal(t, 4, m.Decide(LoadPolicy{Mode: Cap, Cap: 40 * time.Millisecond}, tiers, sh).Load)
+}
+
+// ObserveLookup keeps a decayed mean; before any lookup it is 0.
+func TestObserveLookup(t *testing.T) {
+	m := NewModel(0)
+	require.Zero(t, m.LookupSeconds())
+	m.ObserveLookup(100 * time.Millisecond)
+	require.InDelta(t, 0.1, m.LookupSeconds(), 1e-9)
+	m.ObserveLookup(200 * time.Millisecond)
+	require.InDelta(t, 0.105, m.LookupSeconds(), 1e-9)
+	m.ObserveLookup(-time.Second)
+	require.InDelta(t, 0.105, m.LookupSeconds(), 1e-9)
+}

@@ -147,6 +147,12 @@ type Model struct {
 
 	lastStep   time.Time
 	lastTokens int
+
+	// lookup: decayed mean seconds of a G4 lookup that went to the bucket
+	// (the leader's own, before it can know what G4 holds); lookups:
+	// measurements seen (0: no lookup cost is assumed).
+	lookup  float64
+	lookups uint64
 }
 
 // NewModel starts a model at the priors. prefillUsPerToken > 0 fixes the
@@ -203,6 +209,32 @@ func (m *Model) ObserveLoadWait(t plan.Tier, bytes int64, d time.Duration) {
 	}
 	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
 	m.skips[i] = 0
+}
+
+// ObserveLookup records one G4 lookup that asked the bucket and took d.
+// A request whose blocks the registry does not know pays it before any
+// load can start, so a lookup that cannot pay for itself is not started
+// (Shape.Overhead, LookupSeconds).
+func (m *Model) ObserveLookup(d time.Duration) {
+	if d < 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.lookups == 0 {
+		m.lookup = d.Seconds()
+	} else {
+		m.lookup = m.lookup*decayPerObservation + d.Seconds()*(1-decayPerObservation)
+	}
+	m.lookups++
+}
+
+// LookupSeconds is the expected time of a G4 lookup that asks the bucket
+// (0 before the first one).
+func (m *Model) LookupSeconds() float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.lookup
 }
 
 // ObserveStep records that the engine began a step at now scheduling tokens

@@ -8,6 +8,7 @@ import (
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/policy"
 )
 
 // G4 (object storage shared by every engine instance, package object).
@@ -266,12 +267,18 @@ func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
 	start := l.now()
-	s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
+	found := s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
 	took := l.now().Sub(start)
 	l.mu.Lock()
 	p.done = true
 	if m := l.pol.model; m != nil {
-		m.ObserveLookup(took) // the registry knew none of hashes: this asked the bucket
+		// The registry knew none of hashes: this asked the bucket, one HEAD
+		// request when the first block is missing, else waves of them.
+		waves := 1
+		if found > 0 {
+			waves = policy.LookupWaves(len(hashes), l.pol.shape.LookupConcurrency)
+		}
+		m.ObserveLookup(took, waves)
 	}
 	l.mu.Unlock()
 }

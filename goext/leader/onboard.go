@@ -153,6 +153,7 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	}
 	s.load = loadStaged
 	s.computedAt = numComputed
+	s.decidedAt = l.now()
 	n := len(srcs) * bs
 	if numComputed+n == len(tokens) {
 		// LoadFullHit: every block loads; the engine computes the last token.

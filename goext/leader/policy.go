@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvbm/kvbm/goext/config"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/policy"
 )
@@ -37,6 +38,16 @@ type policyState struct {
 	recent     map[uint64]struct{}
 	recentFIFO []uint64
 	cancel     func() // stops the transfer subscription; nil without one
+	// finished: G3/G4 loads reported finished since the last Step, timed
+	// end to end at the next one (the step their requests compute in).
+	finished []finishedLoad
+}
+
+// finishedLoad is a load whose end-to-end wait the next Step measures.
+type finishedLoad struct {
+	deep    plan.Tier // G3 or G4
+	bytes   int64     // one rank's share of the whole load
+	decided time.Time
 }
 
 // initPolicy sets up l.pol from the configuration. l.m, l.now, l.host,
@@ -51,7 +62,9 @@ func (l *Leader) initPolicy(opts Options) error {
 	p.load = lp
 	p.model = policy.NewModel(cfg.LoadPolicy.PrefillUsPerToken)
 	p.shape = policy.Shape{BlockTokens: l.bs, MBPerBlock: float64(opts.BytesPerBlock) / 1e6,
-		BatchBlocks: cfg.MaxTransferBatchSize, Concurrency: cfg.MaxConcurrentTransfers}
+		BatchBlocks: cfg.MaxTransferBatchSize, Concurrency: cfg.MaxConcurrentTransfers,
+		LookupConcurrency: object.DefaultLookups}
+	p.model.SetDownloadWave(object.DownloadsInFlight, p.shape.MBPerBlock)
 	p.pm = policy.NewMetrics(l.m.Registry, p.model)
 	useSketch := false
 	if l.host != nil && l.disk != nil {
@@ -128,8 +141,10 @@ func (l *Leader) applyLoadPolicy(reqID string, srcs []source) []source {
 // timeLoad gives the model what the leader saw of a finished load: the
 // time from the step that emitted it until now (the step that learnt it
 // finished), attributed to its slowest tier (G4, else G3) after taking out
-// the model's estimate for its other blocks. Loads of G2 alone are not
-// timed this way: the step's wait would dwarf a memory copy. l.mu held.
+// the model's estimate for its other blocks; and queues its end-to-end
+// wait (from the load decision), measured at the next Step, when the
+// request computes. Loads of G2 alone are not timed this way: the step's
+// wait would dwarf a memory copy. l.mu held.
 func (l *Leader) timeLoad(il *inflightLoad) {
 	p := &l.pol
 	if p.model == nil || il.at.IsZero() {
@@ -150,6 +165,10 @@ func (l *Leader) timeLoad(il *inflightLoad) {
 		return
 	}
 	mb := p.shape.MBPerBlock
+	if !il.decided.IsZero() {
+		p.finished = append(p.finished, finishedLoad{deep: deep,
+			bytes: int64(float64(n[0]+n[1]+n[2]) * mb * 1e6), decided: il.decided})
+	}
 	others := p.model.Tier(plan.G2).Seconds(float64(n[0]+n[2]) * mb)
 	if deep == plan.G4 {
 		others += p.model.Tier(plan.G3).Seconds(float64(n[1]) * mb)
@@ -178,7 +197,13 @@ func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
 		tiers[k] = plan.G4
 	}
 	sh := p.shape
-	sh.Overhead = p.model.LookupSeconds() // the lookup comes first
+	// The lookup comes first: as many waves of HEAD requests as the store
+	// issues when every block is there (the best case for loading).
+	asked := rest
+	if l.g4.opts.MaxLookupBlocks > 0 {
+		asked = min(asked, l.g4.opts.MaxLookupBlocks)
+	}
+	sh.Overhead = p.model.LookupSeconds(asked, sh.LookupConcurrency)
 	if d := p.model.Decide(p.load, tiers, sh); d.Load > 0 {
 		return true
 	}
@@ -189,8 +214,17 @@ func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
 }
 
 // observeStep gives the model this step's start and scheduled tokens.
+// Loads reported finished since the last step are timed end to end here:
+// their requests compute in this step.
 func (l *Leader) observeStep(now time.Time, updates []RequestUpdate) {
-	if l.pol.load.Mode == policy.Always || l.pol.model == nil {
+	if l.pol.model == nil {
+		return
+	}
+	for _, f := range l.pol.finished {
+		l.pol.model.ObserveEndToEnd(f.deep, f.bytes, max(now.Sub(f.decided), 0))
+	}
+	l.pol.finished = l.pol.finished[:0]
+	if l.pol.load.Mode == policy.Always {
 		return
 	}
 	n := 0

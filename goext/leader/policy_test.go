@@ -2,6 +2,7 @@ package leader
 
 import (
 	"bytes"
+	"context"
 	"log/slog"
 	"testing"
 	"time"
@@ -257,6 +258,7 @@ func TestLoadPolicySkipsAHopelessG4Lookup(t *testing.T) {
 		if slow {
 			lat = time.Second
 		}
+		l.CostModel().SetDownloadWave(0, 0) // teach's MB-sized loads of 64-byte blocks: one wave each
 		teach(l, plan.G4, lat, 0)
 		n, _ := l.GetNumNewMatchedTokens("r", prompt, 0, 0)
 		if slow {
@@ -291,11 +293,96 @@ func TestLoadPolicyCountsTheLookup(t *testing.T) {
 		if slowLookup {
 			lookup = time.Second
 		}
-		l.CostModel().ObserveLookup(lookup)
+		l.CostModel().ObserveLookup(lookup, 1)
 		l.mu.Lock()
 		worth := l.g4WorthLooking("r", 4)
 		l.mu.Unlock()
 		require.Equal(t, !slowLookup, worth)
 		require.Equal(t, map[bool]float64{true: 1, false: 0}[slowLookup], val(l.pol.pm.LookupsSkipped))
 	}
+}
+
+// A lookup is counted in the waves of HEAD requests the store issues: one
+// that found its first block measured two round trips (the first block,
+// then the rest side by side), one that did not measured one. A measured
+// 40 ms round trip makes a 4-block lookup cost 80 ms: more than the 64 ms
+// that recomputing 4 blocks costs (the mean of lookups alone, 40 ms, would
+// have looked).
+func TestLoadPolicyCountsLookupWaves(t *testing.T) {
+	e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
+	l, err := New(Options{
+		Config: &config.Config{CPUCacheOverrideBlocks: 16, CacheStatsMaxRequests: 10, CacheStatsLogInterval: time.Hour,
+			LoadPolicy: config.LoadPolicy{Mode: config.LoadCost, PrefillUsPerToken: 4000}}, // a block: 16 ms
+		BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1, Metrics: e.m, Now: e.clock.Now,
+		Logger: slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		G4:     &G4Options{Registry: object.NewRegistry(100)},
+	})
+	require.NoError(t, err)
+	teach(l, plan.G4, time.Microsecond, 0)
+	hit := &clockedG4{memG4: newMemG4(true), clock: e.clock, took: 80 * time.Millisecond}
+	hashes := []uint64{1, 2, 3, 4}
+	for _, h := range hashes {
+		hit.stored[h] = true
+	}
+	l.g4Lookup(hit, &g4Probe{}, 0, hashes)
+	require.InDelta(t, 0.04, l.CostModel().LookupSeconds(1, 32), 1e-9, "two waves of 40 ms")
+	miss := &clockedG4{memG4: newMemG4(true), clock: e.clock, took: 40 * time.Millisecond}
+	l.g4Lookup(miss, &g4Probe{}, 0, []uint64{5, 6, 7, 8})
+	require.InDelta(t, 0.04, l.CostModel().LookupSeconds(1, 32), 1e-9, "one wave of 40 ms")
+	l.mu.Lock()
+	worth := l.g4WorthLooking("r", 4)
+	l.mu.Unlock()
+	require.False(t, worth)
+	require.Equal(t, float64(1), val(l.pol.pm.LookupsSkipped))
+}
+
+// clockedG4 is a memG4 whose lookups take took on the test clock.
+type clockedG4 struct {
+	*memG4
+	clock *fakeClock
+	took  time.Duration
+}
+
+func (c *clockedG4) LookupSalted(ctx context.Context, salt uint64, hashes []uint64) int {
+	c.clock.Advance(c.took)
+	return c.memG4.LookupSalted(ctx, salt, hashes)
+}
+
+// The leader times a G4 load end to end, from the load decision to the
+// engine step after it was reported finished (the step the request
+// computes in), and the cost policy then expects no less: downloads timed
+// fast by the workers in this process, but requests that waited a second
+// for them, make the next request of that prefix recompute.
+func TestLoadPolicyLearnsTheEndToEndWait(t *testing.T) {
+	prompt := toks(0, 4*bs+1)
+	reg := object.NewRegistry(100)
+	for _, h := range seqHashes(prompt) {
+		reg.Add(h)
+	}
+	e := newEnvWith(t, 16, 0, func(c *config.Config) {
+		c.LoadPolicy = config.LoadPolicy{Mode: config.LoadCost, PrefillUsPerToken: 1000} // 4 blocks: 16 ms
+	}, func(o *Options) { o.G4 = &G4Options{Registry: reg} })
+	for i := range 400 { // the workers' own timings: 1 ms a download
+		e.l.CostModel().ObserveTransfer("g4_to_g2", int64(1+i%2)<<20, time.Millisecond)
+		e.l.CostModel().ObserveTransfer("g2_to_g1", int64(1+i%2)<<20, 10*time.Microsecond)
+	}
+	n, _ := e.l.GetNumNewMatchedTokens("r1", prompt, 0, 0)
+	require.Equal(t, 4*bs, n, e.logs.String())
+	e.l.UpdateStateAfterAlloc("r1", []int64{0, 1, 2, 3, 4}, n)
+	st := e.step(t)
+	require.Len(t, st.Loads, 1)
+	e.clock.Advance(900 * time.Millisecond)
+	e.l.LoadsFinished([]string{"r1"})
+	mb := 4 * float64(1<<20) / 1e6
+	_, ok := e.l.CostModel().EndToEnd(plan.G4, mb)
+	require.False(t, ok, "timed at the next step")
+	e.clock.Advance(100 * time.Millisecond)
+	e.step(t)
+	got, ok := e.l.CostModel().EndToEnd(plan.G4, mb)
+	require.True(t, ok)
+	require.InDelta(t, 1.0, got, 1e-9)
+
+	n, _ = e.l.GetNumNewMatchedTokens("r2", prompt, 0, 0)
+	require.Zero(t, n)
+	require.Equal(t, float64(1), val(e.l.pol.pm.LookupsSkipped), "not even matched in G4")
 }

@@ -57,8 +57,9 @@ type slot struct {
 
 	// Onboarding.
 	load        loadState
-	staged      []source // pinned matched blocks (loadStaged, loadPlanned)
-	computedAt  int      // num_computed_tokens (the G1 hit) when staged
+	staged      []source  // pinned matched blocks (loadStaged, loadPlanned)
+	computedAt  int       // num_computed_tokens (the G1 hit) when staged
+	decidedAt   time.Time // when the load policy chose the staged blocks
 	plannedLoad plan.Load
 
 	// Hit statistics of the last GetNumNewMatchedTokens (blocks).
@@ -76,6 +77,7 @@ type slot struct {
 type inflightLoad struct {
 	reqID   string
 	at      time.Time // first emitted (the load-cost model times it, policy.go)
+	decided time.Time // the load decision (GetNumNewMatchedTokens), for the end-to-end timing
 	sources []source
 	done    []bool // source i unpinned already (its G1 block failed)
 }

@@ -123,7 +123,7 @@ func (l *Leader) emitLoads(st *plan.Step) {
 		st.Loads = append(st.Loads, s.plannedLoad)
 		il := l.inflight[s.id]
 		if il == nil {
-			il = &inflightLoad{reqID: s.id, at: l.now()}
+			il = &inflightLoad{reqID: s.id, at: l.now(), decided: s.decidedAt}
 			l.inflight[s.id] = il
 		}
 		for _, src := range s.staged {

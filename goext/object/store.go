@@ -46,10 +46,13 @@ var ErrUnavailable = errors.New("object: store unavailable (circuit breaker open
 
 // Defaults of StoreOptions.
 const (
-	DefaultQueueBlocks      = 256
-	DefaultQueueBytes       = 256 << 20 // the queue holds copies: bounded in bytes too
-	DefaultUploads          = 8
-	DefaultLookups          = 32
+	DefaultQueueBlocks = 256
+	DefaultQueueBytes  = 256 << 20 // the queue holds copies: bounded in bytes too
+	DefaultUploads     = 8
+	DefaultLookups     = 32
+	// DownloadsInFlight bounds the downloads of one load batch a worker
+	// runs at a time (the leader's cost model counts their waves).
+	DownloadsInFlight       = 16
 	DefaultBreakerThreshold = 3
 	DefaultBreakerCooldown  = 2 * time.Second
 	DefaultRequestTimeout   = 10 * time.Second

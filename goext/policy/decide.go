@@ -102,6 +102,9 @@ type Shape struct {
 	// moves (a G4 lookup still to be made: Model.LookupSeconds); 0 once the
 	// lookup is done (its time is spent either way).
 	Overhead float64
+	// LookupConcurrency: HEAD requests a G4 lookup keeps in flight
+	// (object.StoreOptions.Lookups; LookupWaves).
+	LookupConcurrency int
 }
 
 // batched is the expected time of c blocks of a tier copied in batches:
@@ -123,7 +126,11 @@ func (s Shape) batched(c int, cost TierCost) float64 {
 // blocks' tiers in prefix order (G2, then G3, then G4). A G4 block is
 // downloaded into G2 and copied from there, so it costs both. The tiers'
 // times are added (the workers run G2 and G3 batches side by side, so this
-// errs towards recomputing).
+// errs towards recomputing). G4 downloads pay the tier's latency once per
+// wave (SetDownloadWave). A prefix whose deepest tier is G3 or G4 is never
+// expected to load faster than loading requests of that tier were seen to
+// wait end to end (ObserveEndToEnd: the steps the request waited while its
+// load was in flight included).
 //
 // Cost picks the prefix length k maximising recompute(k) − load(k), the
 // longest among equals, 0 when no prefix saves time: a G2 prefix that pays
@@ -154,8 +161,24 @@ func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 	var counts [3]int
 	loadOf := func() float64 {
 		g2 := counts[0] + counts[2] // G4 blocks go through G2
-		return sh.batched(g2, cost[0]) + sh.batched(counts[1], cost[1]) +
-			cost[2].Seconds(float64(counts[2])*sh.MBPerBlock)
+		t := sh.batched(g2, cost[0]) + sh.batched(counts[1], cost[1])
+		if mb := float64(counts[2]) * sh.MBPerBlock; mb > 0 {
+			// one request latency per wave of downloads
+			t += float64(m.g4WavesLocked(2, mb))*cost[2].Latency.Seconds() + mb*cost[2].SecondsPerMB
+		}
+		// Never less than what loading requests of this deepest tier were
+		// seen to wait end to end (ObserveEndToEnd).
+		deep := 1
+		if counts[2] > 0 {
+			deep = 2
+		}
+		if counts[deep] > 0 {
+			mb := float64(counts[0]+counts[1]+counts[2]) * sh.MBPerBlock
+			if e, ok := m.e2eLocked(deep, mb); ok {
+				t = max(t, e)
+			}
+		}
+		return t
 	}
 	loads := make([]float64, n+1)
 	for k, t := range tiers {

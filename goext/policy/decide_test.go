@@ -195,14 +195,97 @@ func TestDecideOverhead(t *testing.T) {
 	require.Equal(t, 4, m.Decide(LoadPolicy{Mode: Cap, Cap: 40 * time.Millisecond}, tiers, sh).Load)
 }
 
-// ObserveLookup keeps a decayed mean; before any lookup it is 0.
+// LookupWaves counts the HEAD waves object.Store.LookupSalted issues for a
+// full hit: the first block alone, then the rest concurrency at a time.
+func TestLookupWaves(t *testing.T) {
+	for _, c := range []struct{ n, conc, want int }{
+		{0, 32, 0}, {1, 32, 1}, {2, 32, 2}, {12, 32, 2}, {33, 32, 2}, {34, 32, 3}, {12, 4, 4}, {12, 0, 2}, {1, 0, 1},
+	} {
+		require.Equal(t, c.want, LookupWaves(c.n, c.conc), "n=%d concurrency=%d", c.n, c.conc)
+	}
+}
+
+// ObserveLookup keeps a decayed mean of one wave's time: a lookup that
+// stopped after its first (missing) block measures one round trip, and a
+// 12-block lookup is then expected to take two (the first block, then the
+// other 11 side by side); before any lookup it is 0.
 func TestObserveLookup(t *testing.T) {
 	m := NewModel(0)
-	require.Zero(t, m.LookupSeconds())
-	m.ObserveLookup(100 * time.Millisecond)
-	require.InDelta(t, 0.1, m.LookupSeconds(), 1e-9)
-	m.ObserveLookup(200 * time.Millisecond)
-	require.InDelta(t, 0.105, m.LookupSeconds(), 1e-9)
-	m.ObserveLookup(-time.Second)
-	require.InDelta(t, 0.105, m.LookupSeconds(), 1e-9)
+	require.Zero(t, m.LookupSeconds(12, 32))
+	m.ObserveLookup(100*time.Millisecond, 1) // a miss: one HEAD
+	require.InDelta(t, 0.1, m.LookupSeconds(1, 32), 1e-9)
+	require.InDelta(t, 0.2, m.LookupSeconds(12, 32), 1e-9)
+	require.InDelta(t, 0.3, m.LookupSeconds(34, 32), 1e-9)
+	m.ObserveLookup(400*time.Millisecond, 2) // a hit: two waves of 200 ms
+	require.InDelta(t, 0.105, m.LookupSeconds(1, 32), 1e-9)
+	m.ObserveLookup(-time.Second, 1)
+	m.ObserveLookup(time.Second, 0)
+	require.InDelta(t, 0.105, m.LookupSeconds(1, 32), 1e-9)
+}
+
+// What loading requests of a tier were seen to wait end to end bounds the
+// expected load from below: a G4 whose downloads alone are fast, but whose
+// loading requests waited 300 ms, loses against 128 ms of recompute; a G2
+// prefix is not affected by G3's end-to-end wait.
+func TestDecideEndToEnd(t *testing.T) {
+	m := trained(t, 1000, map[plan.Tier]TierCost{ // 1 ms a token: 4 blocks of 32 = 128 ms
+		plan.G2: {Latency: 10 * time.Microsecond, SecondsPerMB: 1e-5},
+		plan.G3: {Latency: time.Millisecond, SecondsPerMB: 1e-4},
+		plan.G4: {Latency: time.Millisecond, SecondsPerMB: 1e-4},
+	})
+	sh := Shape{BlockTokens: 32, MBPerBlock: 0.01}
+	_, ok := m.EndToEnd(plan.G4, 0.04)
+	require.False(t, ok)
+	require.Equal(t, 4, m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), sh).Load)
+	m.ObserveEndToEnd(plan.G4, 40_000, 300*time.Millisecond)
+	e, ok := m.EndToEnd(plan.G4, 0.04)
+	require.True(t, ok)
+	require.InDelta(t, 0.3, e, 1e-9)
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), sh)
+	require.Zero(t, d.Load)
+	require.InDelta(t, 0.3, d.LoadAll, 1e-9)
+	require.Zero(t, m.Decide(LoadPolicy{Mode: Cap, Cap: 200 * time.Millisecond}, tiers(0, 0, 4), sh).Load)
+
+	m.ObserveEndToEnd(plan.G3, 40_000, 300*time.Millisecond)
+	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(2, 2, 0), sh)
+	require.Equal(t, 2, d.Load, "the G2 prefix still loads")
+	require.Equal(t, [3]int{0, 2, 0}, d.Skipped)
+	// G2 is not timed end to end; bad input is ignored.
+	m.ObserveEndToEnd(plan.G2, 40_000, time.Second)
+	m.ObserveEndToEnd(plan.G4, 0, time.Second)
+	m.ObserveEndToEnd(plan.G4, 40_000, -time.Second)
+	_, ok = m.EndToEnd(plan.G2, 0.04)
+	require.False(t, ok)
+	e, _ = m.EndToEnd(plan.G4, 0.04)
+	require.InDelta(t, 0.3, e, 1e-9)
+}
+
+// G4 downloads run DownloadWave blocks at a time, each wave paying the
+// request latency: 20 blocks take two waves, so only the first 16 (one
+// wave) pay for themselves; the fit is per wave, so a two-wave load
+// measures the same latency as a one-wave load.
+func TestDecideDownloadWaves(t *testing.T) {
+	m := trained(t, 120, map[plan.Tier]TierCost{ // 120 µs a token: 32 tokens a block, 3.84 ms
+		plan.G2: {Latency: 0, SecondsPerMB: 1e-6},
+		plan.G4: {Latency: 50 * time.Millisecond, SecondsPerMB: 1e-6},
+	})
+	sh := Shape{BlockTokens: 32, MBPerBlock: 0.01}
+	require.Equal(t, 20, m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 20), sh).Load)
+	m.SetDownloadWave(16, 0.01)
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 20), sh)
+	require.Equal(t, 16, d.Load)
+	require.InDelta(t, 0.1, d.LoadAll, 3e-3)
+
+	f := NewModel(100)
+	f.SetDownloadWave(16, 1) // 1 MB a block
+	for i := range 400 {
+		if i%2 == 0 {
+			f.ObserveLoad(plan.G4, 8e6, 18*time.Millisecond) // one wave: 10 ms + 8 MB at 1 ms
+		} else {
+			f.ObserveLoad(plan.G4, 32e6, 52*time.Millisecond) // two waves of 10 ms + 16 MB
+		}
+	}
+	c := f.Tier(plan.G4)
+	require.InDelta(t, 0.010, c.Latency.Seconds(), 2e-3)
+	require.InDelta(t, 0.001, c.SecondsPerMB, 1e-4)
 }

@@ -148,11 +148,21 @@ type Model struct {
 	lastStep   time.Time
 	lastTokens int
 
-	// lookup: decayed mean seconds of a G4 lookup that went to the bucket
-	// (the leader's own, before it can know what G4 holds); lookups:
-	// measurements seen (0: no lookup cost is assumed).
-	lookup  float64
-	lookups uint64
+	// rtt: decayed mean seconds of one wave of G4 lookup requests (a
+	// lookup's time over the waves of HEAD requests it issued,
+	// LookupWaves); rtts: measurements seen (0: no lookup cost is assumed).
+	rtt  float64
+	rtts uint64
+
+	// e2e: per tier (G3, G4; G2 unused), seconds from the load decision
+	// until the engine step after the load was reported finished (what a
+	// loading request really waits, step waits included) against the MB of
+	// the whole load; fitted without a prior, used once measured.
+	e2e [3]linear
+
+	// g4WaveMB: MB one wave of G4 downloads moves (Shape.DownloadWave); 0:
+	// one wave per load.
+	g4WaveMB float64
 }
 
 // NewModel starts a model at the priors. prefillUsPerToken > 0 fixes the
@@ -161,6 +171,7 @@ func NewModel(prefillUsPerToken float64) *Model {
 	m := &Model{fixed: prefillUsPerToken * 1e-6}
 	for i, c := range []TierCost{priorG2, priorG3, priorG4} {
 		m.tiers[i] = newLinear(c.Latency.Seconds(), c.SecondsPerMB, refMB, priorWeight)
+		m.e2e[i] = newLinear(0, 0, 0, 0)
 	}
 	m.prefill = newLinear(priorStepOverhead.Seconds(), priorPrefillPerToken.Seconds(), refTokens, priorWeight)
 	return m
@@ -187,8 +198,37 @@ func (m *Model) ObserveLoad(t plan.Tier, bytes int64, d time.Duration) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	m.observeTierLocked(i, float64(bytes)/1e6, d.Seconds())
+}
+
+// observeTierLocked adds one load of mb that took secs to tier i's fit. A
+// G4 load's downloads run in waves (Shape.DownloadWave), each paying the
+// request latency: the fit is per wave (y/w = a + b·x/w), so that
+// Latency is one request's and a load of w waves costs w·Latency + b·x.
+func (m *Model) observeTierLocked(i int, mb, secs float64) {
+	if w := m.g4WavesLocked(i, mb); w > 1 {
+		mb, secs = mb/float64(w), secs/float64(w)
+	}
+	m.tiers[i].observe(mb, secs, decayPerObservation)
 	m.skips[i] = 0
+}
+
+// g4WavesLocked is how many waves of downloads a G4 load of mb takes (1
+// for the other tiers, and without a wave size).
+func (m *Model) g4WavesLocked(i int, mb float64) int {
+	if i != 2 || m.g4WaveMB <= 0 || mb <= 0 {
+		return 1
+	}
+	return max(int(math.Ceil(mb/m.g4WaveMB-1e-9)), 1)
+}
+
+// SetDownloadWave tells the model how G4 downloads are issued: waves of at
+// most blocks downloads of mbPerBlock each (the worker's bound on
+// downloads in flight); 0 blocks: one wave per load.
+func (m *Model) SetDownloadWave(blocks int, mbPerBlock float64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.g4WaveMB = max(float64(blocks)*mbPerBlock, 0)
 }
 
 // ObserveLoadWait records what the leader saw of one load from tier t
@@ -207,34 +247,89 @@ func (m *Model) ObserveLoadWait(t plan.Tier, bytes int64, d time.Duration) {
 	if m.direct[i] {
 		return
 	}
-	m.tiers[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
-	m.skips[i] = 0
+	m.observeTierLocked(i, float64(bytes)/1e6, d.Seconds())
 }
 
-// ObserveLookup records one G4 lookup that asked the bucket and took d.
-// A request whose blocks the registry does not know pays it before any
-// load can start, so a lookup that cannot pay for itself is not started
-// (Shape.Overhead, LookupSeconds).
-func (m *Model) ObserveLookup(d time.Duration) {
-	if d < 0 {
+// ObserveEndToEnd records what one loading request waited for a load of
+// bytes (one rank's share, every tier's blocks) whose deepest tier is t
+// (G3 or G4): d from the load decision until the engine step after the
+// load was reported finished, the step the request computes in. It
+// includes every step the request waited while its load was in flight and
+// any per-request overhead the tier model does not see; Decide never
+// expects a load whose deepest tier is t to take less.
+func (m *Model) ObserveEndToEnd(t plan.Tier, bytes int64, d time.Duration) {
+	i, ok := tierIndex(t)
+	if !ok || t == plan.G2 || bytes <= 0 || d < 0 {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.lookups == 0 {
-		m.lookup = d.Seconds()
-	} else {
-		m.lookup = m.lookup*decayPerObservation + d.Seconds()*(1-decayPerObservation)
-	}
-	m.lookups++
+	m.e2e[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
 }
 
-// LookupSeconds is the expected time of a G4 lookup that asks the bucket
-// (0 before the first one).
-func (m *Model) LookupSeconds() float64 {
+// EndToEnd is the expected end-to-end wait of a load of mb whose deepest
+// tier is t, and whether any was measured.
+func (m *Model) EndToEnd(t plan.Tier, mb float64) (float64, bool) {
+	i, ok := tierIndex(t)
+	if !ok {
+		return 0, false
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.lookup
+	return m.e2eLocked(i, mb)
+}
+
+func (m *Model) e2eLocked(i int, mb float64) (float64, bool) {
+	if m.e2e[i].n == 0 {
+		return 0, false
+	}
+	a, b := m.e2e[i].fit()
+	return a + b*mb, true
+}
+
+// LookupWaves is how many successive waves of HEAD requests a G4 lookup of
+// n blocks nobody registered issues when every one of them is stored (the
+// best case for loading): object.Store.LookupSalted asks for the first
+// block alone, then for the other n-1 at most concurrency at a time
+// (concurrency <= 0: all at once). A lookup whose first block is missing
+// stops after one wave.
+func LookupWaves(n, concurrency int) int {
+	if n <= 0 {
+		return 0
+	}
+	if concurrency <= 0 || n == 1 {
+		return min(n, 2)
+	}
+	return 1 + (n-1+concurrency-1)/concurrency
+}
+
+// ObserveLookup records one G4 lookup that asked the bucket in waves
+// successive waves of requests (LookupWaves, or 1 when its first block was
+// missing) and took d. A request whose blocks the registry does not know
+// pays it before any load can start, so a lookup that cannot pay for
+// itself is not started (Shape.Overhead, LookupSeconds).
+func (m *Model) ObserveLookup(d time.Duration, waves int) {
+	if d < 0 || waves <= 0 {
+		return
+	}
+	rtt := d.Seconds() / float64(waves)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.rtts == 0 {
+		m.rtt = rtt
+	} else {
+		m.rtt = m.rtt*decayPerObservation + rtt*(1-decayPerObservation)
+	}
+	m.rtts++
+}
+
+// LookupSeconds is the expected time of a G4 lookup of n blocks that are
+// all stored, issued concurrency HEAD requests at a time (LookupWaves); 0
+// before the first lookup was measured.
+func (m *Model) LookupSeconds(n, concurrency int) float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.rtt * float64(LookupWaves(n, concurrency))
 }
 
 // ObserveStep records that the engine began a step at now scheduling tokens

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 )
 
@@ -17,7 +18,7 @@ import (
 // bounded queue, which drops instead of waiting.
 
 // g4Downloads bounds the downloads of one load batch in flight.
-const g4Downloads = 16
+const g4Downloads = object.DownloadsInFlight
 
 // runDownloads executes G4 → G2 copies; errs[i] is ops[i]'s result. A
 // block that fails (missing, unreachable store, does not verify) leaves its

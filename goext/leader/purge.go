@@ -25,7 +25,8 @@ import (
 // dropped by the workers in the next step, and in a persistent G3 tier are
 // recorded as tombstones first (tombstone.go), so that a restart before that
 // step does not bring them back. G4 objects are deleted in the bucket:
-// a salt's under its key prefix (goext/object's salt.go), a prefix's by key,
+// a salt's under its key prefix (goext/object's salt.go), a prefix's by key
+// under every fingerprint (every rank's),
 // everything by listing kvbm's objects.
 
 // PurgeRequest says what to purge: exactly one of Salts, Prefix or All.

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/minio/minio-go/v7"
+
+	"github.com/kvbm/kvbm/goext/fingerprint"
 )
 
 // Purge and expiry of G4 objects (docs/g4.md, "Purge and expiry").
@@ -53,15 +56,67 @@ func (s *Store) PurgeAll(ctx context.Context, all bool) (PurgeResult, error) {
 }
 
 // PurgeHashes deletes the objects of hashes (blocks of a request of salt
-// hash salt) under this store's fingerprint, without listing.
+// hash salt) under every fingerprint that has objects of that salt in the
+// bucket: every tensor-parallel rank's shard (and any other model's copy of
+// the same blocks), not only this store's. The fingerprints come from one
+// listing by directory of the salt's prefix (for unsalted blocks: of the
+// unsalted fingerprints, which sort before every salt's prefix), never of
+// the objects themselves; this store's own fingerprint is always included.
+// Listed counts the keys named.
 func (s *Store) PurgeHashes(ctx context.Context, salt uint64, hashes []uint64) (PurgeResult, error) {
-	keys := make([]string, len(hashes))
-	for i, h := range hashes {
-		keys[i] = s.KeyFor(salt, h)
+	if len(hashes) == 0 {
+		return PurgeResult{}, nil
+	}
+	dirs, listErr := s.fingerprintDirs(ctx, salt)
+	keys := make([]string, 0, len(dirs)*len(hashes))
+	for _, d := range dirs {
+		for _, h := range hashes {
+			keys = append(keys, fmt.Sprintf("%s%016x", d, h))
+		}
 	}
 	res := PurgeResult{Listed: len(keys)}
 	err := s.deleteKeys(ctx, keys, &res)
-	return res, err
+	return res, errors.Join(listErr, err)
+}
+
+// maxFingerprintDirs bounds the fingerprints one prefix purge reaches.
+const maxFingerprintDirs = 4096
+
+// fingerprintDirs returns the key prefixes ("<salt prefix or KeyPrefix><fp>/")
+// of every fingerprint holding objects of salt hash salt, this store's
+// first: one ListObjects by directory.
+func (s *Store) fingerprintDirs(ctx context.Context, salt uint64) ([]string, error) {
+	parent := s.SaltPrefix(salt)
+	if parent == "" {
+		parent = KeyPrefix
+	}
+	own := parent + s.fp.String() + "/"
+	dirs := []string{own}
+	lctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	saltDirs := KeyPrefix + "s"
+	for obj := range s.c.mc.ListObjects(lctx, s.c.bucket, minio.ListObjectsOptions{Prefix: parent, MaxKeys: listPage}) {
+		if obj.Err != nil {
+			return dirs, fmt.Errorf("object: list the fingerprints under %q in bucket %s: %w", parent, s.c.bucket, obj.Err)
+		}
+		k := obj.Key
+		if parent == KeyPrefix && strings.HasPrefix(k, saltDirs) {
+			break // salts' prefixes sort after every unsalted fingerprint
+		}
+		fp, ok := strings.CutPrefix(k, parent)
+		if !ok || !strings.HasSuffix(fp, "/") {
+			continue // an object, not a directory
+		}
+		if _, err := fingerprint.Parse(strings.TrimSuffix(fp, "/")); err != nil || k == own {
+			continue
+		}
+		if len(dirs) >= maxFingerprintDirs {
+			return dirs, fmt.Errorf("object: more than %d fingerprints under %q in bucket %s: purged the first %d",
+				maxFingerprintDirs, parent, s.c.bucket, maxFingerprintDirs)
+		}
+		dirs = append(dirs, k)
+	}
+	return dirs, nil
 }
 
 // Sweep is one bounded pass of the expiry sweeper: it lists at most

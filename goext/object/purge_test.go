@@ -117,3 +117,54 @@ func TestSweepBounded(t *testing.T) {
 	_, _, err = s.Sweep(ctx, later, 0, 10, "")
 	require.ErrorContains(t, err, "object: sweep")
 }
+
+// TestPurgeHashesAcrossRanks (versitygw): a prefix purge from rank 0's
+// store deletes the named blocks of every tensor-parallel rank, salted and
+// unsalted, and nothing else: other blocks of both ranks, and the same
+// hashes under another salt, still download.
+func TestPurgeHashesAcrossRanks(t *testing.T) {
+	srv := s3test.Start(t)
+	a := hashing.SaltHash("tenant-a", true, "", false)
+	b := hashing.SaltHash("tenant-b", true, "", false)
+	rank0 := newStore(t, srv, fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 0}.Sum(), "kv-test")
+	rank1 := newStore(t, srv, fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 1}.Sum(), "kv-test")
+	for h := uint64(1); h <= 4; h++ {
+		for _, s := range []*object.Store{rank0, rank1} {
+			require.True(t, s.Enqueue(h, h-1, block(h)))
+			require.True(t, s.EnqueueSalted(a, h, h-1, block(h)))
+			require.True(t, s.EnqueueSalted(b, h, h-1, block(h)))
+		}
+		flush(t, rank0)
+		flush(t, rank1)
+	}
+	require.Len(t, listKeys(t, srv, "kv-test"), 24)
+	ctx := context.Background()
+	dst := make([]byte, blockBytes)
+
+	res, err := rank0.PurgeHashes(ctx, hashing.DefaultSaltHash, []uint64{2, 3})
+	require.NoError(t, err)
+	require.Equal(t, object.PurgeResult{Listed: 4, Deleted: 4}, res, "blocks 2 and 3 of both ranks")
+	for _, s := range []*object.Store{rank0, rank1} {
+		require.ErrorIs(t, s.Download(ctx, 2, dst), object.ErrNotFound)
+		require.ErrorIs(t, s.Download(ctx, 3, dst), object.ErrNotFound)
+		require.NoError(t, s.Download(ctx, 1, dst))
+		require.NoError(t, s.DownloadSalted(ctx, a, 2, dst), "salted copies are another prefix")
+	}
+	require.Len(t, listKeys(t, srv, "kv-test"), 20)
+
+	res, err = rank0.PurgeHashes(ctx, a, []uint64{4})
+	require.NoError(t, err)
+	require.Equal(t, object.PurgeResult{Listed: 2, Deleted: 2}, res)
+	for _, s := range []*object.Store{rank0, rank1} {
+		require.ErrorIs(t, s.DownloadSalted(ctx, a, 4, dst), object.ErrNotFound)
+		require.NoError(t, s.DownloadSalted(ctx, b, 4, dst), "salt B keeps block 4")
+		require.NoError(t, s.Download(ctx, 4, dst))
+	}
+	require.Len(t, listKeys(t, srv, "kv-test"), 18)
+
+	// A salt nobody stored: only rank 0's own keys are named.
+	res, err = rank0.PurgeHashes(ctx, hashing.SaltHash("nobody", true, "", false), []uint64{1})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Listed)
+	require.Len(t, listKeys(t, srv, "kv-test"), 18)
+}

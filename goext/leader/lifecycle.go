@@ -122,6 +122,7 @@ func (l *Leader) SweepDisk() int {
 		l.gen++
 		l.updateGauges()
 		l.life.expiredDisk.Add(uint64(len(expired)))
+		l.m.ExpiredBlocks.WithLabelValues("g3").Add(float64(len(expired)))
 	}
 	return len(expired)
 }
@@ -143,6 +144,9 @@ func (l *Leader) SweepObjects(ctx context.Context) object.PurgeResult {
 	next, res, err := store.Sweep(ctx, l.now(), l.life.objTTL, ObjectSweepObjects, l.life.objCursor)
 	l.life.objCursor = next
 	l.life.expiredObjects.Add(uint64(res.Deleted))
+	if res.Deleted > 0 {
+		l.m.ExpiredBlocks.WithLabelValues("g4").Add(float64(res.Deleted))
+	}
 	if err != nil {
 		l.life.objectErrors.Add(1)
 		l.log.Debug("kvbm G4 expiry pass failed", "err", err)

@@ -144,6 +144,9 @@ func (l *Leader) Purge(ctx context.Context, req PurgeRequest) (PurgeResult, erro
 	}
 	l.mu.Unlock()
 	l.life.purges.Add(1)
+	l.m.Purges.Inc()
+	l.m.PurgedBlocks.WithLabelValues("g2").Add(float64(res.HostBlocks))
+	l.m.PurgedBlocks.WithLabelValues("g3").Add(float64(res.DiskBlocks))
 
 	if l.g4 == nil {
 		return res, terr
@@ -179,6 +182,7 @@ func (l *Leader) Purge(ctx context.Context, req PurgeRequest) (PurgeResult, erro
 		res.G4Forgotten += max(before-store.Registry().Len(), 0)
 	}
 	res.G4Listed, res.G4Deleted, res.G4Failed = g.Listed, g.Deleted, g.Failed
+	l.m.PurgedBlocks.WithLabelValues("g4").Add(float64(g.Deleted))
 	if err != nil {
 		err = fmt.Errorf("leader: purge: G4: %w", err)
 	}
@@ -274,6 +278,7 @@ func (l *Leader) recheckLater(store G4Store, salts []uint64) {
 		defer cancel()
 		for _, s := range salts {
 			res, err := store.PurgeSalt(ctx, s)
+			l.m.PurgedBlocks.WithLabelValues("g4").Add(float64(res.Deleted))
 			if res.Deleted > 0 || err != nil {
 				l.log.Info("kvbm purge: second pass over the salt's G4 objects", "deleted", res.Deleted, "err", err)
 			}

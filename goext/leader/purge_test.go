@@ -92,6 +92,9 @@ func TestPurgeSalt(t *testing.T) {
 	res, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
 	require.NoError(t, err)
 	require.Equal(t, PurgeResult{HostBlocks: 6, DiskBlocks: 6}, res)
+	require.Equal(t, 6.0, series(t, e.l, "kvbm_purged_blocks", "g2"))
+	require.Equal(t, 6.0, series(t, e.l, "kvbm_purged_blocks", "g3"))
+	require.Equal(t, 1.0, series(t, e.l, "kvbm_purges", ""))
 	removed := idx.feed(t, e.sink.take())
 	require.Len(t, removed, 3, "the router forgets pa's three blocks; shared is still B's")
 	require.Len(t, idx.set, before-3)
@@ -220,6 +223,7 @@ func TestDiskTTL(t *testing.T) {
 	}
 	require.Equal(t, capacity-50, removed)
 	require.Equal(t, uint64(capacity-50), e.l.Stats().Lifecycle.ExpiredDisk)
+	require.Equal(t, float64(capacity-50), series(t, e.l, "kvbm_expired_blocks", "g3"))
 
 	// A restart skips blocks written before the TTL.
 	dir := t.TempDir()
@@ -277,6 +281,7 @@ func TestPurgeG4(t *testing.T) {
 	res, err := e.l.Purge(context.Background(), PurgeRequest{Salts: []uint64{saltA}})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.G4Deleted)
+	require.Equal(t, 3.0, series(t, e.l, "kvbm_purged_blocks", "g4"))
 	require.Equal(t, 3, res.G4Listed)
 	require.Equal(t, 3, res.G4Forgotten)
 	g4Held(t, held, buf.Drain())
@@ -304,6 +309,8 @@ func TestPurgeRecheck(t *testing.T) {
 		s.Registry().RemoveAll()
 		return s.LookupSalted(context.Background(), saltA, []uint64{42}) == 0
 	}, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return series(t, e.l, "kvbm_purged_blocks", "g4") == 1 },
+		10*time.Second, 20*time.Millisecond, "the second pass's deletion is counted")
 	e.l.Close()
 }
 
@@ -332,6 +339,32 @@ func TestObjectTTL(t *testing.T) {
 	res := l.SweepObjects(context.Background())
 	require.Equal(t, 4, res.Deleted)
 	require.Equal(t, uint64(4), l.Stats().Lifecycle.ExpiredObjects)
+	require.Equal(t, 4.0, series(t, l, "kvbm_expired_blocks", "g4"))
 	require.Zero(t, s.Registry().Len())
 	require.Zero(t, s.LookupSalted(context.Background(), saltA, []uint64{1}))
+}
+
+// series is the value of the leader's metric name (with label tier, unless
+// tier is "") as its Prometheus endpoint serves it (0: not exported).
+func series(t *testing.T, l *Leader, name, tier string) float64 {
+	t.Helper()
+	fams, err := l.m.Registry.Gather()
+	require.NoError(t, err)
+	for _, f := range fams {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			got := ""
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == "tier" {
+					got = lp.GetValue()
+				}
+			}
+			if got == tier {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
 }

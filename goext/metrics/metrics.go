@@ -47,6 +47,13 @@ type Metrics struct {
 	BytesMoved     *prometheus.CounterVec // label: direction (d2h, h2d, ...)
 	TransferSecs   *prometheus.HistogramVec
 
+	// Lifecycle (leader): purges served, and what purges and expiry
+	// removed per tier (label tier: g2, g3 blocks; g4 objects, one per
+	// rank and block).
+	Purges        prometheus.Counter
+	PurgedBlocks  *prometheus.CounterVec
+	ExpiredBlocks *prometheus.CounterVec
+
 	// Consolidator.
 	EventsIn      prometheus.Counter
 	EventsOut     prometheus.Counter
@@ -89,6 +96,13 @@ func New() *Metrics {
 		TransferSecs: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvbm_transfer_seconds", Help: "Latency of one transfer batch",
 			Buckets: prometheus.ExponentialBuckets(1e-5, 4, 10)}, []string{"direction"}),
+		Purges: c("kvbm_purges", "Purge requests served (python -m kvbm purge, kvbm.admin.purge)"),
+		PurgedBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbm_purged_blocks", Help: "Blocks removed by purges, per tier (g2, g3: blocks; g4: objects deleted, one per rank)"},
+			[]string{"tier"}),
+		ExpiredBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbm_expired_blocks", Help: "Blocks removed by expiry, per tier (g3: DYN_KVBM_DISK_TTL_SECS; g4: objects, DYN_KVBM_OBJECT_TTL_SECS)"},
+			[]string{"tier"}),
 		EventsIn:      c("kvbm_consolidator_events_in", "Block events received by the consolidator"),
 		EventsOut:     c("kvbm_consolidator_events_out", "Block events published by the consolidator"),
 		EventsDeduped: c("kvbm_consolidator_events_deduplicated", "Block events absorbed by deduplication"),
@@ -97,7 +111,7 @@ func New() *Metrics {
 		BlocksEvicted: c("kvbm_consolidator_blocks_evicted", "Tracked blocks forgotten (and removed for the router) at the tracking cap"),
 		EventQueue:    g("kvbm_consolidator_queue_depth", "Events waiting to be published"),
 	}
-	r.MustRegister(m.BytesMoved, m.TransferSecs)
+	r.MustRegister(m.BytesMoved, m.TransferSecs, m.PurgedBlocks, m.ExpiredBlocks)
 	registerZMQGuard(r)
 	return m
 }

@@ -72,6 +72,8 @@ int kvbm_leader_restore_disk(uint64_t hd, void *buf, int64_t n, int64_t *out_reg
 /* G4 (object storage, docs/g4.md): rank 0's block fingerprint (32 hex digits); a worker's msgpack report */
 int kvbm_leader_set_g4_fingerprint(uint64_t hd, char *fingerprint_hex, char **err);
 int kvbm_leader_g4_report(uint64_t hd, void *buf, int64_t n, char **err);
+/* load-cost model: a worker's timed load batches (msgpack, kvbm_worker_transfer_timings) */
+int kvbm_leader_transfer_timings(uint64_t hd, void *buf, int64_t n, char **err);
 /* G2/G3 store and removal events since the last call (msgpack; a leader created with "tier_events") */
 int kvbm_leader_take_events(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
 
@@ -88,6 +90,7 @@ int kvbm_worker_set_cuda_stream(uint64_t hd, uint64_t stream, char **err); /* CU
 int kvbm_worker_recovered(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* persistent disk tier index */
 int kvbm_worker_g4_report(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* G4: stored hashes, counters */
 int kvbm_worker_stats(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* JSON: transfer totals per direction */
+int kvbm_worker_transfer_timings(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* rank 0's timed load batches since the last call */
 
 /* KV event consolidator */
 int kvbm_consolidator_new(char *opts_json, uint64_t *out, char **err);

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/object"
+	"github.com/kvbm/kvbm/goext/policy"
 )
 
 // kvbm_leader_set_g4_fingerprint gives the leader rank 0's block
@@ -98,6 +99,66 @@ func kvbm_leader_g4_report(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOu
 	h.l.G4Stored(r.Acked)
 	if r.Pid != os.Getpid() && r.Source != "" {
 		object.SetRemote(r.Source, r.Stats)
+	}
+	return statusOK
+}
+
+// transferTimings is what a worker tells its leader of its timed load
+// batches, when they may live in different processes.
+type transferTimings struct {
+	Pid     int             `msgpack:"pid"`
+	Timings []policy.Timing `msgpack:"timings"`
+}
+
+// kvbm_worker_transfer_timings returns a msgpack transferTimings of the
+// load batches rank 0's worker timed since the last call (empty when there
+// are none, and on other ranks).
+//
+//export kvbm_worker_transfer_timings
+func kvbm_worker_transfer_timings(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, done, err := workerOf(hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkOut("kvbm_worker_transfer_timings", ptr(out), ptr(outLen)); err != nil {
+		return finish(err, errOut)
+	}
+	*out, *outLen = nil, 0
+	ts := h.W.TakeTransferTimings()
+	if len(ts) == 0 {
+		return statusOK
+	}
+	b, err := msgpack.Marshal(transferTimings{Pid: os.Getpid(), Timings: ts})
+	if err != nil {
+		return finish(fmt.Errorf("encode transfer timings: %w", err), errOut)
+	}
+	cBuffer(b, out, outLen)
+	return statusOK
+}
+
+// kvbm_leader_transfer_timings feeds a worker's timed load batches to the
+// leader's load-cost model; those of a worker in this process are ignored
+// (the model hears them directly, goext/policy's transfer hub).
+//
+//export kvbm_leader_transfer_timings
+func kvbm_leader_transfer_timings(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
+	defer guard(&rc, errOut)
+	h, done, err := leaderOf(hd)
+	defer done()
+	if err != nil {
+		return finish(err, errOut)
+	}
+	if err := checkIn("kvbm_leader_transfer_timings", "timings buffer", buf, n); err != nil {
+		return finish(err, errOut)
+	}
+	var r transferTimings
+	if err := msgpack.Unmarshal(goBytes(buf, n), &r); err != nil {
+		return finish(errorf(statusInvalid, "kvbm_leader_transfer_timings: %v", err), errOut)
+	}
+	if r.Pid != os.Getpid() {
+		h.l.CostModel().ObserveTimings(r.Timings)
 	}
 	return statusOK
 }

@@ -45,6 +45,34 @@ func SubscribeTransfers(fn func(dir string, bytes int64, d time.Duration)) (canc
 	}
 }
 
+// Timing is one timed transfer batch of a worker, as it travels to a
+// leader in another process (the engine's per-step worker metadata).
+type Timing struct {
+	Dir     string  `msgpack:"dir"`
+	Bytes   int64   `msgpack:"bytes"`
+	Seconds float64 `msgpack:"secs"`
+}
+
+// IsLoad reports whether dir is a load direction the model measures
+// (G2 → G1, G3 → G1, G4 → G2).
+func IsLoad(dir string) bool {
+	switch dir {
+	case "g2_to_g1", "g3_to_g1", "g4_to_g2":
+		return true
+	}
+	return false
+}
+
+// ObserveTimings feeds batches timed by workers in another process
+// (Timing) to the model, as ObserveTransfer.
+func (m *Model) ObserveTimings(ts []Timing) {
+	for _, t := range ts {
+		if t.Seconds >= 0 && t.Seconds < 3600 {
+			m.ObserveTransfer(t.Dir, t.Bytes, time.Duration(t.Seconds*float64(time.Second)))
+		}
+	}
+}
+
 // ObserveTransfer feeds a worker's batch to the model: the load directions
 // (G2 → G1, G3 → G1, G4 → G2) are measurements of their tier; the others
 // (saves, moves, uploads) are ignored.

@@ -25,7 +25,14 @@ type DirectionStats struct {
 type transferStats struct {
 	mu   sync.Mutex
 	dirs map[string]DirectionStats
+	// timings: the last timed load batches (at most maxTimings), for a
+	// leader in another process (TakeTransferTimings).
+	timings []policy.Timing
 }
+
+// maxTimings bounds the timed batches kept between two
+// TakeTransferTimings (the oldest go first).
+const maxTimings = 256
 
 // record adds one batch (timed when timed is true) of direction dir.
 func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs float64, timed bool) {
@@ -38,6 +45,12 @@ func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs
 	if s.dirs == nil {
 		s.dirs = make(map[string]DirectionStats)
 	}
+	if timed && bytes > 0 && policy.IsLoad(dir) {
+		if len(s.timings) >= maxTimings {
+			s.timings = append(s.timings[:0], s.timings[1:]...)
+		}
+		s.timings = append(s.timings, policy.Timing{Dir: dir, Bytes: bytes, Seconds: secs})
+	}
 	d := s.dirs[dir]
 	d.Blocks += uint64(blocks)
 	d.Failed += uint64(failed)
@@ -47,6 +60,22 @@ func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs
 		d.Batches++
 	}
 	s.dirs[dir] = d
+}
+
+// TakeTransferTimings returns the load batches this worker timed since the
+// last call (at most the last 256), for the load-cost model of a leader in
+// another process (a leader in this one hears them directly). Only rank 0's
+// are returned (every rank moves its shard of the same blocks in the same
+// step: one rank's timings measure the load); the others' are dropped.
+func (w *Worker) TakeTransferTimings() []policy.Timing {
+	w.xfer.mu.Lock()
+	defer w.xfer.mu.Unlock()
+	out := w.xfer.timings
+	w.xfer.timings = nil
+	if w.opts.Rank != 0 {
+		return nil
+	}
+	return out
 }
 
 // TransferStats returns this worker's totals per direction ("g1_to_g2",

@@ -181,12 +181,17 @@ func (l *Leader) timeLoad(il *inflightLoad) {
 // request's match could pay: under a policy other than always, a lookup is
 // not started when loading all of them from G4 is expected to lose (cost)
 // or to take longer than the bound even for one block (never-slower-than),
-// the lookup's own round trip included (measured by g4Lookup).
+// the lookup's own round trips included (measured by g4Lookup). A request
+// whose lookup was already started is not asked again: it matches what
+// its lookup found (the load decision then leaves the lookup out).
 // l.mu held.
 func (l *Leader) g4WorthLooking(reqID string, rest int) bool {
 	p := &l.pol
 	if p.load.Mode == policy.Always || rest <= 0 {
 		return true
+	}
+	if l.g4.probes[reqID] != nil {
+		return true // the request's lookup is made or under way: its time is spent either way
 	}
 	n := rest
 	if p.load.Mode == policy.Cap {

@@ -331,8 +331,13 @@ func TestLoadPolicyCountsLookupWaves(t *testing.T) {
 	require.InDelta(t, 0.04, l.CostModel().LookupSeconds(1, 32), 1e-9, "one wave of 40 ms")
 	l.mu.Lock()
 	worth := l.g4WorthLooking("r", 4)
+	// A request whose lookup was started (when it still looked worth it)
+	// goes on to match: the lookup's time is spent.
+	l.g4.probes["started"] = &g4Probe{done: true}
+	started := l.g4WorthLooking("started", 4)
 	l.mu.Unlock()
 	require.False(t, worth)
+	require.True(t, started)
 	require.Equal(t, float64(1), val(l.pol.pm.LookupsSkipped))
 }
 

@@ -16,7 +16,7 @@ HANDLING: dict[str, str] = {
     'bind_gpu_block_pool': "base: kvbm keeps no view of vLLM's block pool",
     'bind_kv_cache_manager': "base: kvbm keeps no view of vLLM's cache manager",
     'build_connector_meta': 'kvbm',
-    'build_connector_worker_meta': "kvbm: rank 0's G4 fingerprint and G4 reports",
+    'build_connector_worker_meta': "kvbm: rank 0's G4 fingerprint, G4 reports and timed load batches",
     'build_kv_connector_stats': 'kvbm',
     'build_prom_metrics': 'kvbm',
     'clear_connector_metadata': 'kvbm',

@@ -247,6 +247,8 @@ _native.register_signatures(
         "kvbm_leader_g4_report": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
         "kvbm_worker_g4_report": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_leader_transfer_timings": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
+        "kvbm_worker_transfer_timings": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_leader_take_events": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_worker_free": (None, [c_uint64]),
@@ -397,6 +399,11 @@ class Leader(_native.Handle):
         """A worker's :meth:`Worker.g4_report` (blocks it stored in G4, its counters)."""
         _native.call("kvbm_leader_g4_report", self._h, report, len(report))
 
+    def transfer_timings(self, timings: bytes) -> None:
+        """A worker's :meth:`Worker.transfer_timings` (its timed load batches)
+        for the load-cost model; a worker of this process is heard directly."""
+        _native.call("kvbm_leader_transfer_timings", self._h, timings, len(timings))
+
     def update_after_alloc(self, req_id: str, block_ids: Iterable[int], num_external_tokens: int) -> None:
         arr, n = _int64_array(list(block_ids))
         _native.call("kvbm_leader_update_after_alloc", self._h, req_id.encode(), arr, n, int(num_external_tokens))
@@ -544,6 +551,12 @@ class Worker(_native.Handle):
         """Blocks stored in G4 since the last call and this process's G4
         counters, for :meth:`Leader.g4_report` (b"" without a G4 tier)."""
         return _buffer_call("kvbm_worker_g4_report", self._h)
+
+    def transfer_timings(self) -> bytes:
+        """Rank 0's timed load batches since the last call, for
+        :meth:`Leader.transfer_timings` (b"" when there are none, and on other
+        ranks)."""
+        return _buffer_call("kvbm_worker_transfer_timings", self._h)
 
 
 class Consolidator(_native.Handle):

@@ -360,6 +360,8 @@ class VllmConnectorLeader(VllmSide):
             self._g4_fingerprint = fp
         for rep in getattr(meta, "g4_reports", None) or ():
             self._leader.g4_report(rep)
+        for t in getattr(meta, "transfer_timings", None) or ():
+            self._leader.transfer_timings(t)  # the load-cost model (workers in other processes)
         # Several KV cache groups: failed loads reach vLLM per request, their
         # blocks come here.
         self._invalid_blocks.extend(int(b) for b in getattr(meta, "load_errors", None) or ())

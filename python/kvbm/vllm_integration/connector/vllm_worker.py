@@ -53,6 +53,7 @@ class VllmConnectorWorker(VllmSide):
         # (its own, reported to the scheduler).
         self._g4 = False
         self._g4_fingerprint = ""
+        self._loads_done = False  # loads finished since the last worker metadata: timings to send
         # Loads bound but not yet reported finished (request id → G1 blocks),
         # so that a failure can still answer vLLM for them; and loads the
         # scheduler gave up on before planning them.
@@ -259,6 +260,7 @@ class VllmConnectorWorker(VllmSide):
             errors = []
         for rid in loaded:
             self._inflight_loads.pop(rid, None)
+        self._loads_done = self._loads_done or bool(loaded)
         if errors:
             self._load_errors.update(errors)
             self._stat_load_errors += len(errors)
@@ -274,14 +276,20 @@ class VllmConnectorWorker(VllmSide):
     @guarded(None)
     def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
         errors, self._group_load_errors = self._group_load_errors, []
-        if KVConnectorWorkerMetadata is None or self._worker is None or not (self._g4 or errors):
+        if KVConnectorWorkerMetadata is None or self._worker is None:
+            return None
+        # Rank 0's timed loads, for the leader's cost model; asked only after
+        # loads finished (no extra ABI crossing on other steps).
+        timings = self._worker.transfer_timings() if self._loads_done else b""
+        self._loads_done = False
+        if not (self._g4 or errors or timings):
             return None
         from kvbm.vllm_integration.connector._common import KvbmWorkerMeta
 
         rep = self._worker.g4_report() if self._g4 else b""
         # Only rank 0's acknowledgements name blocks the leader can look up.
         return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [],
-                              load_errors=[int(b) for b in errors])
+                              load_errors=[int(b) for b in errors], transfer_timings=[timings] if timings else [])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

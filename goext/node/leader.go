@@ -35,6 +35,8 @@ type LeaderSpec struct {
 	Fingerprint string
 	G4Async     bool // the engine asks again when a match answers Pending
 	LoadFullHit bool // leader.Options.LoadFullHit
+	// Groups: the engine's KV cache groups (leader.Options.Groups).
+	Groups *leader.Groups
 	// TierEvents keeps the G2/G3/G4 store and removal events in
 	// Leader.TierEvents for the engine to publish.
 	TierEvents bool
@@ -122,6 +124,7 @@ func NewLeader(cfg *config.Config, spec LeaderSpec, d Deps) (_ *Leader, err erro
 		SideChannel:      spec.SideChannel,
 		BroadcastTimeout: spec.BroadcastTimeout,
 		LoadFullHit:      spec.LoadFullHit,
+		Groups:           spec.Groups,
 		ObserveTransfers: true, // this process's workers time their loads (goext/policy)
 	})
 	if err != nil {

@@ -315,7 +315,7 @@ class Leader(_native.Handle):
                  consolidator: ConsolidatorOptions | None = None, background: bool = False,
                  g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None,
                  load_full_hit: bool = False, tier_events: bool = False,
-                 kv_groups: KVGroupsOptions | None = None) -> None:
+                 kv_groups: KVGroupsOptions | None = None, fingerprint: str = "") -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts: dict[str, object] = {
@@ -344,6 +344,10 @@ class Leader(_native.Handle):
         if kv_groups is not None:
             # The plans carry group rows, built in Go from each row's groups.
             opts["kv_groups"] = dict(kv_groups)
+        if fingerprint:
+            # Rank 0's block fingerprint (its worker's info()["fingerprint"]):
+            # G4 lookups from the start (else: set_g4_fingerprint later).
+            opts["fingerprint"] = fingerprint
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))

@@ -152,7 +152,15 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
 
         cons = consolidator_options(self._llm_args_ref)
         self._leader = Leader(block_size=self._block_size, bytes_per_block=bpb, num_workers=self._tp,
-                              consolidator=cons)
+                              consolidator=cons, fingerprint=LOCAL.fingerprint)
+        recovered = LOCAL.take_recovered(self._tp)
+        if recovered:
+            try:
+                n = self._leader.restore_disk(recovered)
+                log.info("kvbm: %d disk tier blocks recovered from the persistent tier", n)
+            except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
+                log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s",
+                            e)
         info = self._leader.info()
         log.info("kvbm leader ready (pid %d): block_size=%d bytes_per_block=%d tp=%d host_blocks=%d "
                  "disk_blocks=%d consolidator=%s metrics=%s", os.getpid(), self._block_size, bpb, self._tp,

@@ -120,7 +120,10 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             rank=self._rank, num_workers=self._tp, model=self._model, dtype=str(t.dtype),
         )
         info = self._worker.info()
-        LOCAL.worker_ready(info["bytes_per_block"])
+        # The leader of this process (rank 0's) learns what it needs of the
+        # workers here: no other route reaches it.
+        LOCAL.worker_ready(info["bytes_per_block"], self._rank, info["fingerprint"] if info.get("g4") else "",
+                           self._worker.recovered() if info.get("disk_persistent") else b"")
         log.info("kvbm worker ready (pid %d, rank %d/%d): %d blocks of %d bytes, %d layers, host_blocks=%d "
                  "disk_blocks=%d", os.getpid(), self._rank, self._tp, t.shape[0], info["bytes_per_block"],
                  info["num_layers"], info["host_blocks"], info["disk_blocks"])

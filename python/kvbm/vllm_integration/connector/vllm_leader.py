@@ -362,11 +362,6 @@ class VllmConnectorLeader(VllmSide):
         if invalid:
             self._invalid_blocks.extend(int(b) for b in invalid)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        fp = getattr(meta, "g4_fingerprint", "")
-        if fp and fp != self._g4_fingerprint:
-            # Rank 0's worker names its G4 objects by this: lookups start.
-            self._leader.set_g4_fingerprint(fp)
-            self._g4_fingerprint = fp
         for rep in getattr(meta, "g4_reports", None) or ():
             self._leader.g4_report(rep)
         # Several KV cache groups: failed loads reach vLLM per request, their
@@ -459,10 +454,20 @@ class VllmConnectorLeader(VllmSide):
     def set_xfer_handshake_metadata(self, metadata: Any) -> None:
         """vLLM hands over what every worker's
         get_handshake_metadata returned (tp rank → metadata) once the KV
-        caches are registered, before the first step: register the disk
-        tier blocks every rank's persistent tier recovered."""
+        caches are registered, before the first step, whether the workers run
+        in this process or others: rank 0's G4 fingerprint (G4 lookups
+        start), and the disk tier blocks every rank's persistent tier
+        recovered."""
         if self._leader is None or not metadata:
             return
+        fp = getattr(metadata.get(0), "g4_fingerprint", "")
+        if fp and fp != self._g4_fingerprint:
+            # Rank 0's worker names its G4 objects by this: lookups start.
+            try:
+                self._leader.set_g4_fingerprint(fp)
+                self._g4_fingerprint = fp
+            except Exception as e:  # noqa: BLE001 - kvbm serves without G4 lookups
+                log.warning("kvbm: rank 0's G4 fingerprint not taken (no G4 lookups): %s", e)
         _, tp_size = _tp(self._vllm_config)
         recs = [getattr(metadata.get(r), "recovered", b"") for r in range(tp_size)]
         if not all(recs):

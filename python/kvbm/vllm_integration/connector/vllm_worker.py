@@ -52,7 +52,7 @@ class VllmConnectorWorker(VllmSide):
         self._kv_caches: dict[str, Any] = {}
         self._on_device = False
         # G4: whether this worker has the tier, and rank 0's block fingerprint
-        # (its own, reported to the scheduler).
+        # (its own, reported to the scheduler in the handshake metadata).
         self._g4 = False
         self._g4_fingerprint = ""
         # Loads bound but not yet reported finished (request id → G1 blocks),
@@ -172,16 +172,20 @@ class VllmConnectorWorker(VllmSide):
             log.warning("kvbm: the KV cache is back after sleep mode; kvbm stays off for this engine")
 
     def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
-        """This rank's recovered persistent disk tier index (None
-        without one), which vLLM passes to the scheduler's connector."""
+        """This rank's recovered persistent disk tier index and, on rank 0
+        with G4, its block fingerprint (None without either), which vLLM
+        passes to the scheduler's connector before the first step: the one
+        route by which the leader learns them, in any process layout."""
         if self._worker is None:
             return None
         try:
             rec = self._worker.recovered()
         except Exception as e:  # noqa: BLE001
             log.warning("kvbm: could not read the recovered disk tier index: %s", e)
+            rec = b""
+        if not rec and not self._g4_fingerprint:
             return None
-        return KvbmRecoveredMetadata(recovered=rec) if rec else None
+        return KvbmRecoveredMetadata(recovered=rec, g4_fingerprint=self._g4_fingerprint)
 
     def _describe_caches(
         self, kv_caches: dict[str, Any],
@@ -298,8 +302,7 @@ class VllmConnectorWorker(VllmSide):
 
         rep = self._worker.g4_report() if self._g4 else b""
         # Only rank 0's acknowledgements name blocks the leader can look up.
-        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [],
-                              load_errors=[int(b) for b in errors])
+        return KvbmWorkerMeta(g4_reports=[rep] if rep else [], load_errors=[int(b) for b in errors])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

@@ -100,7 +100,10 @@ def guarded(default: Any = None) -> Callable[[Callable[Concatenate[_S, _A], _R]]
 
 
 def plan_loads(plan: bytes) -> dict[str, list[int]]:
-    """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
+    """request id → G1 blocks of the loads in an encoded plan (goext/plan).
+    The worker adapters learn a plan's loads from Go (kvbm._core.Worker.bind)
+    and read a plan themselves only after kvbm failed in their process, to
+    report the loads the engine still waits for."""
     return _plan.load_targets(plan)
 
 

@@ -81,7 +81,7 @@ int kvbm_leader_take_events(uint64_t hd, uint8_t **out, int64_t *out_len, char *
 int kvbm_worker_new(char *opts_json, uint64_t *out, char **err);
 void kvbm_worker_free(uint64_t hd);
 int kvbm_worker_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
-int kvbm_worker_bind(uint64_t hd, void *buf, int64_t n, char **err);
+int kvbm_worker_bind(uint64_t hd, void *buf, int64_t n, uint8_t **out, int64_t *out_len, char **err); /* msgpack [loads, start, save] */
 int kvbm_worker_start_load(uint64_t hd, char **err);
 int kvbm_worker_wait_loads(uint64_t hd, char **err);
 int kvbm_worker_wait_for_save(uint64_t hd, char **err);

@@ -52,6 +52,16 @@ type leaderOptions struct {
 	// kvbm_leader_take_events (tierevents.go); the vLLM adapter publishes
 	// them in the engine's KV event stream.
 	TierEvents bool `json:"tier_events,omitempty"`
+	// KVGroups: the engine's KV cache groups when its plans carry group
+	// rows (leader.Options.Groups); the step rows then carry each group's
+	// blocks.
+	KVGroups *kvGroupsOption `json:"kv_groups,omitempty"`
+}
+
+type kvGroupsOption struct {
+	Primary   int      `json:"primary"`
+	Windows   [][2]int `json:"windows"`
+	NullBlock int64    `json:"null_block"`
 }
 
 type leaderHandle struct {
@@ -144,6 +154,9 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		Background: o.Background, SideChannel: bc, BroadcastTimeout: sideChannelTimeout(o.SideChannel),
 		Fingerprint: o.Fingerprint, G4Async: o.G4Async, LoadFullHit: o.LoadFullHit, TierEvents: o.TierEvents,
 		Metrics: h.m,
+	}
+	if g := o.KVGroups; g != nil {
+		spec.Groups = &leader.Groups{Primary: g.Primary, Windows: g.Windows, NullBlock: g.NullBlock}
 	}
 	if c := o.Consolidator; c != nil {
 		spec.Consolidator = c.spec()

@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"unsafe"
 
@@ -188,20 +189,39 @@ func kvbm_worker_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 	return statusOK
 }
 
+// kvbm_worker_bind hands the worker a step's plan (goext/plan, as the
+// leader's kvbm_leader_step returned it) and returns what the engine adapter
+// must act on, so that the plan is decoded once, here: msgpack [loads,
+// start, save], loads = [[request id, [G1 blocks]], …] (the loads the
+// adapter must later report), start/save = whether
+// kvbm_worker_start_load/_wait_for_save have work for this step. Nothing
+// (out_len 0) when there is none of it.
+//
 //export kvbm_worker_bind
-func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, errOut **C.char) (rc C.int) {
+func kvbm_worker_bind(hd C.uint64_t, buf unsafe.Pointer, n C.int64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
 	defer guard(&rc, errOut)
 	h, done, err := workerOf(hd)
 	defer done()
 	if err != nil {
 		return finish(err, errOut)
 	}
-	if err := checkIn("kvbm_worker_bind", "plan buffer", buf, n); err != nil {
-		return finish(err, errOut)
+	if err := errors.Join(checkIn("kvbm_worker_bind", "plan buffer", buf, n),
+		checkOut("kvbm_worker_bind", ptr(out), ptr(outLen))); err != nil {
+		return finish(withCode(statusInvalid, err), errOut)
 	}
-	if err := h.W.BindStep(goBytes(buf, n)); err != nil {
+	bound, err := h.W.BindPlan(goBytes(buf, n))
+	if err != nil {
 		return finish(errorf(statusInvalid, "kvbm_worker_bind: %v", err), errOut)
 	}
+	*out, *outLen = nil, 0
+	if bound.Empty() {
+		return statusOK
+	}
+	b, err := msgpack.Marshal([]any{bound.Loads, bound.Start, bound.Save})
+	if err != nil {
+		return finish(fmt.Errorf("encode bound step: %w", err), errOut)
+	}
+	cBuffer(b, out, outLen)
 	return statusOK
 }
 
@@ -244,7 +264,9 @@ func kvbm_worker_wait_for_save(hd C.uint64_t, errOut **C.char) (rc C.int) {
 	return statusOK
 }
 
-// kvbm_worker_finished returns msgpack [loaded_request_ids, load_error_g1_blocks].
+// kvbm_worker_finished returns msgpack [loaded_request_ids,
+// load_error_g1_blocks, failed_request_ids] (the loaded requests with a
+// failed G1 block), or nothing when no load finished.
 //
 //export kvbm_worker_finished
 func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut **C.char) (rc C.int) {
@@ -257,12 +279,12 @@ func kvbm_worker_finished(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, err
 	if err := checkOut("kvbm_worker_finished", ptr(out), ptr(outLen)); err != nil {
 		return finish(err, errOut)
 	}
-	loaded, errs := h.W.Finished()
-	if len(loaded) == 0 && len(errs) == 0 {
+	f := h.W.FinishedLoads()
+	if len(f.Loaded) == 0 && len(f.Errors) == 0 {
 		*out, *outLen = nil, 0
 		return statusOK
 	}
-	b, err := msgpack.Marshal([]any{loaded, errs})
+	b, err := msgpack.Marshal(f)
 	if err != nil {
 		return finish(fmt.Errorf("encode finished: %w", err), errOut)
 	}

@@ -137,7 +137,8 @@ CASES = {
     "worker bind: bad plan buffer": """
         w = make_worker()
         for n, b in ((8, None), (-1, b"x" * 8), (HUGE, b"x" * 8)):
-            expect_error("kvbm_worker_bind", w._h, b, n, match="invalid plan buffer")
+            expect_error("kvbm_worker_bind", w._h, b, n, *buf_out(), match="invalid plan buffer")
+        expect_error("kvbm_worker_bind", w._h, b"\\x90", 1, None, byref(c_int64()), match="null output pointer")
     """,
     "G4 reports and the recovered index: bad buffers and NULL outputs": """
         leader = Leader(block_size=4, bytes_per_block=64)

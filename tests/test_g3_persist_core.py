@@ -55,11 +55,14 @@ def test_disk_tier_recovered_by_the_next_pair(monkeypatch, tmp_path):
     files = [n for n in os.listdir(tmp_path) if n.startswith("kvbm-g3-")]
     assert len(files) == 1
 
-    # Same process: the new leader picks up what the new worker recovered.
+    # Same process or not, the new leader gets what the new worker recovered
+    # by one route: from the engine (restore_disk), never by itself.
     g1b = caches(2)
     w2 = worker(g1b)
     assert w2.info()["disk_recovered_blocks"] == 4
     leader2 = Leader(block_size=BS, bytes_per_block=bpb)
+    assert leader2.info()["disk_blocks_used"] == 0
+    assert leader2.restore_disk([w2.recovered()]) == 4
     assert leader2.info()["disk_blocks_used"] == 4
     assert leader2.restore_disk([w2.recovered()]) == 0, "a second restore does nothing"
     got, is_async = leader2.match("again", prompt, _native.salt_hash(), 0)
@@ -71,7 +74,7 @@ def test_disk_tier_recovered_by_the_next_pair(monkeypatch, tmp_path):
     for i, b in enumerate(dst[:4]):
         assert [c[:, b].tobytes() for c in g1b] == want[i], f"block {i} differs"
 
-    # Another process's leader gets the index through the engine.
+    # Another leader (as of another process) gets the index the same way.
     rec = w2.recovered()
     assert rec
     leader3 = Leader(block_size=BS, bytes_per_block=bpb)

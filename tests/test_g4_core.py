@@ -71,7 +71,9 @@ def test_upload_report_and_load_back(g4_env):
                     model="tiny", dtype="uint16")
     winfo = worker.info()
     assert winfo["g4"] is True
-    leader = Leader(block_size=BS, bytes_per_block=winfo["bytes_per_block"], g4_async=True)
+    # Rank 0's fingerprint reaches the leader from the engine, in any process layout.
+    leader = Leader(block_size=BS, bytes_per_block=winfo["bytes_per_block"], g4_async=True,
+                    fingerprint=winfo["fingerprint"])
     salt = _native.salt_hash()
     prompt = list(range(300, 300 + 4 * BS + 5))
 
@@ -127,6 +129,7 @@ def test_bad_inputs_are_errors(g4_env):
         leader.set_g4_fingerprint("not-hex")
     with pytest.raises(KvbmError):
         leader.g4_report(b"\xc1garbage")
+    leader.set_g4_fingerprint(worker.info()["fingerprint"])  # rank 0's: G4 lookups start
     leader.set_g4_fingerprint(worker.info()["fingerprint"])  # already known: ignored
     leader.close()
     worker.close()

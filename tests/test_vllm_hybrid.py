@@ -538,20 +538,8 @@ def test_one_sliding_window_group_never_touches_the_null_block(env):
         worker.shutdown()
 
 
-def test_a_save_from_a_position_the_window_left_gets_no_row(hybrid):
-    """A save planned late (retried after G2 was full) for a position whose
-    sliding-window block vLLM may have freed since: its row is incomplete,
-    so the worker fails it rather than read a block another request may
-    hold now."""
-    h = hybrid
-    a = request("a", PROMPT)
-    h.sched.update_state_after_alloc(a, Blocks(A0, A1), 0)
-    leader = h.sched._scheduler_side
-    leader._set_group_blocks("a", (A0, A1))
-    plan = _plan.encode(seq=1, saves=[(1, A0[0], 2, 0), (1, A0[4], 2, 1)])
-    # 5 blocks computed, window 2 blocks: the sliding group may have freed blocks 0..2.
-    rows = _plan.group_rows(leader._add_group_rows(plan, {"a": 5 * BS}))
-    assert rows == {A0[0]: [-1, -1], A0[4]: [A0[4], A1[4]]}
+# A save planned late for a position the window left gets no row: the Go
+# leader builds the rows (goext/leader TestASaveFromAPositionTheWindowLeftGetsNoRow).
 
 
 def test_several_groups_on_device_memory_are_refused_by_name():

@@ -89,6 +89,10 @@ type Options struct {
 	// compute). Off (TensorRT-LLM, whose matches are whole blocks), the last
 	// block is left to the engine: a full hit then recomputes a whole block.
 	LoadFullHit bool
+	// Groups: the engine's KV cache groups, when its plans carry group rows
+	// (several groups, or one that frees blocks before its window); nil
+	// otherwise (groups.go).
+	Groups *Groups
 	// ObserveTransfers feeds the load-cost model with the timed batches of
 	// the workers that share this process (policy.ReportTransfer); off, it
 	// keeps its priors (tests with several leaders in one process).
@@ -109,6 +113,7 @@ type Leader struct {
 	maxMoves int
 	persist  bool         // DYN_KVBM_DISK_PERSIST: steps tag their G3 writes (recover.go)
 	fullHit  bool         // Options.LoadFullHit
+	groups   *Groups      // Options.Groups
 	g4       *g4State     // nil: no G4 tier (g4.go)
 	sc       *sideChannel // background loop; nil without Options.SideChannel
 	life     *lifecycle   // purge tombstones and expiry (purge.go, lifecycle.go)
@@ -175,6 +180,9 @@ func New(opts Options) (*Leader, error) {
 	if opts.NumWorkers < 1 {
 		return nil, fmt.Errorf("leader: %d workers: need at least one", opts.NumWorkers)
 	}
+	if g := opts.Groups; g != nil && (len(g.Windows) == 0 || g.Primary < 0 || g.Primary >= len(g.Windows)) {
+		return nil, fmt.Errorf("leader: KV cache groups: primary group %d of %d", g.Primary, len(g.Windows))
+	}
 	cfg := opts.Config
 	hostBlocks, diskBlocks, err := cfg.TierBlocks(opts.BytesPerBlock, opts.NumWorkers)
 	if err != nil {
@@ -188,6 +196,7 @@ func New(opts Options) (*Leader, error) {
 		maxMoves:  opts.MaxMovesPerStep,
 		persist:   cfg.DiskPersist,
 		fullHit:   opts.LoadFullHit,
+		groups:    opts.Groups,
 		slots:     make(map[string]*slot),
 		inflight:  make(map[string]*inflightLoad),
 		loadsByG1: make(map[int64]loadRef),

@@ -54,24 +54,11 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	bs := l.bs
-	if l.degraded {
-		// A rank's shards may be missing: serve nothing (SetDegraded).
-		if s, ok := l.slots[reqID]; ok {
-			l.unstage(s)
-		}
-		return 0, false
-	}
-	if numComputed < 0 || numComputed%bs != 0 {
-		// A partial G1 hit (TensorRT-LLM partial reuse): kvbm only loads
-		// whole blocks after a block-aligned prefix. Forget any earlier
-		// staging for the request.
-		if s, ok := l.slots[reqID]; ok {
-			l.unstage(s)
-		}
-		return 0, false
-	}
+	// Whatever the answer, the slot keeps the tokens: the request's step
+	// updates then carry only the tokens after them (RequestUpdate.KnownTokens).
 	s, _ := l.slotFor(reqID, salt, l.now())
 	if s.load == loadEmitted {
+		s.setTokens(tokens, bs)
 		l.log.Warn("kvbm: get_num_new_matched_tokens while the request's load is running; not matching again",
 			"request", reqID)
 		return 0, false
@@ -81,6 +68,16 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 		s.setSalt(salt)
 	}
 	s.setTokens(tokens, bs)
+	if l.degraded {
+		// A rank's shards may be missing: serve nothing (SetDegraded).
+		return 0, false
+	}
+	if numComputed < 0 || numComputed%bs != 0 {
+		// A partial G1 hit (TensorRT-LLM partial reuse): kvbm only loads
+		// whole blocks after a block-aligned prefix. Any earlier staging
+		// for the request is forgotten.
+		return 0, false
+	}
 	s.matched = true
 	s.hits = requestHits{}
 	if len(tokens)-numComputed < bs {

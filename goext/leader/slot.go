@@ -49,6 +49,11 @@ type slot struct {
 
 	seen bool // appeared in a Step (its block list and tokens are the engine's)
 
+	// KV cache groups (Options.Groups): each group's block ids, and the
+	// position of each primary block (groups.go).
+	groups [][]int64
+	gpos   map[int64]int
+
 	// Offload progress: blocks [0, offloaded) were saved (or skipped as
 	// already present); stopped is set by the priority filter, after which
 	// the request offloads nothing more (keeps the offloaded set a prefix).

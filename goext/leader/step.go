@@ -38,6 +38,15 @@ type RequestUpdate struct {
 	// Resumed: the request was preempted and is scheduled again; its block
 	// list is replaced by NewBlockIDs.
 	Resumed bool
+	// KnownTokens: NewTokens follow the first KnownTokens tokens the leader
+	// got from GetNumNewMatchedTokens for this request (a first or Resumed
+	// update; 0: NewTokens are all of them). Each token thus reaches the
+	// leader once. A leader that no longer has them (the request was
+	// forgotten since) does not offload the request.
+	KnownTokens int
+	// Groups: with Options.Groups, the blocks of every KV cache group
+	// (groups.go); nil when the update adds none.
+	Groups *GroupBlocks
 }
 
 // Step plans one engine step and returns the encoded plan.Step for the
@@ -101,6 +110,9 @@ func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 		clear(l.drops)
 	}
 
+	if l.groups != nil {
+		l.addGroupRows(&st, updates)
+	}
 	l.tagStep(&st)
 	l.updateGauges()
 	if l.statsLog.due(now, l.hits) {
@@ -190,7 +202,19 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step, now time.Time) {
 	if !s.seen && u.Salt != 0 {
 		s.setSalt(u.Salt)
 	}
-	if created && !u.Resumed && len(u.NewTokens) < u.NumComputedTokens+u.NumScheduledTokens {
+	toks := u.NewTokens
+	if u.KnownTokens > 0 && (!s.seen || u.Resumed) {
+		if created || len(s.tokens) < u.KnownTokens {
+			// The tokens from matching are gone (forgotten while idle):
+			// the blocks' hashes cannot be computed.
+			s.stopped = true
+			l.log.Debug("kvbm: step update continues tokens the leader no longer has; not offloading it",
+				"request", u.ReqID, "known", u.KnownTokens, "have", len(s.tokens))
+			toks = nil
+		} else {
+			toks = append(slices.Clip(s.tokens[:u.KnownTokens]), u.NewTokens...)
+		}
+	} else if created && !u.Resumed && len(u.NewTokens) < u.NumComputedTokens+u.NumScheduledTokens {
 		// A request's first update carries all its tokens; this one
 		// continues a request the leader no longer knows (forgotten while
 		// idle), so its blocks' hashes cannot be computed: never offload it.
@@ -199,7 +223,7 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step, now time.Time) {
 			"request", u.ReqID, "tokens", len(u.NewTokens), "computed", u.NumComputedTokens)
 	}
 	if !s.seen || u.Resumed {
-		s.setTokens(u.NewTokens, l.bs)
+		s.setTokens(toks, l.bs)
 		if u.Resumed {
 			s.resetBlocks()
 		}
@@ -213,6 +237,9 @@ func (l *Leader) applyUpdate(u *RequestUpdate, st *plan.Step, now time.Time) {
 	}
 	s.seen = true
 	s.mergeBlockIDs(u.NewBlockIDs, u.Priorities)
+	if l.groups != nil {
+		s.noteGroups(u.Groups, l.groups.Primary)
+	}
 	l.planSaves(s, u, st)
 }
 

@@ -30,11 +30,13 @@ type LeaderSpec struct {
 	// Consolidator, when set, starts the KV event consolidator and feeds it
 	// the leader's G2/G3 events.
 	Consolidator *ConsolidatorSpec
-	// Fingerprint (hex) of rank 0's blocks, for G4 lookups; empty: the
-	// Registry's rank 0 worker, if there is one.
+	// Fingerprint (hex) of rank 0's blocks, for G4 lookups; empty: given
+	// later (Leader.SetG4Fingerprint), as the engine learns it.
 	Fingerprint string
 	G4Async     bool // the engine asks again when a match answers Pending
 	LoadFullHit bool // leader.Options.LoadFullHit
+	// Groups: the engine's KV cache groups (leader.Options.Groups).
+	Groups *leader.Groups
 	// TierEvents keeps the G2/G3/G4 store and removal events in
 	// Leader.TierEvents for the engine to publish.
 	TierEvents bool
@@ -122,6 +124,7 @@ func NewLeader(cfg *config.Config, spec LeaderSpec, d Deps) (_ *Leader, err erro
 		SideChannel:      spec.SideChannel,
 		BroadcastTimeout: spec.BroadcastTimeout,
 		LoadFullHit:      spec.LoadFullHit,
+		Groups:           spec.Groups,
 		ObserveTransfers: true, // this process's workers time their loads (goext/policy)
 	})
 	if err != nil {
@@ -132,7 +135,6 @@ func NewLeader(cfg *config.Config, spec LeaderSpec, d Deps) (_ *Leader, err erro
 	if g4opts != nil {
 		_ = object.RegisterMetrics(n.Metrics.Registry)
 	}
-	reg.restoreInProcess(l, cfg, nw, n.Metrics, log)
 	n.startAdmin(cfg, l, log)
 	if cfg.Metrics {
 		// Transfer bytes and latency are measured by the workers of this
@@ -154,9 +156,9 @@ func NewLeader(cfg *config.Config, spec LeaderSpec, d Deps) (_ *Leader, err erro
 
 // g4Options configures the leader's G4 tier (nil when off). Rank 0's store
 // (lookups, the registry) is opened when its fingerprint is known: given in
-// the spec, or from this process's rank 0 worker; otherwise the engine
-// passes it later (SetG4Fingerprint, from what rank 0's worker reports),
-// and until then the leader plans uploads but matches nothing in G4.
+// the spec, or later by the engine (SetG4Fingerprint, from what rank 0's
+// worker reports: one route whatever the process layout); until then the
+// leader plans uploads but matches nothing in G4.
 func (n *Leader) g4Options(spec LeaderSpec, reg *Registry, log *slog.Logger) (*leader.G4Options, error) {
 	cfg := n.cfg
 	if !cfg.Object.Enabled {
@@ -174,8 +176,6 @@ func (n *Leader) g4Options(spec LeaderSpec, reg *Registry, log *slog.Logger) (*l
 			// errprefix: the message names the C export, as before the assembly moved here
 			return nil, withKind(KindInvalid, fmt.Errorf("kvbm_leader_new: %w", err))
 		}
-	} else {
-		fp = reg.Rank0Fingerprint()
 	}
 	if fp.IsZero() {
 		log.Info("kvbm G4: waiting for rank 0's block fingerprint from its worker before matching in G4")

@@ -194,7 +194,6 @@ func TestWorkerFailureClosesInReverse(t *testing.T) {
 			require.Equal(t, tc.kind, k)
 			require.Equal(t, 1, rec.closed, "the copier is closed once")
 			require.Equal(t, 0, reg.OpenStores(), "the G4 store is released")
-			require.True(t, reg.Rank0Fingerprint().IsZero(), "rank 0's fingerprint is forgotten")
 		})
 	}
 }
@@ -214,7 +213,9 @@ func TestCopierFailure(t *testing.T) {
 }
 
 // TestWorkerAndLeaderShareG4: the leader and the rank 0 worker of one
-// registry share rank 0's store; it closes with its last user.
+// registry share rank 0's store; it closes with its last user. The leader
+// gets rank 0's fingerprint as in any process layout: from the engine
+// (here in its spec), never from the registry.
 func TestWorkerAndLeaderShareG4(t *testing.T) {
 	cfg := testConfig(t, g4Env(t))
 	reg := NewRegistry()
@@ -222,14 +223,19 @@ func TestWorkerAndLeaderShareG4(t *testing.T) {
 	w, err := NewWorker(cfg, WorkerSpec{Layout: cpuSpec(t, 1), Model: "m"}, d)
 	require.NoError(t, err)
 	require.NotNil(t, w.G4)
-	require.Equal(t, w.Fingerprint, reg.Rank0Fingerprint())
-	l, err := NewLeader(cfg, LeaderSpec{BlockSize: bs, BytesPerBlock: w.Layout.BytesPerBlock(), NumWorkers: 1}, d)
+	l0, err := NewLeader(cfg, LeaderSpec{BlockSize: bs, BytesPerBlock: w.Layout.BytesPerBlock(), NumWorkers: 1}, d)
+	require.NoError(t, err)
+	require.Nil(t, l0.L.G4Store(), "no fingerprint yet: no G4 lookups")
+	require.NoError(t, l0.SetG4Fingerprint(w.Fingerprint))
+	require.Same(t, w.G4, l0.L.G4Store())
+	l0.Close()
+	l, err := NewLeader(cfg, LeaderSpec{BlockSize: bs, BytesPerBlock: w.Layout.BytesPerBlock(), NumWorkers: 1,
+		Fingerprint: w.Fingerprint.String()}, d)
 	require.NoError(t, err)
 	require.Same(t, w.G4, l.L.G4Store())
 	require.Equal(t, 1, reg.OpenStores())
 	w.Close()
 	require.Equal(t, 1, reg.OpenStores(), "the leader still holds it")
-	require.True(t, reg.Rank0Fingerprint().IsZero())
 	l.Close()
 	require.Equal(t, 0, reg.OpenStores())
 }

@@ -2,7 +2,6 @@ package node
 
 import (
 	"fmt"
-	"log/slog"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -17,10 +16,10 @@ import (
 // Persistent disk tier hand-over (docs/persistent-g3.md): each worker
 // recovers its tier file when it opens it, before the leader exists (the
 // engines register KV caches before they create their scheduler). The
-// leader learns what every rank recovered either from the Registry, when
-// the workers run in its process, or from the engine: the adapter reads
-// each worker's Recovered and hands them all to Leader.RestoreDisk
-// (vLLM's connector handshake metadata carries them between processes).
+// leader learns what every rank recovered by one route, whatever the
+// process layout: the engine adapter reads each worker's Recovered and
+// hands them all to Leader.RestoreDisk (vLLM's connector handshake metadata
+// carries them, between processes or within one).
 
 // g3Key is the key that authenticates the persistent disk tier's blocks:
 // from DYN_KVBM_STORAGE_SECRET(_FILE) when set, else from the per-user
@@ -79,54 +78,13 @@ func (r RecoveredRank) blocks() ([]leader.RecoveredBlock, error) {
 	return out, nil
 }
 
-// offerRecovered records what rank's worker recovered, for a leader of this
-// process, and returns its encoding for one of another process.
-func (r *Registry) offerRecovered(rank, numWorkers int, rec storage.Recovery) []byte {
-	rr := newRecoveredRank(rank, numWorkers, rec)
-	r.recMu.Lock()
-	r.recovered[rank] = rr
-	r.recMu.Unlock()
-	b, err := msgpack.Marshal(rr)
+// encodeRecovered is rank's recovered index as it crosses processes.
+func encodeRecovered(rank, numWorkers int, rec storage.Recovery) []byte {
+	b, err := msgpack.Marshal(newRecoveredRank(rank, numWorkers, rec))
 	if err != nil {
 		return nil // plain fields only; unreachable
 	}
 	return b
-}
-
-// takeRecovered returns every rank's recovered index when all numWorkers
-// ranks of this process offered theirs (and forgets them), else nil.
-func (r *Registry) takeRecovered(numWorkers int) []RecoveredRank {
-	r.recMu.Lock()
-	defer r.recMu.Unlock()
-	ranks := make([]RecoveredRank, 0, numWorkers)
-	for k := range numWorkers {
-		rr, ok := r.recovered[k]
-		if !ok || rr.NumWorkers != numWorkers {
-			return nil
-		}
-		ranks = append(ranks, rr)
-	}
-	for k := range numWorkers {
-		delete(r.recovered, k)
-	}
-	return ranks
-}
-
-// restoreInProcess restores l from the workers of this process when every
-// rank's is here (TP=1 with the worker in the scheduler's process).
-func (r *Registry) restoreInProcess(l *leader.Leader, cfg *config.Config, numWorkers int, m *metrics.Metrics, log *slog.Logger) {
-	if !cfg.DiskPersist || l.NumDiskBlocks() == 0 {
-		return
-	}
-	ranks := r.takeRecovered(numWorkers)
-	if ranks == nil {
-		log.Info("kvbm leader: persistent disk tier: the workers run in other processes; their recovered blocks " +
-			"are registered when the engine passes them on")
-		return
-	}
-	if _, err := restoreRanks(l, ranks, m); err != nil {
-		log.Warn("kvbm leader: persistent disk tier not restored", "err", err)
-	}
 }
 
 // restoreRanks registers what the ranks recovered and records the metrics.

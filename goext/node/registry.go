@@ -21,16 +21,18 @@ import (
 //   - the G4 stores, one per fingerprint, counted by reference: the leader
 //     and the rank 0 worker of a process share rank 0's store, and with it
 //     its registry, so the leader knows at once what the worker uploaded;
-//   - the fingerprint of this process's rank 0 worker: a leader started
-//     without one looks G4 up under it;
-//   - what each rank's persistent disk tier recovered: a leader of the
-//     same process registers it at start (RecoveredRank);
 //   - the metric set every worker of the process records into
 //     (WorkerMetrics); the leader's endpoint serves its transfer families;
 //   - the side channel's in-process hubs (wire.InProcHubs): a leader and
 //     its ranks in one process meet there by endpoint;
 //   - the page stores' metrics endpoint: every store of the process (one
 //     per SGLang pool) is served by the first one's.
+//
+// Rank 0's fingerprint and what each rank's persistent disk tier recovered
+// do not meet here: they take one route whatever the process layout, from
+// the workers through the engine adapter to the leader (LeaderSpec.Fingerprint
+// or Leader.SetG4Fingerprint; Leader.RestoreDisk), since the workers may run
+// in other processes.
 //
 // Two more process-wide meeting points stay in the packages whose protocol
 // they are part of, and are listed here so that this is the one place
@@ -44,12 +46,8 @@ import (
 // Process returns the process's Registry; tests build their own with
 // NewRegistry so that they share nothing.
 type Registry struct {
-	g4mu   sync.Mutex // guards stores and rank0; held while a store opens (no network I/O)
+	g4mu   sync.Mutex // guards stores; held while a store opens (no network I/O)
 	stores map[fingerprint.Fingerprint]*g4Ref
-	rank0  fingerprint.Fingerprint
-
-	recMu     sync.Mutex // guards recovered
-	recovered map[int]RecoveredRank
 
 	workerMetrics func() *metrics.Metrics
 	hubs          *wire.InProcHubs
@@ -65,7 +63,6 @@ type g4Ref struct {
 func NewRegistry() *Registry {
 	return &Registry{
 		stores:        map[fingerprint.Fingerprint]*g4Ref{},
-		recovered:     map[int]RecoveredRank{},
 		workerMetrics: sync.OnceValue(metrics.New),
 		hubs:          wire.NewInProcHubs(),
 	}
@@ -159,28 +156,4 @@ func (r *Registry) OpenStores() int {
 	r.g4mu.Lock()
 	defer r.g4mu.Unlock()
 	return len(r.stores)
-}
-
-// setRank0 records the fingerprint of this process's rank 0 worker.
-func (r *Registry) setRank0(fp fingerprint.Fingerprint) {
-	r.g4mu.Lock()
-	r.rank0 = fp
-	r.g4mu.Unlock()
-}
-
-// clearRank0 forgets fp when its worker goes away.
-func (r *Registry) clearRank0(fp fingerprint.Fingerprint) {
-	r.g4mu.Lock()
-	if r.rank0 == fp {
-		r.rank0 = fingerprint.Fingerprint{}
-	}
-	r.g4mu.Unlock()
-}
-
-// Rank0Fingerprint is the fingerprint of this process's rank 0 worker with
-// a G4 tier; zero without one.
-func (r *Registry) Rank0Fingerprint() fingerprint.Fingerprint {
-	r.g4mu.Lock()
-	defer r.g4mu.Unlock()
-	return r.rank0
 }

@@ -131,14 +131,8 @@ func NewWorker(cfg *config.Config, spec WorkerSpec, d Deps) (_ *Worker, err erro
 	if err := w.RegisterG1(eng); err != nil {
 		return nil, withKind(KindIO, err)
 	}
-	if spec.Rank == 0 && n.G4 != nil {
-		// A leader in this process looks G4 up under rank 0's fingerprint.
-		sum := n.Fingerprint
-		reg.setRank0(sum)
-		n.closers.push(func() { reg.clearRank0(sum) })
-	}
 	if w.DiskPersistent() {
-		n.Recovered = reg.offerRecovered(spec.Rank, nw, w.Recovered())
+		n.Recovered = encodeRecovered(spec.Rank, nw, w.Recovered())
 	}
 	log.Info("kvbm worker ready", "rank", spec.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvbm/kvbm/goext/plan"
 )
@@ -15,11 +16,59 @@ import (
 // skipped StartLoad or WaitForSave for the previous step, they run now: a
 // step's work is never silently lost.
 func (w *Worker) BindStep(b []byte) error {
+	_, err := w.BindPlan(b)
+	return err
+}
+
+// Bound is what the engine adapter must know of a bound step, so that it
+// never decodes the plan itself: the loads it must later report to the
+// engine (finished, or failed after a kvbm failure), and which of the
+// step's calls have work.
+type Bound struct {
+	// Loads: one per request with a load in the step, its G1 blocks (the
+	// blocks its copies write; staging copies into G2 are not G1 blocks).
+	Loads []BoundLoad
+	// Start: the step has loads, StartLoad launches them. Save: it has
+	// moves, saves or uploads, WaitForSave runs them. A call without work
+	// may be left out: the step is already saved when bound without any,
+	// and a step's StartLoad without loads does nothing.
+	Start, Save bool
+}
+
+// BoundLoad is one request's load in a bound step.
+type BoundLoad struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	ReqID    string
+	G1       []int64
+}
+
+// Empty reports whether the adapter has nothing to act on.
+func (b Bound) Empty() bool { return len(b.Loads) == 0 && !b.Start && !b.Save }
+
+// BindPlan is BindStep returning what the adapter must act on (Bound).
+func (w *Worker) BindPlan(b []byte) (Bound, error) {
 	s, err := plan.Decode(b)
 	if err != nil {
-		return fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
+		return Bound{}, fmt.Errorf("worker: rank %d: %w", w.opts.Rank, err)
 	}
-	return w.Bind(s)
+	if err := w.Bind(s); err != nil {
+		return Bound{}, err
+	}
+	return boundOf(s), nil
+}
+
+func boundOf(s *plan.Step) Bound {
+	out := Bound{Start: len(s.Loads) > 0, Save: len(s.Moves) > 0 || len(s.Saves) > 0 || len(s.Uploads) > 0}
+	for _, ld := range s.Loads {
+		g1 := make([]int64, 0, len(ld.Copies))
+		for _, c := range ld.Copies {
+			if c.Dst == plan.G1 {
+				g1 = append(g1, c.DstBlock)
+			}
+		}
+		out.Loads = append(out.Loads, BoundLoad{ReqID: ld.ReqID, G1: g1})
+	}
+	return out
 }
 
 // Bind is BindStep for an already decoded step.
@@ -130,9 +179,16 @@ func (w *Worker) waitLoadsLocked() {
 
 func (w *Worker) runLoads(loads []plan.Load, rows map[int64][]int64, saltOf func(uint64) uint64) {
 	failed := w.execLoads(loads, rows, saltOf)
+	bad := make(map[int64]bool, len(failed))
+	for _, b := range failed {
+		bad[b] = true
+	}
 	w.mu.Lock()
 	for _, ld := range loads {
 		w.loaded = append(w.loaded, ld.ReqID)
+		if len(bad) > 0 && slices.ContainsFunc(ld.Copies, func(c plan.Copy) bool { return c.Dst == plan.G1 && bad[c.DstBlock] }) {
+			w.loadFailedReqs = append(w.loadFailedReqs, ld.ReqID)
+		}
 	}
 	w.loadErrs = append(w.loadErrs, failed...)
 	w.mu.Unlock()
@@ -313,11 +369,29 @@ func firstErr(errs []error) error {
 // must recompute those). A request appears in loaded even if some of its
 // blocks failed.
 func (w *Worker) Finished() (loaded []string, loadErrorG1Blocks []int64) {
+	f := w.FinishedLoads()
+	return f.Loaded, f.Errors
+}
+
+// FinishedLoads is Finished with, in addition, the requests among Loaded
+// whose load failed for at least one G1 block (an engine that cannot map
+// failed blocks to requests, vLLM with several KV cache groups, fails those
+// requests whole).
+type FinishedLoads struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	Loaded   []string
+	Errors   []int64
+	Failed   []string
+}
+
+// FinishedLoads returns the loads completed since the last call (of it or
+// of Finished).
+func (w *Worker) FinishedLoads() FinishedLoads {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	loaded, loadErrorG1Blocks = w.loaded, w.loadErrs
-	w.loaded, w.loadErrs = nil, nil
-	return loaded, loadErrorG1Blocks
+	f := FinishedLoads{Loaded: w.loaded, Errors: w.loadErrs, Failed: w.loadFailedReqs}
+	w.loaded, w.loadErrs, w.loadFailedReqs = nil, nil, nil
+	return f
 }
 
 // WaitLoads blocks until every started load has completed.

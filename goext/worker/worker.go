@@ -193,8 +193,10 @@ type Worker struct {
 	lastSeq  uint64
 	loaded   []string // requests whose loads completed since the last Finished
 	loadErrs []int64  // G1 blocks whose load failed since the last Finished
-	closed   bool
-	savedSeq uint64 // highest Seq of a bound step whose Moves/Saves finished
+	// requests among loaded with a failed G1 block
+	loadFailedReqs []string
+	closed         bool
+	savedSeq       uint64 // highest Seq of a bound step whose Moves/Saves finished
 	// saved is closed (and replaced) when savedSeq grows or the worker
 	// closes: a Run waiting for a step's saves selects on it and on its
 	// context, which a sync.Cond could not.

@@ -20,10 +20,10 @@ from kvbm import _plan
 
 class StepUpdate(NamedTuple):
     """One request's row in a step (:meth:`kvbm._core.Leader.step`). A tuple,
-    so msgpack encodes it as the same 8-element array as a plain list."""
+    so msgpack encodes it as the same 10-element array as a plain list."""
 
     req_id: str
-    new_tokens: list[int]  # tokens not sent before (all of them when resumed)
+    new_tokens: list[int]  # tokens not sent before (all of them when resumed, but known_tokens)
     new_block_ids: list[int]  # G1 blocks added since the last step
     num_computed: int  # tokens whose KV is in G1 before this step
     num_scheduled: int  # tokens computed in this step
@@ -32,6 +32,12 @@ class StepUpdate(NamedTuple):
     priority: list[int] | int | None
     salt: int  # the request's salt hash (_native.salt_hash)
     resumed: bool  # token and block lists start over (preempted, replayed)
+    # new_tokens follow the first known_tokens tokens the leader got at
+    # matching (each token crosses the C ABI once); 0: they are all of them.
+    known_tokens: int = 0
+    # KV cache groups (a leader with kv_groups): (replace, every group's new
+    # block ids); None when the row adds none.
+    groups: tuple[bool, list[list[int]]] | None = None
 
 
 class Guardable(Protocol):
@@ -94,7 +100,10 @@ def guarded(default: Any = None) -> Callable[[Callable[Concatenate[_S, _A], _R]]
 
 
 def plan_loads(plan: bytes) -> dict[str, list[int]]:
-    """request id → G1 blocks of the loads in an encoded plan (goext/plan)."""
+    """request id → G1 blocks of the loads in an encoded plan (goext/plan).
+    The worker adapters learn a plan's loads from Go (kvbm._core.Worker.bind)
+    and read a plan themselves only after kvbm failed in their process, to
+    report the loads the engine still waits for."""
     return _plan.load_targets(plan)
 
 

@@ -10,7 +10,7 @@ import ctypes
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64
 from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
@@ -88,6 +88,17 @@ class LeaderG4Info(TypedDict):
     verify_failures: int  # downloads that did not verify (damaged, forged, another key)
     queue_depth: int
     breakers_open: int
+
+
+class KVGroupsOptions(TypedDict):
+    """The engine's KV cache groups (``Leader(kv_groups=...)``): the group
+    the leader plans with, per group (sliding window, extra retained tokens)
+    or (0, chunk size) or (0, 0) for full attention, and the engine's null
+    block id."""
+
+    primary: int
+    windows: list[tuple[int, int]]
+    null_block: int
 
 
 class LeaderSideChannelOptions(TypedDict, total=False):
@@ -253,7 +264,7 @@ _native.register_signatures(
         "kvbm_worker_new": (ctypes.c_int, [c_char_p, _P(c_uint64), _ERR]),
         "kvbm_worker_free": (None, [c_uint64]),
         "kvbm_worker_info": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
-        "kvbm_worker_bind": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
+        "kvbm_worker_bind": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_start_load": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_wait_loads": (ctypes.c_int, [c_uint64, _ERR]),
         "kvbm_worker_wait_for_save": (ctypes.c_int, [c_uint64, _ERR]),
@@ -305,7 +316,8 @@ class Leader(_native.Handle):
     def __init__(self, *, block_size: int, bytes_per_block: int = 0, num_workers: int = 1, worker_id: int = 0,
                  consolidator: ConsolidatorOptions | None = None, background: bool = False,
                  g4_async: bool = False, side_channel: LeaderSideChannelOptions | None = None,
-                 load_full_hit: bool = False, tier_events: bool = False) -> None:
+                 load_full_hit: bool = False, tier_events: bool = False,
+                 kv_groups: KVGroupsOptions | None = None, fingerprint: str = "") -> None:
         # request id → its tokens converted for kvbm_leader_match (see match).
         self._token_cache: dict[str, _native.TokenArray] = {}
         opts: dict[str, object] = {
@@ -331,6 +343,13 @@ class Leader(_native.Handle):
         if tier_events:
             # Keep G2/G3/G4 store and removal events for take_events.
             opts["tier_events"] = True
+        if kv_groups is not None:
+            # The plans carry group rows, built in Go from each row's groups.
+            opts["kv_groups"] = dict(kv_groups)
+        if fingerprint:
+            # Rank 0's block fingerprint (its worker's info()["fingerprint"]):
+            # G4 lookups from the start (else: set_g4_fingerprint later).
+            opts["fingerprint"] = fingerprint
         opts["env"] = _native.env_snapshot()
         h = c_uint64()
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
@@ -418,18 +437,27 @@ class Leader(_native.Handle):
         return host.value, disk.value, remote.value
 
     def step(self, updates: Sequence[Sequence[object]], loaded: Iterable[str] = (),
-             load_errors: Iterable[int] = ()) -> bytes:
+             load_errors: Iterable[int] = (), alloc_groups: Mapping[str, Sequence[Sequence[int]]] | None = None,
+             ) -> bytes:
         """updates: one row per request, ``kvbm._adapter_common.StepUpdate``
         (req_id, new_tokens, new_block_ids, num_computed, num_scheduled,
-        priority, salt, resumed); any list or tuple in that order encodes to
-        the same msgpack array.
+        priority, salt, resumed[, known_tokens, groups]); any list or tuple in
+        that order encodes to the same msgpack array.
 
         priority: None (no priorities: the offload filter does not apply), a
         list with the priority of each new block id, or one int for all of them.
+        known_tokens: new_tokens follow the first known_tokens tokens the
+        leader got from :meth:`match` (each token crosses once).
+        groups (a leader created with ``kv_groups``): None, or (replace, the
+        new block ids of every KV cache group).
         loaded: request ids whose loads completed; load_errors: G1 blocks
-        whose load failed.
+        whose load failed; alloc_groups: request id -> every group's blocks
+        allocated for its load (a leader created with ``kv_groups``).
         """
-        payload: bytes = msgpack.packb([updates, list(loaded), list(load_errors)], use_bin_type=True)
+        parts: list[object] = [updates, list(loaded), list(load_errors)]
+        if alloc_groups:
+            parts.append({r: [list(ids) for ids in g] for r, g in alloc_groups.items()})
+        payload: bytes = msgpack.packb(parts, use_bin_type=True)
         return _buffer_call("kvbm_leader_step", self._h, payload, len(payload))
 
     def request_finished(self, req_id: str) -> bool:
@@ -466,6 +494,22 @@ class Leader(_native.Handle):
         return got.value
 
 
+class Bound(NamedTuple):
+    """What :meth:`Worker.bind` reports of a bound plan."""
+
+    loads: dict[str, list[int]]  # request id -> the G1 blocks its load writes
+    start: bool  # start_load has loads to launch
+    save: bool  # wait_for_save has copies to run
+
+
+class FinishedLoads(NamedTuple):
+    """:meth:`Worker.finished_loads`."""
+
+    loaded: list[str]  # requests whose loads completed
+    errors: list[int]  # G1 blocks whose load failed
+    failed: list[str]  # the requests of loaded with a failed G1 block
+
+
 class Worker(_native.Handle):
     """One rank's bytes: the engine's G1 tensors plus kvbm's G2/G3 regions.
 
@@ -474,6 +518,8 @@ class Worker(_native.Handle):
     """
 
     _free = "kvbm_worker_free"
+    # The requests of the last finished() with a failed G1 block.
+    failed_requests: list[str] = []
 
     def __init__(self, *, tensors: Iterable[tuple[int, Sequence[int], Sequence[int]]], kind: str, num_blocks: int,
                  block_size: int, dtype_bytes: int, rank: int = 0, num_workers: int = 1, model: str = "",
@@ -516,8 +562,16 @@ class Worker(_native.Handle):
         stats["directions"] = stats.get("directions") or {}
         return stats
 
-    def bind(self, plan: bytes) -> None:
-        _native.call("kvbm_worker_bind", self._h, plan, len(plan))
+    def bind(self, plan: bytes) -> Bound:
+        """Hand the worker a step's plan (:meth:`Leader.step`'s bytes; the
+        plan is decoded here only, in Go) and return what the adapter acts
+        on: the loads it must report, and whether :meth:`start_load` and
+        :meth:`wait_for_save` have work in this step."""
+        data = _buffer_call("kvbm_worker_bind", self._h, plan, len(plan))
+        if not data:
+            return Bound({}, False, False)
+        loads, start, save = msgpack.unpackb(data, raw=False)
+        return Bound({str(r): [int(b) for b in blocks or ()] for r, blocks in loads or ()}, bool(start), bool(save))
 
     def start_load(self) -> None:
         _native.call("kvbm_worker_start_load", self._h)
@@ -540,12 +594,20 @@ class Worker(_native.Handle):
         return _buffer_call("kvbm_worker_recovered", self._h)
 
     def finished(self) -> tuple[list[str], list[int]]:
-        """(request ids whose loads completed, G1 blocks whose load failed) since the last call."""
+        """(request ids whose loads completed, G1 blocks whose load failed)
+        since the last call; the requests among them with a failed G1 block
+        are then in :attr:`failed_requests`."""
+        f = self.finished_loads()
+        self.failed_requests = f.failed
+        return f.loaded, f.errors
+
+    def finished_loads(self) -> FinishedLoads:
+        """:meth:`finished` with the loaded requests that have a failed G1 block."""
         data = _buffer_call("kvbm_worker_finished", self._h)
         if not data:
-            return [], []
-        loaded, errors = msgpack.unpackb(data, raw=False)
-        return list(loaded or []), list(errors or [])
+            return FinishedLoads([], [], [])
+        loaded, errors, failed = msgpack.unpackb(data, raw=False)
+        return FinishedLoads(list(loaded or []), list(errors or []), list(failed or []))
 
     def g4_report(self) -> bytes:
         """Blocks stored in G4 since the last call and this process's G4

@@ -140,6 +140,14 @@ class FakeVllm:
         self.sched = connector_cls(config, SimpleNamespace(name=scheduler_role), kv_cache_config)
         self.worker = connector_cls(config, SimpleNamespace(name=worker_role), kv_cache_config)
         self.worker.register_kv_caches(kv_caches)
+        # vLLM's EngineCore then hands what the workers' connectors report
+        # (tp rank → handshake metadata) to the scheduler's, before any step.
+        get_hs = getattr(self.worker, "get_handshake_metadata", None)
+        set_hs = getattr(self.sched, "set_xfer_handshake_metadata", None)
+        if get_hs is not None and set_hs is not None:
+            md = get_hs()
+            if md is not None:
+                set_hs({0: md})
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.free = list(range(self.num_blocks))
         self.budget = token_budget

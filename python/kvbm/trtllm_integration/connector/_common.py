@@ -297,19 +297,37 @@ class LocalLink:
     TensorRT-LLM creates the scheduler only on rank 0, in the same process as
     rank 0's worker, and calls register_kv_caches before it schedules anything.
     So the leader can learn the exact bytes per block from the worker there,
-    and rank 0's failed block loads (TensorRT-LLM has no engine path that
-    carries load errors from workers to the scheduler).
+    rank 0's G4 block fingerprint, what the persistent disk tier of each rank
+    in this process recovered (the leader registers it when every rank's is
+    here), and rank 0's failed block loads (TensorRT-LLM has no engine path
+    that carries load errors from workers to the scheduler).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes_per_block: int | None = None
         self.worker_failed: str | None = None
+        self.fingerprint = ""  # rank 0's, with a G4 tier
+        self.recovered: dict[int, bytes] = {}  # rank -> kvbm._core.Worker.recovered()
         self._load_errors: list[int] = []
 
-    def worker_ready(self, bytes_per_block: int) -> None:
+    def worker_ready(self, bytes_per_block: int, rank: int = 0, fingerprint: str = "",
+                     recovered: bytes = b"") -> None:
         with self._lock:
             self.bytes_per_block = int(bytes_per_block)
+            if rank == 0 and fingerprint:
+                self.fingerprint = fingerprint
+            if recovered:
+                self.recovered[rank] = recovered
+
+    def take_recovered(self, num_ranks: int) -> list[bytes] | None:
+        """Every rank's recovered index, rank 0 first, when all num_ranks
+        are here (then forgotten); None otherwise."""
+        with self._lock:
+            if any(r not in self.recovered for r in range(num_ranks)):
+                return None
+            out = [self.recovered.pop(r) for r in range(num_ranks)]
+            return out
 
     def worker_down(self, reason: str) -> None:
         with self._lock:
@@ -328,6 +346,8 @@ class LocalLink:
         with self._lock:
             self.bytes_per_block = None
             self.worker_failed = None
+            self.fingerprint = ""
+            self.recovered = {}
             self._load_errors = []
 
 

@@ -101,6 +101,9 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
         # Per request (Go request id, a str):
         self._salts: dict[str, int] = {}  # salt hash, fixed at matching
         self._matched: dict[str, tuple[int, int]] = {}  # (device-computed tokens, kvbm tokens) at matching
+        # Tokens the leader got at matching: the request's first row carries
+        # only those after them (each token crosses the C ABI once).
+        self._matched_tokens: dict[str, int] = {}
         self._loading: set[str] = set()  # load planned; not yet seen back in the batch
         self._seen: set[str] = set()  # has been in a Step (a later "new" appearance is a replay)
         # For the next Step:
@@ -149,7 +152,15 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
 
         cons = consolidator_options(self._llm_args_ref)
         self._leader = Leader(block_size=self._block_size, bytes_per_block=bpb, num_workers=self._tp,
-                              consolidator=cons)
+                              consolidator=cons, fingerprint=LOCAL.fingerprint)
+        recovered = LOCAL.take_recovered(self._tp)
+        if recovered:
+            try:
+                n = self._leader.restore_disk(recovered)
+                log.info("kvbm: %d disk tier blocks recovered from the persistent tier", n)
+            except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
+                log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s",
+                            e)
         info = self._leader.info()
         log.info("kvbm leader ready (pid %d): block_size=%d bytes_per_block=%d tp=%d host_blocks=%d "
                  "disk_blocks=%d consolidator=%s metrics=%s", os.getpid(), self._block_size, bpb, self._tp,
@@ -194,6 +205,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
             return 0, False
         tokens = request.get_tokens(0)
         got, _ = leader.match(rid, tokens, self._salt(rid, request), int(num_computed_tokens))
+        self._matched_tokens[rid] = len(tokens)  # the leader keeps them, whatever it answered
         if got <= 0:
             # (0, True) is illegal in TensorRT-LLM.
             self._matched.pop(rid, None)
@@ -253,10 +265,16 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
                 # matched prefix is in G1 now.
                 computed = max(computed, m[0] + m[1])
             blocks = list(rd.new_block_ids)
+            tokens = list(rd.new_tokens)
+            # Matched: the leader has the prompt's first tokens already. A
+            # replayed request was not matched again: all of its tokens go.
+            known = self._matched_tokens.pop(rid, 0)
+            if resumed or known > len(tokens):
+                known = 0
             updates.append(StepUpdate(
-                req_id=rid, new_tokens=list(rd.new_tokens), new_block_ids=blocks, num_computed=computed,
+                req_id=rid, new_tokens=tokens[known:], new_block_ids=blocks, num_computed=computed,
                 num_scheduled=self._scheduled(rd), priority=self._block_priorities(rd, len(blocks)),
-                salt=self._salt(rid, rd), resumed=resumed,
+                salt=self._salt(rid, rd), resumed=resumed, known_tokens=known,
             ))
             self._seen.add(rid)
         for rd in getattr(scheduler_output, "cached_requests", None) or ():
@@ -314,6 +332,7 @@ class DynamoKVBMConnectorLeader(FailureState, KvCacheConnectorScheduler):
     def _forget(self, rid: str) -> None:
         self._salts.pop(rid, None)
         self._matched.pop(rid, None)
+        self._matched_tokens.pop(rid, None)
         self._seen.discard(rid)
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:

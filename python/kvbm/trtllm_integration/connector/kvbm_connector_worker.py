@@ -79,6 +79,10 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         self._inflight: dict[int, list[int]] = {}
         self._done: set[int] = set()
         self._announced: dict[int, int] = {}  # id → get_finished calls since announced
+        # Whether the bound step's start_load / wait_for_save have work
+        # (the worker's bind says so); a call without work is not made.
+        self._start_due = False
+        self._save_due = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,7 +120,10 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
             rank=self._rank, num_workers=self._tp, model=self._model, dtype=str(t.dtype),
         )
         info = self._worker.info()
-        LOCAL.worker_ready(info["bytes_per_block"])
+        # The leader of this process (rank 0's) learns what it needs of the
+        # workers here: no other route reaches it.
+        LOCAL.worker_ready(info["bytes_per_block"], self._rank, info["fingerprint"] if info.get("g4") else "",
+                           self._worker.recovered() if info.get("disk_persistent") else b"")
         log.info("kvbm worker ready (pid %d, rank %d/%d): %d blocks of %d bytes, %d layers, host_blocks=%d "
                  "disk_blocks=%d", os.getpid(), self._rank, self._tp, t.shape[0], info["bytes_per_block"],
                  info["num_layers"], info["host_blocks"], info["disk_blocks"])
@@ -145,16 +152,28 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         if not plan or self._failed is not None:
             return
         try:
-            for rid, blocks in plan_loads(bytes(plan)).items():
-                self._inflight[int(rid)] = blocks
             if self._worker is not None:
-                self._worker.bind(bytes(plan))
+                # Go decodes the plan; bind answers with this rank's loads.
+                bound = self._worker.bind(bytes(plan))
+                loads = bound.loads
+                self._start_due = self._start_due or bound.start
+                self._save_due = self._save_due or bound.save
+            else:
+                loads = plan_loads(bytes(plan))
+            for rid, blocks in loads.items():
+                self._inflight[int(rid)] = blocks
         except Exception as e:  # noqa: BLE001 - the engine must survive
+            try:
+                for rid, blocks in plan_loads(bytes(plan)).items():
+                    self._inflight[int(rid)] = blocks
+            except Exception:  # noqa: BLE001 - a plan that does not decode names no load
+                pass
             self._fail("bind_connector_meta", e)
 
     @guarded(None)
     def start_load_kv(self, stream: Any = None) -> None:
-        if self._worker is not None:
+        if self._worker is not None and self._start_due:
+            self._start_due = False
             self._worker.start_load()
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
@@ -191,6 +210,10 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any = None) -> None:
         if self._worker is None:
             return
+        if not self._save_due:  # the bound step has nothing to save
+            self._fwd_recorded = False
+            return
+        self._save_due = False
         if self._cuda:
             # The forward pass is only enqueued when this is called; the copies
             # must read what it wrote.
@@ -216,7 +239,7 @@ class DynamoKVBMConnectorWorker(FailureState, KvCacheConnectorWorker):
         saving = [int(r) for r in finished_gen_req_ids or ()]
         for rid in started_loading_req_ids or ():
             self._announced.setdefault(int(rid), 0)
-        if self._failed is None and self._worker is not None:
+        if self._failed is None and self._worker is not None and self._inflight:
             try:
                 loaded, errors = self._worker.finished()
             except Exception as e:  # noqa: BLE001

@@ -59,23 +59,19 @@ if KVConnectorWorkerMetadata is not None:
     @dataclass
     class KvbmWorkerMeta(KVConnectorWorkerMetadata):
         """What workers tell the scheduler-side leader each step (vLLM may run
-        them in other processes): rank 0's block fingerprint, which names its
-        G4 objects (the leader looks G4 blocks up under it), each rank's
-        G4 report (blocks it stored, its counters), rank 0's timed load
-        batches (the leader's load-cost model), and, with several KV
-        cache groups, the G1 blocks whose load failed (vLLM takes those
-        failures per request, so the leader learns the blocks here, to drop
-        their sources)."""
+        them in other processes): each rank's G4 report (blocks it stored,
+        its counters), rank 0's timed load batches (the leader's load-cost
+        model), and, with several KV cache groups, the G1 blocks whose load
+        failed (vLLM takes those failures per request, so the leader learns
+        the blocks here, to drop their sources)."""
 
-        g4_fingerprint: str = ""
         g4_reports: list[bytes] = field(default_factory=list)
         load_errors: list[int] = field(default_factory=list)
         # Rank 0's timed load batches, for the leader's load-cost model.
         transfer_timings: list[bytes] = field(default_factory=list)
 
         def aggregate(self, other: KvbmWorkerMeta) -> KvbmWorkerMeta:
-            return KvbmWorkerMeta(g4_fingerprint=self.g4_fingerprint or other.g4_fingerprint,
-                                  g4_reports=self.g4_reports + other.g4_reports,
+            return KvbmWorkerMeta(g4_reports=self.g4_reports + other.g4_reports,
                                   load_errors=self.load_errors + other.load_errors,
                                   transfer_timings=self.transfer_timings + other.transfer_timings)
 
@@ -90,10 +86,15 @@ except Exception:  # pragma: no cover - older vLLM or none
 
 @dataclass
 class KvbmRecoveredMetadata(KVConnectorHandshakeMetadata):
-    """A worker's persistent disk tier index, recovered at start, for the
-    scheduler's leader (kvbm._core.Worker.recovered)."""
+    """What a worker tells the scheduler's leader once, after registering its
+    KV caches and before the first step, whether vLLM runs it in the
+    scheduler's process or another: its persistent disk tier index,
+    recovered at start (kvbm._core.Worker.recovered), and, on rank 0 with a
+    G4 tier, its block fingerprint, which names its G4 objects (the leader
+    looks G4 blocks up under it)."""
 
     recovered: bytes = b""
+    g4_fingerprint: str = ""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvbm import _native, _plan
+from kvbm import _native
 from kvbm._adapter_common import StepUpdate, guarded
 from kvbm.vllm_integration.connector._common import (
     DynamoConnectorMetadata,
@@ -30,7 +30,6 @@ from kvbm.vllm_integration.connector._common import (
 from kvbm.vllm_integration.connector._events import TierEvents, events_enabled
 from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
 from kvbm.vllm_integration.connector._groups import (
-    NO_BLOCK,
     NULL_BLOCK_ID,
     GroupLayout,
     kv_groups,
@@ -38,7 +37,7 @@ from kvbm.vllm_integration.connector._groups import (
 )
 
 if TYPE_CHECKING:
-    from kvbm._core import ConsolidatorOptions, Leader
+    from kvbm._core import ConsolidatorOptions, KVGroupsOptions, Leader
 
 
 class VllmConnectorLeader(VllmSide):
@@ -57,6 +56,9 @@ class VllmConnectorLeader(VllmSide):
         self._promised_loads: dict[str, list[int]] = {}
         self._requests: dict[str, Any] = {}
         self._sent_tokens: dict[str, int] = {}
+        # Tokens the leader got at matching (request id → how many): the
+        # request's next new or resumed row carries only those after them.
+        self._matched_tokens: dict[str, int] = {}
         self._salts: dict[str, int] = {}
         self._bypassed: set[str] = set()  # multimodal / embedding prompts
         self._loaded: list[str] = []
@@ -72,12 +74,13 @@ class VllmConnectorLeader(VllmSide):
         self._stats = KvbmConnectorStats(data={})
         self._lookup: dict[str, int] = {}
         self._info_reported: dict[str, float] = {}
-        # Several KV cache groups (_groups.py): the groups, the one the Go
-        # leader plans with, and each request's block ids per group.
+        # Several KV cache groups (_groups.py): the groups and the one the Go
+        # leader plans with. Each row carries every group's new blocks and
+        # the Go leader builds the plan's group rows; the blocks allocated
+        # for a load go with the next step (request id → every group's blocks).
         self._groups: GroupLayout | None = None
         self._primary = 0
-        self._group_blocks: dict[str, list[list[int]]] = {}
-        self._group_pos: dict[str, dict[int, int]] = {}  # request -> primary block -> position
+        self._alloc_groups: dict[str, list[list[int]]] = {}
         self._prefer_recompute_on_load_failure()
         self._init_scheduler()
 
@@ -125,6 +128,10 @@ class VllmConnectorLeader(VllmSide):
         num_layers = groups.num_layers
         bytes_per_block = groups.page_bytes * num_layers
         _, tp_size = _tp(self._vllm_config)
+        kv_group_opts: KVGroupsOptions | None = None
+        if self._groups is not None:
+            kv_group_opts = {"primary": groups.primary, "null_block": NULL_BLOCK_ID,
+                             "windows": list(groups.windows) or [(0, 0)] * groups.num_groups}
         consolidator: ConsolidatorOptions | None = None
         if should_enable_consolidator(self._vllm_config):
             engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)
@@ -140,6 +147,7 @@ class VllmConnectorLeader(VllmSide):
             load_full_hit=groups.full_hit_ok,
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
             tier_events=events_enabled(self._vllm_config),
+            kv_groups=kv_group_opts,
         )
         if tp_size > 1:
             bytes_per_block = self._wait_side_channel(leader)
@@ -194,6 +202,7 @@ class VllmConnectorLeader(VllmSide):
             return 0, False
         tokens = request.all_token_ids
         got, is_async = self._leader.match(request.request_id, tokens, self._salt(request), num_computed_tokens)
+        self._matched_tokens[request.request_id] = len(tokens)  # the leader keeps them, whatever it answered
         if got == self._leader.PENDING:
             # A G4 lookup for this request is running: vLLM keeps the request
             # waiting and asks again on a later step.
@@ -239,7 +248,7 @@ class VllmConnectorLeader(VllmSide):
             if self._groups is not None:
                 # The load's rows come from here: a request waiting for its
                 # load is not in the scheduler output.
-                self._set_group_blocks(rid, all_ids)
+                self._alloc_groups[rid] = [list(ids) for ids in all_ids]
             self._leader.update_after_alloc(rid, all_ids[self._primary], num_external_tokens)
             bs = self._block_size
             for tier, n in zip(("host", "disk", "object"), self._leader.load_sources(rid, num_external_tokens)):
@@ -290,15 +299,15 @@ class VllmConnectorLeader(VllmSide):
             if rid in self._bypassed:
                 continue
             req = self._requests.get(rid)
-            tokens = list(req.all_token_ids) if req is not None else list(nr.prompt_token_ids or [])
+            tokens = req.all_token_ids if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
-            if self._groups is not None and nr.block_ids:
-                self._set_group_blocks(rid, nr.block_ids)
+            known = self._known_tokens(rid, len(tokens))
             updates.append(StepUpdate(
-                req_id=rid, new_tokens=tokens,
+                req_id=rid, new_tokens=list(tokens[known:]),
                 new_block_ids=list(nr.block_ids[self._primary]) if nr.block_ids else [],
                 num_computed=int(nr.num_computed_tokens), num_scheduled=int(num_sched.get(rid, 0)), priority=None,
                 salt=self._salt(req) if req is not None else _native.salt_hash(), resumed=False,
+                known_tokens=known, groups=self._row_groups(nr.block_ids, True),
             ))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -309,18 +318,19 @@ class VllmConnectorLeader(VllmSide):
             new_blocks = cached.new_block_ids[i]
             is_resumed = rid in resumed
             all_tokens = req.all_token_ids
+            known = 0
             if is_resumed:
-                tokens = list(all_tokens)
+                known = self._known_tokens(rid, len(all_tokens))
+                tokens = list(all_tokens[known:])
             else:
                 tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
             self._sent_tokens[rid] = len(all_tokens)
-            if self._groups is not None and new_blocks:
-                self._note_group_blocks(rid, new_blocks, is_resumed)
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=tokens,
                 new_block_ids=list(new_blocks[self._primary]) if new_blocks else [],
                 num_computed=int(cached.num_computed_tokens[i]), num_scheduled=int(num_sched.get(rid, 0)),
-                priority=None, salt=self._salt(req), resumed=is_resumed,
+                priority=None, salt=self._salt(req), resumed=is_resumed, known_tokens=known,
+                groups=self._row_groups(new_blocks, is_resumed),
             ))
         if self._tier_events is not None:
             for u in updates:
@@ -331,9 +341,8 @@ class VllmConnectorLeader(VllmSide):
         invalid, self._invalid_blocks = self._invalid_blocks, []
         # TP > 1: step also wakes the leader's background loop, which sends
         # G2→G3 moves to every rank over the side channel (off this thread).
-        plan = self._leader.step(updates, loaded, invalid)
-        if self._groups is not None and plan:
-            plan = self._add_group_rows(plan, {u.req_id: u.num_computed for u in updates})
+        alloc, self._alloc_groups = self._alloc_groups, {}
+        plan = self._leader.step(updates, loaded, invalid, alloc)
         for rid in scheduler_output.finished_req_ids or ():
             self._forget(rid)
         self._seq += 1
@@ -353,11 +362,6 @@ class VllmConnectorLeader(VllmSide):
         if invalid:
             self._invalid_blocks.extend(int(b) for b in invalid)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        fp = getattr(meta, "g4_fingerprint", "")
-        if fp and fp != self._g4_fingerprint:
-            # Rank 0's worker names its G4 objects by this: lookups start.
-            self._leader.set_g4_fingerprint(fp)
-            self._g4_fingerprint = fp
         for rep in getattr(meta, "g4_reports", None) or ():
             self._leader.g4_report(rep)
         for t in getattr(meta, "transfer_timings", None) or ():
@@ -378,83 +382,26 @@ class VllmConnectorLeader(VllmSide):
         self._async_matches.pop(rid, None)
         self._requests.pop(rid, None)
         self._sent_tokens.pop(rid, None)
+        self._matched_tokens.pop(rid, None)
         self._salts.pop(rid, None)
         self._bypassed.discard(rid)
         self._lookup.pop(rid, None)
         if self._tier_events is not None:
             self._tier_events.forget_request(rid)
-        self._group_blocks.pop(rid, None)
-        self._group_pos.pop(rid, None)
+        self._alloc_groups.pop(rid, None)
 
-    def _set_group_blocks(self, rid: str, per_group: Any) -> None:
-        self._group_blocks[rid] = [list(ids) for ids in per_group]
-        self._group_pos[rid] = {b: i for i, b in enumerate(self._group_blocks[rid][self._primary])}
+    def _known_tokens(self, rid: str, num_tokens: int) -> int:
+        """How many of the request's first tokens the leader has from
+        matching (its new or resumed row leaves them out); 0 when it was not
+        matched since (scheduled without asking, or a fresh leader)."""
+        known = self._matched_tokens.pop(rid, 0)
+        return known if known <= num_tokens else 0
 
-    def _note_group_blocks(self, rid: str, new_blocks: Any, resumed: bool) -> None:
-        # Each group's list grows by the blocks added this step (vLLM never
-        # reorders a block table; a block leaving a sliding window becomes
-        # the null block in vLLM's table, which a save never needs again).
-        if resumed or rid not in self._group_blocks:
-            self._set_group_blocks(rid, new_blocks)
-            return
-        primary = self._group_blocks[rid][self._primary]
-        pos = self._group_pos[rid]
-        for i, b in enumerate(new_blocks[self._primary], start=len(primary)):
-            pos[b] = i
-        for mine, ids in zip(self._group_blocks[rid], new_blocks):
-            mine.extend(ids)
-
-    def _row(self, rid: str, pos: int, num_computed: int = 0) -> list[int] | None:
-        """Each group's block at a request's position: NO_BLOCK where vLLM
-        gave the group its null block, or may have freed it since (a block
-        before the window at ``num_computed`` tokens: vLLM does not say when
-        it replaces one with the null block)."""
-        lists = self._group_blocks.get(rid)
-        if lists is None or self._groups is None:
+    def _row_groups(self, per_group: Any, replace: bool) -> tuple[bool, list[list[int]]] | None:
+        """A row's blocks of every KV cache group (with group rows only)."""
+        if self._groups is None or not per_group:
             return None
-        g = self._groups
-        return [(ids[pos] if pos < len(ids) and ids[pos] != NULL_BLOCK_ID
-                 and pos >= g.skipped_blocks(i, num_computed) else NO_BLOCK)
-                for i, ids in enumerate(lists)]
-
-    def _add_group_rows(self, plan: bytes, updated: dict[str, int]) -> bytes:
-        """The plan with a group row for every G1 block it copies: loads
-        from their request's block lists, saves from the lists of the
-        requests updated this step (only they get saves; ``updated`` maps
-        each to its computed tokens before the step)."""
-        assert self._groups is not None
-        p = _plan.decode(plan)
-        rows: dict[int, list[int]] = {}
-        for rid, copies in p["loads"].items():
-            index = self._index(rid)
-            for c in copies:
-                if c[2] == 1 and c[3] in index:
-                    row = self._row(rid, index[c[3]])
-                    if row is not None:
-                        rows[c[3]] = row
-        saves = {c[1] for c in p["saves"] if c[0] == 1}
-        for rid, computed in updated.items():
-            if not saves:
-                break
-            index = self._index(rid)
-            for b in saves:
-                pos = index.get(b)
-                row = self._row(rid, pos, computed) if pos is not None else None
-                if row is None or rows.get(b) == [NO_BLOCK] * len(row):
-                    continue
-                if NO_BLOCK in row:
-                    # This request held b at a position some group has freed
-                    # since: b may be reused by another request now, so the
-                    # save cannot tell whose bytes it reads. It fails.
-                    rows[b] = [NO_BLOCK] * len(row)
-                else:
-                    rows.setdefault(b, row)
-        # A save without a complete row fails in the worker (a stored block
-        # holds every layer) and leaves its destination invalid.
-        return _plan.with_group_rows(plan, self._groups.num_groups, rows)
-
-    def _index(self, rid: str) -> dict[int, int]:
-        return self._group_pos.get(rid, {})
+        return replace, [list(ids) for ids in per_group]
 
     @guarded(lambda self: [])
     def take_events(self) -> list[Any]:
@@ -509,10 +456,20 @@ class VllmConnectorLeader(VllmSide):
     def set_xfer_handshake_metadata(self, metadata: Any) -> None:
         """vLLM hands over what every worker's
         get_handshake_metadata returned (tp rank → metadata) once the KV
-        caches are registered, before the first step: register the disk
-        tier blocks every rank's persistent tier recovered."""
+        caches are registered, before the first step, whether the workers run
+        in this process or others: rank 0's G4 fingerprint (G4 lookups
+        start), and the disk tier blocks every rank's persistent tier
+        recovered."""
         if self._leader is None or not metadata:
             return
+        fp = getattr(metadata.get(0), "g4_fingerprint", "")
+        if fp and fp != self._g4_fingerprint:
+            # Rank 0's worker names its G4 objects by this: lookups start.
+            try:
+                self._leader.set_g4_fingerprint(fp)
+                self._g4_fingerprint = fp
+            except Exception as e:  # noqa: BLE001 - kvbm serves without G4 lookups
+                log.warning("kvbm: rank 0's G4 fingerprint not taken (no G4 lookups): %s", e)
         _, tp_size = _tp(self._vllm_config)
         recs = [getattr(metadata.get(r), "recovered", b"") for r in range(tp_size)]
         if not all(recs):

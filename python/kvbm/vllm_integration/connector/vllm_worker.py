@@ -4,10 +4,12 @@
 cache tensors exist; with tensor parallelism that worker also holds the side
 channel's end, which runs the leader's background operations in Go.
 
-Each step ``bind_connector_metadata`` hands the plan to the worker,
-``start_load_kv`` starts its loads (G2/G3 → G1, asynchronous),
-``wait_for_save`` runs its offloads (G1 → G2, G2 → G3) once the forward pass
-has written the step's KV, and ``get_finished`` reports finished loads. Load
+Each step ``bind_connector_metadata`` hands the plan to the worker (Go
+decodes it and answers with the loads this rank must report and which of the
+step's calls have work), ``start_load_kv`` starts its loads (G2/G3 → G1,
+asynchronous), ``wait_for_save`` runs its offloads (G1 → G2, G2 → G3) once
+the forward pass has written the step's KV, and ``get_finished`` reports
+finished loads; a call without work does not cross into Go. Load
 failures (a G3 block whose checksum does not verify, an I/O error) are
 reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them;
 after a kvbm failure every load still owed to vLLM (``_inflight_loads``, and
@@ -50,7 +52,7 @@ class VllmConnectorWorker(VllmSide):
         self._kv_caches: dict[str, Any] = {}
         self._on_device = False
         # G4: whether this worker has the tier, and rank 0's block fingerprint
-        # (its own, reported to the scheduler).
+        # (its own, reported to the scheduler in the handshake metadata).
         self._g4 = False
         self._g4_fingerprint = ""
         self._loads_done = False  # loads finished since the last worker metadata: timings to send
@@ -60,6 +62,10 @@ class VllmConnectorWorker(VllmSide):
         self._inflight_loads: dict[str, list[int]] = {}
         self._unplanned_loads: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
+        # Whether the bound step's start_load / wait_for_save have work (the
+        # worker's bind says so); a call without work is not made.
+        self._start_due = False
+        self._save_due = False
         # Connector stats (get_kv_connector_stats): the Go worker's transfer
         # totals at the last report, and load errors since it.
         self._rank = 0
@@ -167,16 +173,20 @@ class VllmConnectorWorker(VllmSide):
             log.warning("kvbm: the KV cache is back after sleep mode; kvbm stays off for this engine")
 
     def get_handshake_metadata(self) -> KvbmRecoveredMetadata | None:
-        """This rank's recovered persistent disk tier index (None
-        without one), which vLLM passes to the scheduler's connector."""
+        """This rank's recovered persistent disk tier index and, on rank 0
+        with G4, its block fingerprint (None without either), which vLLM
+        passes to the scheduler's connector before the first step: the one
+        route by which the leader learns them, in any process layout."""
         if self._worker is None:
             return None
         try:
             rec = self._worker.recovered()
         except Exception as e:  # noqa: BLE001
             log.warning("kvbm: could not read the recovered disk tier index: %s", e)
+            rec = b""
+        if not rec and not self._g4_fingerprint:
             return None
-        return KvbmRecoveredMetadata(recovered=rec) if rec else None
+        return KvbmRecoveredMetadata(recovered=rec, g4_fingerprint=self._g4_fingerprint)
 
     def _describe_caches(
         self, kv_caches: dict[str, Any],
@@ -206,16 +216,25 @@ class VllmConnectorWorker(VllmSide):
         plan = getattr(connector_metadata, "plan", b"")
         if not plan:
             return
+        if self._failed is None and self._worker is not None:
+            # The plan is decoded in Go only: bind answers with the loads this
+            # rank must report and whether the step's calls have work.
+            try:
+                bound = self._worker.bind(plan)
+            except Exception as e:  # noqa: BLE001
+                self._fail("bind_connector_metadata", e)
+            else:
+                self._inflight_loads.update(bound.loads)
+                self._start_due = self._start_due or bound.start
+                self._save_due = self._save_due or bound.save
+                return
+        # kvbm is off in this process (Go is not asked any more), but the
+        # scheduler's leader may still plan loads vLLM now waits for: read
+        # them here, so get_finished reports them failed.
         try:
             self._inflight_loads.update(plan_loads(plan))
         except Exception as e:  # noqa: BLE001
-            self._fail("bind_connector_metadata", e)
-            return
-        if self._failed is None and self._worker is not None:
-            try:
-                self._worker.bind(plan)
-            except Exception as e:  # noqa: BLE001
-                self._fail("bind_connector_metadata", e)
+            log.warning("kvbm: could not read the loads of a plan after kvbm failed: %s", e)
 
     def _sync_engine_stream(self) -> None:
         # CUDA: our copies must follow the engine's writes (saves) and reads
@@ -227,13 +246,15 @@ class VllmConnectorWorker(VllmSide):
 
     @guarded(None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None:
+        if self._worker is not None and self._start_due:
+            self._start_due = False
             self._sync_engine_stream()
             self._worker.start_load()
 
     @guarded(None)
     def wait_for_save(self) -> None:
-        if self._worker is not None:
+        if self._worker is not None and self._save_due:
+            self._save_due = False
             self._sync_engine_stream()
             self._worker.wait_for_save()
 
@@ -245,14 +266,15 @@ class VllmConnectorWorker(VllmSide):
                         len(unplanned))
         if self._worker is None or self._failed is not None:
             return None, (done | self._failed_finished()) or None
+        if not self._inflight_loads:
+            return None, done or None  # no load of this rank is running: nothing to ask
         try:
             loaded, errors = self._worker.finished()
         except Exception as e:  # noqa: BLE001
             self._fail("get_finished", e)
             return None, (done | self._failed_finished()) or None
         if self._multi_group and errors:
-            bad = set(errors)
-            failed = {rid for rid in loaded if bad.intersection(self._inflight_loads.get(rid, ()))}
+            failed = set(self._worker.failed_requests)  # Go maps the failed blocks to their requests
             self._failed_recving.update(failed)
             self._group_load_errors.extend(errors)
             log.warning("kvbm: %d block loads failed; vLLM recomputes the whole prompt of %d request(s)",
@@ -288,8 +310,8 @@ class VllmConnectorWorker(VllmSide):
 
         rep = self._worker.g4_report() if self._g4 else b""
         # Only rank 0's acknowledgements name blocks the leader can look up.
-        return KvbmWorkerMeta(g4_fingerprint=self._g4_fingerprint, g4_reports=[rep] if rep else [],
-                              load_errors=[int(b) for b in errors], transfer_timings=[timings] if timings else [])
+        return KvbmWorkerMeta(g4_reports=[rep] if rep else [], load_errors=[int(b) for b in errors],
+                              transfer_timings=[timings] if timings else [])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

@@ -48,6 +48,7 @@ type RecoveredRank struct {
 	WrittenAt  []int64        `msgpack:"written_at"`
 	Discarded  map[string]int `msgpack:"discarded"`
 	Seconds    float64        `msgpack:"seconds"`
+	offer      uint64         // which offer of the Registry (offerRecovered); not sent
 }
 
 func newRecoveredRank(rank, numWorkers int, rec storage.Recovery) RecoveredRank {
@@ -80,17 +81,31 @@ func (r RecoveredRank) blocks() ([]leader.RecoveredBlock, error) {
 }
 
 // offerRecovered records what rank's worker recovered, for a leader of this
-// process, and returns its encoding for one of another process.
-func (r *Registry) offerRecovered(rank, numWorkers int, rec storage.Recovery) []byte {
+// process, and returns its encoding for one of another process, and the
+// call that withdraws the offer when that worker closes: a leader started
+// later in the process (a second engine, or a scheduler created before its
+// workers) must never register the index of a worker that is gone — its
+// blocks would be another file's, and the restore it spent would refuse the
+// index its own workers hand over.
+func (r *Registry) offerRecovered(rank, numWorkers int, rec storage.Recovery) ([]byte, func()) {
 	rr := newRecoveredRank(rank, numWorkers, rec)
 	r.recMu.Lock()
+	r.recSeq++
+	rr.offer = r.recSeq
 	r.recovered[rank] = rr
 	r.recMu.Unlock()
+	withdraw := func() {
+		r.recMu.Lock()
+		defer r.recMu.Unlock()
+		if cur, ok := r.recovered[rank]; ok && cur.offer == rr.offer {
+			delete(r.recovered, rank)
+		}
+	}
 	b, err := msgpack.Marshal(rr)
 	if err != nil {
-		return nil // plain fields only; unreachable
+		return nil, withdraw // plain fields only; unreachable
 	}
-	return b
+	return b, withdraw
 }
 
 // takeRecovered returns every rank's recovered index when all numWorkers

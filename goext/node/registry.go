@@ -48,8 +48,9 @@ type Registry struct {
 	stores map[fingerprint.Fingerprint]*g4Ref
 	rank0  fingerprint.Fingerprint
 
-	recMu     sync.Mutex // guards recovered
+	recMu     sync.Mutex // guards recovered and recSeq
 	recovered map[int]RecoveredRank
+	recSeq    uint64 // numbers the offers, so a closing worker withdraws only its own
 
 	workerMetrics func() *metrics.Metrics
 	hubs          *wire.InProcHubs

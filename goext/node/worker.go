@@ -138,7 +138,9 @@ func NewWorker(cfg *config.Config, spec WorkerSpec, d Deps) (_ *Worker, err erro
 		n.closers.push(func() { reg.clearRank0(sum) })
 	}
 	if w.DiskPersistent() {
-		n.Recovered = reg.offerRecovered(spec.Rank, nw, w.Recovered())
+		var withdraw func()
+		n.Recovered, withdraw = reg.offerRecovered(spec.Rank, nw, w.Recovered())
+		n.closers.push(withdraw)
 	}
 	log.Info("kvbm worker ready", "rank", spec.Rank, "layout", eng.String(), "bytes_per_block", eng.BytesPerBlock(),
 		"host_blocks", hostBlocks, "disk_blocks", diskBlocks, "disk_file", w.DiskPath(),

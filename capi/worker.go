@@ -34,6 +34,9 @@ type workerOptions struct {
 	// LayerGroups is each tensor's KV cache group (layout.Spec.LayerGroups);
 	// absent with one group.
 	LayerGroups []int `json:"layer_groups,omitempty"`
+	// GroupKinds names each group's attention kind (layout.Spec.GroupKinds):
+	// part of the fingerprint; absent with one group.
+	GroupKinds []string `json:"group_kinds,omitempty"`
 	// Model and DType identify the weights and element type (the engine's
 	// model name or path and revision; e.g. "torch.bfloat16"): with the
 	// layout they form the fingerprint of blocks kept beyond this process.
@@ -96,7 +99,7 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	}
 	spec := node.WorkerSpec{Rank: o.Rank, NumWorkers: o.NumWorkers, Model: o.Model, DType: o.DType, WorkerID: o.WorkerID,
 		Layout: layout.Spec{Kind: kind, NumBlocks: o.NumBlocks, BlockSize: o.BlockSize, DtypeBytes: o.DtypeBytes,
-			LayerGroups: o.LayerGroups}}
+			LayerGroups: o.LayerGroups, GroupKinds: o.GroupKinds}}
 	for _, t := range o.Tensors {
 		spec.Layout.Tensors = append(spec.Layout.Tensors, layout.Tensor{Ptr: uintptr(t.Ptr), Shape: t.Shape, Strides: t.Strides})
 	}

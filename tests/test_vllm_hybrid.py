@@ -381,14 +381,18 @@ def test_group_layout_is_part_of_the_fingerprint(hybrid):
     tensors = [(kv[n].data_ptr(), list(kv[n].shape), list(kv[n].stride())) for n in names]
     common = dict(tensors=tensors, kind="cpu", num_blocks=NUM_BLOCKS, block_size=BS, dtype_bytes=2,
                   model="", dtype="torch.float16")  # what the connector passes for this config
-    same = Worker(**common, layer_groups=[GROUP_OF[n] for n in names])
+    groups = [GROUP_OF[n] for n in names]
+    same = Worker(**common, layer_groups=groups, group_kinds=["full_attention", f"sliding_window({WINDOW})"])
     one = Worker(**common)
+    # The same grouping with another window: deeper layers' KV differs.
+    wider = Worker(**common, layer_groups=groups, group_kinds=["full_attention", f"sliding_window({2 * WINDOW})"])
     try:
         assert same.info()["fingerprint"] == info["fingerprint"]
         assert one.info()["fingerprint"] != info["fingerprint"]
+        assert wider.info()["fingerprint"] != info["fingerprint"]
     finally:
-        one.close()
-        same.close()
+        for w in (one, same, wider):
+            w.close()
 
 
 def test_which_group_layouts_kvbm_serves():
@@ -562,3 +566,61 @@ def test_one_full_attention_group_plans_exactly_as_before():
                         kv_cache_groups=[KVCacheGroupSpec(FULL + SLIDING, full)])
     groups, why = kv_groups(kvc, BS)
     assert why is None and groups.num_groups == 1 and not groups.with_rows
+
+
+def test_two_groups_survive_a_restart_through_the_persistent_disk_tier(env):
+    """The persistent disk tier (DYN_KVBM_DISK_PERSIST) with two KV cache
+    groups: a second connector pair on the same directory, on fresh
+    tensors, recovers what the first stored and loads it into each group's
+    blocks (sliding-window layers only inside the window, the null block
+    untouched), the leader getting the recovered index through vLLM's
+    handshake metadata as across processes. The same layers under another
+    grouping, or the same grouping with another window, are other
+    fingerprints: their tier files recover nothing and nothing matches."""
+    env.delenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS")  # disk only: saves go G1 → G3
+    env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "32")
+    env.setenv("DYN_KVBM_DISK_PERSIST", "true")
+    h = Hybrid()
+    try:
+        assert h.worker._worker.info()["disk_persistent"] is True
+        store_a(h)
+    finally:
+        h.close()
+
+    h = Hybrid()
+    try:
+        assert h.worker._worker.info()["disk_recovered_blocks"] == 5
+        h.sched.set_xfer_handshake_metadata({0: h.worker.get_handshake_metadata()})
+        assert h.sched._scheduler_side._leader.info()["disk_blocks_used"] == 5
+        b = request("b", PROMPT)
+        assert h.sched.get_num_new_matched_tokens(b, 0) == (5 * BS, True)
+        b0, b1 = [13, 14, 15, 16, 17, 18], [NULL, NULL, NULL, 19, 20, 21]
+        h.sched.update_state_after_alloc(b, Blocks(b0, b1), 5 * BS)
+        meta, so = h.step()
+        assert _plan.group_rows(meta.plan) == {b0[i]: [b0[i], -1 if b1[i] == NULL else b1[i]] for i in range(5)}
+        res, invalid = h.run_worker(meta, so)
+        assert res.finished_recving == {"b"} and not res.failed_recving and not invalid
+        for p in range(5 * BS):
+            for name in FULL:
+                assert h.holds(name, b0[p // BS], p), (name, p)
+            for name in SLIDING:
+                if b1[p // BS] != NULL:
+                    assert h.holds(name, b1[p // BS], p), (name, p)
+                # A full-attention block never receives a sliding layer's KV, nor the reverse.
+                assert not h.holds(name, b0[p // BS], p), (name, p)
+        for n in h.kv:
+            assert bool((h.kv[n][:, NULL] == 1234.0).all()), f"{n}: the null block was written"
+        assert bool((h.kv[SLIDING[0]][:, 21] == 1234.0).all())
+    finally:
+        h.close()
+
+    reordered = hybrid_config()
+    reordered.kv_cache_groups.reverse()  # layer groups [1, 0, 1, 0]
+    wider = hybrid_config(second=attn(SlidingWindowSpec, sliding_window=2 * WINDOW))
+    for kvc in (reordered, wider):
+        h = Hybrid(kvc)
+        try:
+            assert h.worker._worker.info()["disk_recovered_blocks"] == 0
+            assert h.sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (0, False)
+        finally:
+            h.close()

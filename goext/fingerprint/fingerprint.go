@@ -52,6 +52,12 @@ type Inputs struct {
 	// layers must not match. One group adds nothing to the digest, so
 	// single-group fingerprints are unchanged.
 	LayerGroups []int
+	// GroupKinds is each group's attention kind with its window (e.g.
+	// "sliding_window(1024)"; nil with one group): the KV of a layer
+	// depends on the windows of the layers before it, so the same grouping
+	// with another window must not match either. Covered only with
+	// LayerGroups.
+	GroupKinds []string
 }
 
 // FromEngine fills the layout fields from a registered engine layout.
@@ -60,6 +66,7 @@ func FromEngine(model, dtype string, e *layout.Engine, tpSize, rank int) Inputs 
 		Model: model, DType: dtype, Layout: e.Kind, NumLayers: e.NumLayers, OuterDim: e.OuterDim,
 		InnerDim: e.InnerDim, DtypeBytes: e.DtypeBytes, BlockSize: e.BlockSize,
 		TPSize: max(tpSize, 1), Rank: rank, HashScheme: hashing.SchemeVersion, LayerGroups: e.LayerGroups(),
+		GroupKinds: e.GroupKinds(),
 	}
 }
 
@@ -89,6 +96,13 @@ func (in Inputs) Sum() Fingerprint {
 		for _, g := range in.LayerGroups {
 			num(int64(g))
 		}
+		if len(in.GroupKinds) > 0 {
+			str("group-kinds")
+			num(int64(len(in.GroupKinds)))
+			for _, k := range in.GroupKinds {
+				str(k)
+			}
+		}
 	}
 	return Fingerprint(xxh3.Hash128(b).Bytes())
 }
@@ -115,12 +129,16 @@ func Parse(s string) (Fingerprint, error) {
 func (in Inputs) Describe() string {
 	return fmt.Sprintf("model=%q dtype=%q layout=%v layers=%d outer=%d inner=%d dtype_bytes=%d block_size=%d tp=%d rank=%d hash_scheme=%d",
 		in.Model, in.DType, in.Layout, in.NumLayers, in.OuterDim, in.InnerDim, in.DtypeBytes, in.BlockSize,
-		in.TPSize, in.Rank, in.HashScheme) + describeGroups(in.LayerGroups)
+		in.TPSize, in.Rank, in.HashScheme) + describeGroups(in.LayerGroups, in.GroupKinds)
 }
 
-func describeGroups(g []int) string {
+func describeGroups(g []int, kinds []string) string {
 	if len(g) == 0 {
 		return ""
 	}
-	return fmt.Sprintf(" layer_groups=%v", g)
+	s := fmt.Sprintf(" layer_groups=%v", g)
+	if len(kinds) > 0 {
+		s += fmt.Sprintf(" group_kinds=%q", kinds)
+	}
+	return s
 }

@@ -1,6 +1,7 @@
 package fingerprint
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -74,4 +75,25 @@ func TestFingerprintLayerGroups(t *testing.T) {
 	require.NotEqual(t, grouped.Sum(), other.Sum())
 	require.Contains(t, grouped.Describe(), "layer_groups=[0 1 0 1]")
 	require.NotContains(t, base.Describe(), "layer_groups")
+
+	// Each group's kind and window count too: the same grouping with
+	// another sliding window (or chunked local attention) is another model's KV.
+	kinds := func(k ...string) Inputs {
+		in := grouped
+		in.GroupKinds = k
+		return in
+	}
+	seen := map[Fingerprint]string{grouped.Sum(): "no kinds", other.Sum(): "other grouping"}
+	for _, k := range [][]string{{"full_attention", "sliding_window(64)"}, {"full_attention", "sliding_window(128)"},
+		{"full_attention", "chunked_local(64)"}, {"sliding_window(64)", "full_attention"}} {
+		f := kinds(k...).Sum()
+		prev, dup := seen[f]
+		require.False(t, dup, "%v collides with %s", k, prev)
+		seen[f] = fmt.Sprint(k)
+	}
+	require.Contains(t, kinds("full_attention", "sliding_window(64)").Describe(),
+		`group_kinds=["full_attention" "sliding_window(64)"]`)
+	single := base
+	single.GroupKinds = []string{"sliding_window(64)"} // without LayerGroups: as before
+	require.Equal(t, base.Sum(), single.Sum())
 }

@@ -42,6 +42,13 @@ type Spec struct {
 	// of layer l reads or writes the block its group holds at that position
 	// (see groups.go). nil or all zeros: one group.
 	LayerGroups []int
+	// GroupKinds names each group's attention kind as the adapter spells it
+	// (e.g. "full_attention", "sliding_window(1024)"), in group order. It
+	// moves no bytes but is part of the block fingerprint: the KV a layer
+	// computes depends on the attention window of every layer before it,
+	// so the same layer grouping with another window must not match.
+	// Optional; ignored with one group.
+	GroupKinds []string
 }
 
 // Engine is a validated engine (G1) layout: where each (block, layer, outer)
@@ -64,6 +71,7 @@ type Engine struct {
 	tensorBytes int64     // bytes a tensor spans from its base to the end of its last chunk
 	layerGroup  []int     // each layer's KV cache group; nil with one group
 	numGroups   int       // 1 with one group
+	groupKinds  []string  // each group's attention kind (Spec.GroupKinds); nil with one group or none given
 }
 
 // roles says which dimension of a tensor plays which part for one Kind.
@@ -227,7 +235,7 @@ func NewEngine(s Spec) (*Engine, error) {
 	for i, t := range s.Tensors {
 		e.bases[i] = t.Ptr
 	}
-	if err := e.setGroups(s.LayerGroups); err != nil {
+	if err := e.setGroups(s.LayerGroups, s.GroupKinds); err != nil {
 		return nil, err
 	}
 	return e, nil

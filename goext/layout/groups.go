@@ -15,7 +15,7 @@ import "fmt"
 // block): its layers are neither read nor written.
 const NoBlock = -1
 
-func (e *Engine) setGroups(groups []int) error {
+func (e *Engine) setGroups(groups []int, kinds []string) error {
 	e.numGroups = 1
 	if len(groups) == 0 {
 		return nil
@@ -45,8 +45,12 @@ func (e *Engine) setGroups(groups []int) error {
 	if !e.perLayer {
 		return fmt.Errorf("%w: KV cache groups need one tensor per layer, the %v layout has one for all layers", ErrLayout, e.Kind)
 	}
+	if kinds != nil && len(kinds) != n {
+		return fmt.Errorf("%w: group_kinds has %d entries for %d KV cache groups", ErrLayout, len(kinds), n)
+	}
 	e.numGroups = n
 	e.layerGroup = append([]int(nil), groups...)
+	e.groupKinds = append([]string(nil), kinds...)
 	return nil
 }
 
@@ -55,6 +59,10 @@ func (e *Engine) NumGroups() int { return e.numGroups }
 
 // LayerGroups returns each layer's group, or nil with one group.
 func (e *Engine) LayerGroups() []int { return append([]int(nil), e.layerGroup...) }
+
+// GroupKinds returns each group's attention kind as the adapter named it,
+// or nil with one group (or when none were given).
+func (e *Engine) GroupKinds() []string { return append([]string(nil), e.groupKinds...) }
 
 // LayerGroup returns layer l's group (0 with one group).
 func (e *Engine) LayerGroup(l int) int {

@@ -250,4 +250,18 @@ func TestLayerGroups(t *testing.T) {
 		_, err = NewEngine(spec)
 		require.ErrorIs(t, err, ErrLayout, "%v", bad)
 	}
+
+	// Group kinds: one per group, kept with several groups only.
+	spec.LayerGroups = []int{0, 1, 0, 1}
+	spec.GroupKinds = []string{"full_attention", "sliding_window(64)"}
+	e, err = NewEngine(spec)
+	require.NoError(t, err)
+	require.Equal(t, []string{"full_attention", "sliding_window(64)"}, e.GroupKinds())
+	spec.GroupKinds = []string{"full_attention"}
+	_, err = NewEngine(spec)
+	require.ErrorIs(t, err, ErrLayout)
+	spec.LayerGroups = nil
+	e, err = NewEngine(spec)
+	require.NoError(t, err)
+	require.Nil(t, e.GroupKinds())
 }

@@ -9,6 +9,7 @@ import (
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvbm/kvbm/goext/config"
@@ -269,4 +270,52 @@ func TestUndoRunsInReverse(t *testing.T) {
 	u.run()
 	u.run()
 	require.Equal(t, []int{3, 2, 1, 0}, got)
+}
+
+// TestRestoreTakesTheIndexItsWorkerHandsOver: a leader created before its
+// own workers (as a scheduler may be), in a process where an earlier
+// engine's worker recovered and closed, registers the index its own worker
+// hands over — never the gone worker's (the only route is the engine's).
+func TestRestoreTakesTheIndexItsWorkerHandsOver(t *testing.T) {
+	cfg := testConfig(t, map[string]string{config.EnvDiskCacheOverrideBlocks: "16",
+		config.EnvDiskCacheDir: t.TempDir(), config.EnvDiskPersist: "true", config.EnvStorageSecret: "a test secret of 32 bytes......"})
+	d := Deps{Registry: NewRegistry(), Logger: quiet()}
+	spec := WorkerSpec{Layout: cpuSpec(t, 1), Model: "m", DType: "bf16"}
+	prompt := make([]uint32, 3*bs)
+	for i := range prompt {
+		prompt[i] = uint32(100 + i)
+	}
+	pair := func() (*Leader, *Worker) {
+		l, err := NewLeader(cfg, LeaderSpec{BlockSize: bs, BytesPerBlock: 2 * layers * bs * heads * hdim * 2}, d)
+		require.NoError(t, err)
+		w, err := NewWorker(cfg, spec, d)
+		require.NoError(t, err)
+		require.Equal(t, l.bytesPerBlock, w.Layout.BytesPerBlock())
+		return l, w
+	}
+
+	l, w := pair() // the leader first: this worker's (empty) index stays offered until it closes
+	got, _ := l.L.GetNumNewMatchedTokens("a", prompt, 0, 0)
+	require.Equal(t, 0, got)
+	b, err := l.L.Step([]leader.RequestUpdate{{ReqID: "a", NewTokens: prompt, NewBlockIDs: []int64{0, 1, 2},
+		NumScheduledTokens: len(prompt)}})
+	require.NoError(t, err)
+	require.NoError(t, w.W.BindStep(b))
+	w.W.StartLoad()
+	w.W.WaitForSave()
+	l.L.RequestFinished("a")
+	w.Close()
+	l.Close()
+
+	l, w = pair()
+	defer l.Close()
+	defer w.Close()
+	require.Len(t, w.W.Recovered().Blocks, 3)
+	var rr RecoveredRank
+	require.NoError(t, msgpack.Unmarshal(w.Recovered, &rr))
+	n, err := l.RestoreDisk([]RecoveredRank{rr})
+	require.NoError(t, err)
+	require.Equal(t, 3, n, "the restore went to the closed worker's index")
+	got, _ = l.L.GetNumNewMatchedTokens("b", prompt, 0, 0)
+	require.Equal(t, 2*bs, got)
 }

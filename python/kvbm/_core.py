@@ -524,7 +524,7 @@ class Worker(_native.Handle):
     def __init__(self, *, tensors: Iterable[tuple[int, Sequence[int], Sequence[int]]], kind: str, num_blocks: int,
                  block_size: int, dtype_bytes: int, rank: int = 0, num_workers: int = 1, model: str = "",
                  dtype: str = "", side_channel: WorkerSideChannelOptions | None = None,
-                 layer_groups: Sequence[int] | None = None) -> None:
+                 layer_groups: Sequence[int] | None = None, group_kinds: Sequence[str] | None = None) -> None:
         opts = {
             "model": str(model),
             "dtype": str(dtype),
@@ -543,6 +543,9 @@ class Worker(_native.Handle):
         if layer_groups is not None:
             # Each tensor's KV cache group (goext/layout/groups.go).
             opts["layer_groups"] = [int(g) for g in layer_groups]
+        if group_kinds is not None:
+            # Each group's attention kind and window: part of the fingerprint.
+            opts["group_kinds"] = [str(k) for k in group_kinds]
         if side_channel is not None:
             # Returns at once; the handshake completes when the leader runs it
             # (info()["side_channel"]["ready"]), and the leader's background

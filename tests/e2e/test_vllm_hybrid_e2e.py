@@ -4,6 +4,7 @@ and a 64-token sliding window, so vLLM gives it two KV cache groups. A
 prompt stored from both groups, evicted from G1, comes back from G2 with
 the output vLLM computes without kvbm."""
 
+import os
 import random
 
 import pytest
@@ -223,3 +224,106 @@ def test_whole_block_prompt_loaded_from_kvbm_hits_g1_again(harness):
     b = {a["tag"]: a for a in base["actions"]}
     for tag in ("first", "loaded", "g1"):
         assert t[tag]["tokens"] == b[tag]["tokens"], tag
+
+
+def tier_files(d):
+    return sorted(n for n in os.listdir(d) if n.startswith("kvbm-g3-") and n.endswith(".tier"))
+
+
+def test_sliding_window_model_disk_tier_survives_restart(harness, tmp_path):
+    """The persistent disk tier with two KV cache groups: engine one stores
+    A (both groups' layers of every position) and moves it to G3; a second
+    engine on the same directory recovers the file and loads A from G3 into
+    each group's blocks (the sliding group only inside its window) with the
+    output vLLM computes without kvbm. The same model with the hybrid
+    manager off (one group) is another fingerprint: it recovers nothing
+    from that file and matches nothing."""
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_PERSIST": "true",
+    }
+    engine = {"num_gpu_blocks_override": 32}
+    first = harness({"model": MODEL, "engine": engine, "env": env,
+                     "actions": [gen("a", A), gen("b", B), {"quiesce": True, "tag": "q"}]})
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in first["log"]
+    t1 = {a["tag"]: a for a in first["actions"]}
+    assert t1["q"]["metrics"]["kvbm_offload_blocks_h2d"] >= 6, t1["q"]["metrics"]  # A's blocks G2 → G3
+    files = tier_files(tmp_path)
+    assert len(files) == 1, os.listdir(tmp_path)
+
+    second = harness({"model": MODEL, "engine": engine, "env": env, "actions": [gen("a_again", A)]})
+    log = second["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "2 KV cache groups (layer groups [0 1 0 1])" in log
+    assert "kvbm disk tier ready (persistent)" in log
+    m = {a["tag"]: a for a in second["actions"]}["a_again"]
+    assert m["metrics"]["kvbm_g3_recovered_blocks"] >= 6, m["metrics"]
+    assert m["metrics"]["kvbm_onboard_blocks_d2d"] == 6, m["metrics"]
+    assert m["metrics"]["kvbm_matched_tokens"] == 6 * BS
+    assert m["metrics"].get("kvbm_load_errors", 0) == 0
+    assert m["num_cached_tokens"] == [6 * BS]
+    assert tier_files(tmp_path) == files
+
+    off = harness({"model": MODEL, "engine": dict(engine, disable_hybrid_kv_cache_manager=True), "env": env,
+                   "actions": [gen("a_off", A)]})
+    mo = {a["tag"]: a for a in off["actions"]}["a_off"]["metrics"]
+    assert mo.get("kvbm_g3_recovered_blocks", 0) == 0, mo
+    assert mo["kvbm_onboard_blocks_d2d"] == 0 and mo["kvbm_matched_tokens"] == 0, mo
+    assert "persistent tier file of another fingerprint" in off["log"]
+    assert files[0] in tier_files(tmp_path)
+
+    base = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)]})
+    assert m["tokens"] == t1["a"]["tokens"] == base["actions"][0]["tokens"]
+    for res in (first, second, off):
+        for bad in ("panic", "fatal error", "Traceback", "kvbm failed", "kvbm disabled"):
+            assert bad not in res["log"], bad
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
+def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
+    """Two KV cache groups at tensor parallelism 2, with the persistent disk
+    tier: each rank stores its shard (its KV head) of every layer of each
+    position, A moves G2 → G3 over the side channel; a second engine on the
+    same directory recovers both ranks' files and loads A from G3 into each
+    group's blocks on each rank, with the output vLLM computes at TP=2
+    without kvbm."""
+    from kvbm.testing.ports import free_ports
+
+    pub, ack = free_ports(2)
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_PERSIST": "true",
+        "DYN_KVBM_LEADER_ZMQ_PUB_PORT": pub,
+        "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    engine = {"num_gpu_blocks_override": 32, "tensor_parallel_size": 2}
+    first = harness({"model": MODEL, "engine": engine, "env": env,
+                     "actions": [gen("a", A), gen("b", B), {"quiesce": True, "tag": "q"}]})
+    t1 = {a["tag"]: a for a in first["actions"]}
+    assert t1["q"]["metrics"]["kvbm_offload_blocks_h2d"] >= 6, t1["q"]["metrics"]
+    files = tier_files(tmp_path)
+    assert [f[-10:] for f in files] in (["rank0.tier", "rank1.tier"], ["rank1.tier", "rank0.tier"]), files
+
+    second = harness({"model": MODEL, "engine": engine, "env": env, "actions": [gen("a_again", A)]})
+    for res in (first, second):
+        log = res["log"]
+        assert "Turning off hybrid kv cache manager" not in log
+        assert log.count("2 KV cache groups (layer groups [0 1 0 1])") >= 2, log[-4000:]  # both ranks' workers
+        for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
+            assert bad not in log, bad
+    t2 = {a["tag"]: a for a in second["actions"]}
+    m = t2["a_again"]["metrics"]
+    assert m["kvbm_g3_recovered_blocks"] >= 6, m
+    assert m["kvbm_onboard_blocks_d2d"] == 6 and m["kvbm_matched_tokens"] == 6 * BS, m
+    assert m.get("kvbm_load_errors", 0) == 0
+    assert t2["a_again"]["num_cached_tokens"] == [6 * BS]
+    base = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)],
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}})
+    assert t2["a_again"]["tokens"] == t1["a"]["tokens"] == base["actions"][0]["tokens"]

@@ -108,6 +108,7 @@ class VllmConnectorWorker(VllmSide):
         from kvbm._core import Worker
 
         layer_groups: list[int] | None = None
+        group_kinds: list[str] | None = None
         if self._kv_cache_config is not None:
             on_device = bool(kv_caches) and next(iter(kv_caches.values())).device.type != "cpu"
             groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=on_device)
@@ -123,6 +124,9 @@ class VllmConnectorWorker(VllmSide):
                     self._disable(f"KV cache layers {missing} are in no KV cache group ({groups.describe()})")
                     return
                 layer_groups = [groups.layer_group[n] for n in names]
+                # The windows are part of the fingerprint too (a layer's KV
+                # depends on every earlier layer's window).
+                group_kinds = list(groups.kinds)
                 self._multi_group = True
         try:
             tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
@@ -143,7 +147,7 @@ class VllmConnectorWorker(VllmSide):
             # TP > 1: the scheduler's leader handshakes with every rank over the
             # side channel; Worker returns at once (the scheduler does not exist yet).
             side_channel={"secret": _side_channel_secret(self._vllm_config)} if tp_size > 1 else None,
-            layer_groups=layer_groups,
+            layer_groups=layer_groups, group_kinds=group_kinds,
         )
         info = self._worker.info()
         self._g4 = bool(info.get("g4"))

@@ -44,6 +44,9 @@ func (w *Worker) Bind(s *plan.Step) error {
 
 	w.lockExec()
 	defer w.unlockExec()
+	// Before the step changes anything: wait for the queued moves if it
+	// touches a block they still read or write.
+	w.settleMoves(s)
 	w.mu.Lock()
 	if s.Seq != 0 && s.Seq <= w.lastSeq {
 		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
@@ -170,10 +173,13 @@ func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64, saltOf fun
 	return failed
 }
 
-// WaitForSave runs the bound step's Moves (G2→G3) and then its Saves (G1→G2,
-// or G1→G3 in disk-only mode), and returns when they are done. A failed copy
-// leaves its destination invalid (a later load of it fails); it is logged,
-// not returned: the engine must keep running.
+// WaitForSave runs the bound step's Saves (G1→G2, or G1→G3 in disk-only
+// mode) and returns when they are done; the engine may overwrite the G1
+// blocks afterwards. The step's Moves (G2→G3) are queued and run in the
+// background (moves.go): the step does not wait for the disk, unless a Save
+// writes a block a queued move still reads or writes. A failed copy leaves
+// its destination invalid (a later load of it fails); it is logged, not
+// returned: the engine must keep running.
 func (w *Worker) WaitForSave() {
 	w.lockExec()
 	defer w.unlockExec()
@@ -185,13 +191,16 @@ func (w *Worker) WaitForSave() {
 	}
 	w.savesRun = true
 	w.saves.Add(1)
+	// The moves go first, as if they ran before the saves: a save into a
+	// block they hold waits for them.
+	w.queueMovesLocked(s.Moves)
+	if len(s.Saves) > 0 && w.moves.running && w.copiesConflictLocked(s.Saves) {
+		w.waitMovesLocked()
+	}
 	w.mu.Unlock()
 	defer w.saves.Done()
 	if len(s.Saves) > 0 {
 		w.fence("save")
-	}
-	if errs := w.runOps(s.Moves, nil); countErrs(errs) > 0 {
-		w.logFailures("move", s.Moves, errs)
 	}
 	if errs := w.runOps(s.Saves, s.G1Groups.Map()); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
@@ -274,6 +283,7 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 	w.mu.Unlock()
 	defer w.saves.Done()
 
+	w.settleMoves(s) // as Bind: the engine steps' queued moves first, where they touch s's blocks
 	w.applyDrops(s.Drops)
 	w.stageTags(s)
 	if len(s.Loads) > 0 {

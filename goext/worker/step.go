@@ -225,8 +225,8 @@ func (w *Worker) WaitForSave() {
 // Ordering:
 //
 //   - s.Seq > 0 names the engine step this operation must follow: Run first
-//     waits until this worker finished the Moves/Saves of the bound step with
-//     that Seq (or a later one). The leader plans a background G2→G3 move as
+//     waits until this worker finished the Saves (and queued the Moves) of
+//     the bound step with that Seq (or a later one). The leader plans a background G2→G3 move as
 //     soon as the source's save is planned, which may be before this rank
 //     has run that save; copying earlier would copy the block's previous
 //     contents. The wait ends early (with an error) when the worker closes,
@@ -241,6 +241,8 @@ func (w *Worker) WaitForSave() {
 //     writes to another operation (load sources stay pinned until the engine
 //     reports the load finished). A Run may delay the engine's WaitForSave
 //     by its own duration, so background operations should stay small.
+//   - Moves the engine's steps queued (moves.go) that hold a block s drops,
+//     writes or reads from G3 run first, as for a bound step.
 //
 // ctx bounds the waits before the step starts (for the engine step's saves,
 // then for the execution lock); once its copies start they run to the end.

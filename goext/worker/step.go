@@ -93,6 +93,9 @@ func (w *Worker) Bind(s *plan.Step) error {
 
 	w.lockExec()
 	defer w.unlockExec()
+	// Before the step changes anything: wait for the queued moves if it
+	// touches a block they still read or write.
+	w.settleMoves(s)
 	w.mu.Lock()
 	if s.Seq != 0 && s.Seq <= w.lastSeq {
 		w.log.Warn("kvbm worker: step sequence went backwards; executing anyway", "seq", s.Seq, "last", w.lastSeq)
@@ -226,10 +229,13 @@ func (w *Worker) execLoads(loads []plan.Load, rows map[int64][]int64, saltOf fun
 	return failed
 }
 
-// WaitForSave runs the bound step's Moves (G2→G3) and then its Saves (G1→G2,
-// or G1→G3 in disk-only mode), and returns when they are done. A failed copy
-// leaves its destination invalid (a later load of it fails); it is logged,
-// not returned: the engine must keep running.
+// WaitForSave runs the bound step's Saves (G1→G2, or G1→G3 in disk-only
+// mode) and returns when they are done; the engine may overwrite the G1
+// blocks afterwards. The step's Moves (G2→G3) are queued and run in the
+// background (moves.go): the step does not wait for the disk, unless a Save
+// writes a block a queued move still reads or writes. A failed copy leaves
+// its destination invalid (a later load of it fails); it is logged, not
+// returned: the engine must keep running.
 func (w *Worker) WaitForSave() {
 	w.lockExec()
 	defer w.unlockExec()
@@ -241,13 +247,16 @@ func (w *Worker) WaitForSave() {
 	}
 	w.savesRun = true
 	w.saves.Add(1)
+	// The moves go first, as if they ran before the saves: a save into a
+	// block they hold waits for them.
+	w.queueMovesLocked(s.Moves)
+	if len(s.Saves) > 0 && w.moves.running && w.copiesConflictLocked(s.Saves) {
+		w.waitMovesLocked()
+	}
 	w.mu.Unlock()
 	defer w.saves.Done()
 	if len(s.Saves) > 0 {
 		w.fence("save")
-	}
-	if errs := w.runOps(s.Moves, nil); countErrs(errs) > 0 {
-		w.logFailures("move", s.Moves, errs)
 	}
 	if errs := w.runOps(s.Saves, s.G1Groups.Map()); countErrs(errs) > 0 {
 		w.logFailures("save", s.Saves, errs)
@@ -272,8 +281,8 @@ func (w *Worker) WaitForSave() {
 // Ordering:
 //
 //   - s.Seq > 0 names the engine step this operation must follow: Run first
-//     waits until this worker finished the Moves/Saves of the bound step with
-//     that Seq (or a later one). The leader plans a background G2→G3 move as
+//     waits until this worker finished the Saves (and queued the Moves) of
+//     the bound step with that Seq (or a later one). The leader plans a background G2→G3 move as
 //     soon as the source's save is planned, which may be before this rank
 //     has run that save; copying earlier would copy the block's previous
 //     contents. The wait ends early (with an error) when the worker closes,
@@ -288,6 +297,8 @@ func (w *Worker) WaitForSave() {
 //     writes to another operation (load sources stay pinned until the engine
 //     reports the load finished). A Run may delay the engine's WaitForSave
 //     by its own duration, so background operations should stay small.
+//   - Moves the engine's steps queued (moves.go) that hold a block s drops,
+//     writes or reads from G3 run first, as for a bound step.
 //
 // ctx bounds the waits before the step starts (for the engine step's saves,
 // then for the execution lock); once its copies start they run to the end.
@@ -330,6 +341,7 @@ func (w *Worker) Run(ctx context.Context, s *plan.Step) (loadErrors []int64, err
 	w.mu.Unlock()
 	defer w.saves.Done()
 
+	w.settleMoves(s) // as Bind: the engine steps' queued moves first, where they touch s's blocks
 	w.applyDrops(s.Drops)
 	w.stageTags(s)
 	if len(s.Loads) > 0 {

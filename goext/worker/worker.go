@@ -4,14 +4,16 @@
 //
 //	BindStep(meta)  ← bind_connector_metadata: decode the step, apply its Drops
 //	StartLoad()     ← start_load_kv: launch the step's Loads in the background
-//	WaitForSave()   ← wait_for_save: Moves (G2→G3), then Saves (G1→G2/G3), synchronously
+//	WaitForSave()   ← wait_for_save: Saves (G1→G2/G3) synchronously; Moves (G2→G3) queued
 //	Finished()      ← get_finished: requests whose loads completed, and failed G1 blocks
 //
 // Loads run asynchronously: the engine does not schedule a loading request
 // until Finished reports it, so its G1 blocks are not read meanwhile, and the
-// leader keeps the load's sources pinned until then. Moves and Saves finish
-// inside WaitForSave, which is what lets the leader treat a block saved in
-// step N as readable from step N+1 on.
+// leader keeps the load's sources pinned until then. Saves finish inside
+// WaitForSave, which is what lets the leader treat a block saved in step N as
+// readable from step N+1 on. Moves run in the background after WaitForSave
+// returns (moves.go): a later step that touches a block a queued move still
+// reads or writes waits for the queue first, so the same holds for them.
 //
 // Integrity: the worker remembers, per G2 block, whether it holds valid bytes
 // (a save completed), and per G3 block the XXH3 of the block as written. A load
@@ -177,7 +179,7 @@ type Worker struct {
 	degraded  atomic.Bool
 	xfer      transferStats // per-direction totals of this worker (TransferStats)
 
-	saves sync.WaitGroup // WaitForSave and Run calls in progress (Close waits for them before unmapping)
+	saves sync.WaitGroup // WaitForSave and Run calls and the move queue's goroutine in progress (Close waits for them before unmapping)
 
 	// exec serialises Run with the engine's per-step calls: Bind (its
 	// drops), StartLoad (the launch; the loads themselves run after it
@@ -207,6 +209,8 @@ type Worker struct {
 	// runs on another, and a WaitGroup forbids Add during such a Wait.
 	loading     int
 	loadingDone *sync.Cond // on mu: broadcast when loading drops to 0
+	moves       moveQueue  // G2→G3 moves queued by WaitForSave (moves.go)
+	movesDone   *sync.Cond // on mu: broadcast when a queued step's moves have run
 }
 
 // New validates opts. Regions are allocated by RegisterG1, once the block size is known.
@@ -227,6 +231,7 @@ func New(opts Options) (*Worker, error) {
 		diskLim: transfer.NewLimiter(diskSlots(opts.MaxConcurrent)),
 		exec:    make(chan struct{}, 1), saved: make(chan struct{})}
 	w.loadingDone = sync.NewCond(&w.mu)
+	w.movesDone = sync.NewCond(&w.mu)
 	if w.log == nil {
 		w.log = slog.Default()
 	}
@@ -393,7 +398,7 @@ func (w *Worker) lockExecContext(ctx context.Context) error {
 
 func (w *Worker) unlockExec() { <-w.exec }
 
-// Close waits for in-flight loads, then releases the host region and removes
+// Close waits for in-flight loads and queued moves, then releases the host region and removes
 // the disk file. The engine's tensors are untouched.
 func (w *Worker) Close() error {
 	w.mu.Lock()

@@ -119,7 +119,7 @@ func newWorker(t *testing.T, g *g1, opts Options) *Worker {
 }
 
 // run binds one step (through its encoding, as the engine ships it) and
-// executes it to completion.
+// executes it to completion, its background moves included.
 func run(t *testing.T, w *Worker, s *plan.Step) (loaded []string, failed []int64) {
 	t.Helper()
 	b, err := s.Encode()
@@ -128,6 +128,7 @@ func run(t *testing.T, w *Worker, s *plan.Step) (loaded []string, failed []int64
 	w.StartLoad()
 	w.WaitForSave()
 	w.WaitLoads()
+	w.WaitMoves()
 	loaded, failed = w.Finished()
 	slices.Sort(loaded)
 	slices.Sort(failed)

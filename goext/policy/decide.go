@@ -142,8 +142,9 @@ func (s Shape) batched(c int, cost TierCost) float64 {
 // Under Cost, a tier without any measurement is loaded rather than skipped
 // (its cost is only a prior, and loading is how it gets measured; a tier
 // that only ranks in other processes load is never measured here, so for
-// it Cost behaves as Always), and so is a tier skipped ExploreEvery times
-// since its last measurement.
+// it Cost behaves as Always), and so is a tier skipped ExploreFirst times
+// since its last measurement, then twice as many after each exploration
+// that did not make it worth loading, up to ExploreEvery.
 func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 	n := len(tiers)
 	d := Decision{Load: n}
@@ -215,8 +216,22 @@ func (m *Model) Decide(p LoadPolicy, tiers []plan.Tier, sh Shape) Decision {
 	}
 	if p.Mode == Cost {
 		for i, k := range d.Skipped {
-			if k > 0 && (m.tiers[i].n == 0 || m.skips[i] >= ExploreEvery) {
+			if k > 0 && (m.tiers[i].n == 0 || m.skips[i] >= min(ExploreFirst<<min(m.explored[i], 8), ExploreEvery)) {
 				d.Explored = true
+			}
+		}
+		var loaded [3]int
+		for _, t := range tiers[:d.Load] {
+			if i, ok := tierIndex(t); ok {
+				loaded[i]++
+			}
+		}
+		for i := range loaded {
+			switch {
+			case d.Explored && d.Skipped[i] > 0 && m.tiers[i].n > 0: // a re-exploration
+				m.explored[i]++
+			case !d.Explored && loaded[i] > 0:
+				m.explored[i] = 0 // worth loading on its estimate again
 			}
 		}
 		if d.Explored {

@@ -151,8 +151,10 @@ func TestNewLoadPolicy(t *testing.T) {
 }
 
 // A tier never measured is loaded under Cost (measuring it is the only way
-// to learn it); one skipped ExploreEvery times since its last measurement
-// is loaded once more.
+// to learn it); one skipped since its last measurement is loaded once more
+// after ExploreFirst skips, then after twice as many each time the
+// exploration did not make it worth loading, up to ExploreEvery; a tier
+// worth loading again starts the schedule over.
 func TestDecideCostExplores(t *testing.T) {
 	m := NewModel(1) // 1 µs a token: by the priors nothing from G4 pays
 	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
@@ -160,16 +162,33 @@ func TestDecideCostExplores(t *testing.T) {
 	require.Equal(t, 4, d.Load)
 	require.Empty(t, d.Reason)
 
-	m.ObserveLoad(plan.G4, 1e6, 50*time.Millisecond)
-	for range ExploreEvery {
-		d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
-		require.False(t, d.Explored)
-		require.Equal(t, 0, d.Load)
-		require.Equal(t, [3]int{0, 0, 4}, d.Skipped)
+	skipsBeforeExploring := func() int {
+		m.ObserveLoad(plan.G4, 1e6, 50*time.Millisecond) // the exploration's load: still too slow
+		for k := 0; ; k++ {
+			d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
+			if d.Explored {
+				require.Equal(t, 4, d.Load)
+				return k
+			}
+			require.Equal(t, 0, d.Load)
+			require.Equal(t, [3]int{0, 0, 4}, d.Skipped)
+		}
 	}
+	var gaps []int
+	for range 6 {
+		gaps = append(gaps, skipsBeforeExploring())
+	}
+	require.Equal(t, []int{ExploreFirst, 2 * ExploreFirst, 4 * ExploreFirst, 8 * ExploreFirst, ExploreEvery, ExploreEvery}, gaps)
+
+	// Fast again: loaded on its estimate, and the schedule starts over.
+	for range 40 {
+		m.ObserveLoad(plan.G4, 1e6, time.Microsecond)
+	}
+	m.fixed = 1e-3 // and recomputing got dearer: 1 ms a token
 	d = m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), shape)
-	require.True(t, d.Explored)
+	require.False(t, d.Explored)
 	require.Equal(t, 4, d.Load)
+	require.Zero(t, m.explored[2])
 	// The bound is the operator's: no exploration past it.
 	d = NewModel(1).Decide(LoadPolicy{Mode: Cap, Cap: time.Millisecond}, tiers(0, 0, 4), shape)
 	require.False(t, d.Explored)
@@ -217,10 +236,50 @@ func TestObserveLookup(t *testing.T) {
 	require.InDelta(t, 0.2, m.LookupSeconds(12, 32), 1e-9)
 	require.InDelta(t, 0.3, m.LookupSeconds(34, 32), 1e-9)
 	m.ObserveLookup(400*time.Millisecond, 2) // a hit: two waves of 200 ms
-	require.InDelta(t, 0.105, m.LookupSeconds(1, 32), 1e-9)
+	require.InDelta(t, 0.1, m.LookupSeconds(1, 32), 1e-9, "the least of the recent round trips")
 	m.ObserveLookup(-time.Second, 1)
 	m.ObserveLookup(time.Second, 0)
-	require.InDelta(t, 0.105, m.LookupSeconds(1, 32), 1e-9)
+	require.InDelta(t, 0.1, m.LookupSeconds(1, 32), 1e-9)
+	// A slower bucket is followed within recentN lookups.
+	for range recentN {
+		m.ObserveLookup(300*time.Millisecond, 1)
+	}
+	require.InDelta(t, 0.3, m.LookupSeconds(1, 32), 1e-9)
+}
+
+// One stalled measurement (the first lookup's cold connection, a load that
+// waited on a busy host) does not keep a fast tier off: the bounds are the
+// least of the recent measurements, so the next normal one brings them
+// back, and the exploration that takes it comes after ExploreFirst skips.
+func TestDecideRecoversFromAStall(t *testing.T) {
+	m := trained(t, 1000, map[plan.Tier]TierCost{ // 1 ms a token: 4 blocks of 32 = 128 ms
+		plan.G2: {Latency: 10 * time.Microsecond, SecondsPerMB: 1e-5},
+		plan.G3: {Latency: time.Millisecond, SecondsPerMB: 1e-4},
+		plan.G4: {Latency: time.Millisecond, SecondsPerMB: 1e-4},
+	})
+	sh := Shape{BlockTokens: 32, MBPerBlock: 0.01}
+	m.ObserveEndToEnd(plan.G4, 40_000, 900*time.Millisecond) // stalled
+	skipped := 0
+	for m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), sh).Load == 0 {
+		skipped++
+		require.Less(t, skipped, ExploreEvery)
+	}
+	require.Equal(t, ExploreFirst, skipped, "explored again after ExploreFirst skips")
+	m.ObserveLoad(plan.G4, 40_000, 5*time.Millisecond)
+	m.ObserveEndToEnd(plan.G4, 40_000, 30*time.Millisecond) // the exploration: normal
+	e, ok := m.EndToEnd(plan.G4, 0.04)
+	require.True(t, ok)
+	require.Less(t, e, 0.05)
+	d := m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), sh)
+	require.False(t, d.Explored)
+	require.Equal(t, 4, d.Load, "loaded on its estimate again")
+
+	// A tier that is slow every time stays skipped (each exploration
+	// measures it slow again).
+	for range recentN {
+		m.ObserveEndToEnd(plan.G4, 40_000, 900*time.Millisecond)
+	}
+	require.Zero(t, m.Decide(LoadPolicy{Mode: Cost}, tiers(0, 0, 4), sh).Load)
 }
 
 // What loading requests of a tier were seen to wait end to end bounds the

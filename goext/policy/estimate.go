@@ -102,11 +102,43 @@ const (
 	// an idle period follows (the last decode of a burst), whose "duration"
 	// would be the idle time.
 	MinStepTokens = 64
-	// ExploreEvery: a tier the cost policy skipped this many times since it
-	// was last measured is loaded once more (Decide), so that its estimate
-	// follows a tier that got faster again.
+	// ExploreFirst, ExploreEvery: a tier the cost policy skipped since it
+	// was last measured is loaded once more (Decide) after ExploreFirst
+	// skips, then after twice as many at each exploration that did not make
+	// it worth loading again, up to ExploreEvery: so that its estimate
+	// follows a tier that got faster again, and one stalled measurement
+	// (a cold connection, a busy host) does not keep a tier off for long.
+	ExploreFirst = 4
 	ExploreEvery = 50
+	// recentN: the lower bounds a loading request has seen (end-to-end
+	// waits, G4 lookup round trips) are the least of the last recentN
+	// measurements: a bound follows a tier that got slower within recentN
+	// loads, and one stalled measurement does not raise it.
+	recentN = 4
 )
+
+// recentMin keeps the last recentN measurements and answers their least.
+type recentMin struct {
+	v [recentN]float64
+	n uint64 // measurements seen
+}
+
+func (r *recentMin) observe(x float64) {
+	r.v[r.n%recentN] = x
+	r.n++
+}
+
+// min is the least of the last recentN measurements (ok false: none yet).
+func (r *recentMin) min() (float64, bool) {
+	if r.n == 0 {
+		return 0, false
+	}
+	out := math.Inf(1)
+	for k := range min(r.n, recentN) {
+		out = math.Min(out, r.v[k])
+	}
+	return out, true
+}
 
 // TierCost is one tier's expected load cost: Latency + MB × SecondsPerMB
 // for a load of MB megabytes (one rank's share).
@@ -143,22 +175,25 @@ type Model struct {
 	prefill linear    // x = tokens scheduled in a step, y = its seconds
 	fixed   float64   // configured seconds per token; 0: measured
 	skips   [3]int    // Cost decisions that skipped the tier since its last measurement
-	direct  [3]bool   // the tier was measured by a worker's timed batch (ObserveTransfer)
+	// explored: explorations of the tier since a Cost decision last loaded
+	// it on its estimate (the next comes after ExploreFirst << explored skips).
+	explored [3]int
+	direct   [3]bool // the tier was measured by a worker's timed batch (ObserveTransfer)
 
 	lastStep   time.Time
 	lastTokens int
 
-	// rtt: decayed mean seconds of one wave of G4 lookup requests (a
-	// lookup's time over the waves of HEAD requests it issued,
-	// LookupWaves); rtts: measurements seen (0: no lookup cost is assumed).
-	rtt  float64
-	rtts uint64
+	// rtt: seconds of one wave of G4 lookup requests (a lookup's time over
+	// the waves of HEAD requests it issued, LookupWaves), the least of the
+	// recent ones (none: no lookup cost is assumed).
+	rtt recentMin
 
-	// e2e: per tier (G3, G4; G2 unused), seconds from the load decision
-	// until the engine step after the load was reported finished (what a
-	// loading request really waits, step waits included) against the MB of
-	// the whole load; fitted without a prior, used once measured.
-	e2e [3]linear
+	// e2e: per tier (G3, G4; G2 unused), what loading requests waited
+	// beyond the tier's own estimate of their load: seconds from the load
+	// decision until the engine step after the load was reported finished
+	// (step waits and per-request overhead included) minus the tier
+	// model's time for the load's MB, the least of the recent ones.
+	e2e [3]recentMin
 
 	// g4WaveMB: MB one wave of G4 downloads moves (Shape.DownloadWave); 0:
 	// one wave per load.
@@ -171,7 +206,6 @@ func NewModel(prefillUsPerToken float64) *Model {
 	m := &Model{fixed: prefillUsPerToken * 1e-6}
 	for i, c := range []TierCost{priorG2, priorG3, priorG4} {
 		m.tiers[i] = newLinear(c.Latency.Seconds(), c.SecondsPerMB, refMB, priorWeight)
-		m.e2e[i] = newLinear(0, 0, 0, 0)
 	}
 	m.prefill = newLinear(priorStepOverhead.Seconds(), priorPrefillPerToken.Seconds(), refTokens, priorWeight)
 	return m
@@ -264,7 +298,8 @@ func (m *Model) ObserveEndToEnd(t plan.Tier, bytes int64, d time.Duration) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.e2e[i].observe(float64(bytes)/1e6, d.Seconds(), decayPerObservation)
+	mb := float64(bytes) / 1e6
+	m.e2e[i].observe(d.Seconds() - m.tierLocked(i).Seconds(mb))
 }
 
 // EndToEnd is the expected end-to-end wait of a load of mb whose deepest
@@ -280,11 +315,11 @@ func (m *Model) EndToEnd(t plan.Tier, mb float64) (float64, bool) {
 }
 
 func (m *Model) e2eLocked(i int, mb float64) (float64, bool) {
-	if m.e2e[i].n == 0 {
+	extra, ok := m.e2e[i].min()
+	if !ok {
 		return 0, false
 	}
-	a, b := m.e2e[i].fit()
-	return a + b*mb, true
+	return m.tierLocked(i).Seconds(mb) + extra, true
 }
 
 // LookupWaves is how many successive waves of HEAD requests a G4 lookup of
@@ -312,15 +347,9 @@ func (m *Model) ObserveLookup(d time.Duration, waves int) {
 	if d < 0 || waves <= 0 {
 		return
 	}
-	rtt := d.Seconds() / float64(waves)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.rtts == 0 {
-		m.rtt = rtt
-	} else {
-		m.rtt = m.rtt*decayPerObservation + rtt*(1-decayPerObservation)
-	}
-	m.rtts++
+	m.rtt.observe(d.Seconds() / float64(waves))
 }
 
 // LookupSeconds is the expected time of a G4 lookup of n blocks that are
@@ -329,7 +358,8 @@ func (m *Model) ObserveLookup(d time.Duration, waves int) {
 func (m *Model) LookupSeconds(n, concurrency int) float64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.rtt * float64(LookupWaves(n, concurrency))
+	rtt, _ := m.rtt.min()
+	return rtt * float64(LookupWaves(n, concurrency))
 }
 
 // ObserveStep records that the engine began a step at now scheduling tokens

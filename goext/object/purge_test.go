@@ -126,16 +126,23 @@ func TestPurgeHashesAcrossRanks(t *testing.T) {
 	srv := s3test.Start(t)
 	a := hashing.SaltHash("tenant-a", true, "", false)
 	b := hashing.SaltHash("tenant-b", true, "", false)
-	rank0 := newStore(t, srv, fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 0}.Sum(), "kv-test")
-	rank1 := newStore(t, srv, fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 1}.Sum(), "kv-test")
-	for h := uint64(1); h <= 4; h++ {
-		for _, s := range []*object.Store{rank0, rank1} {
-			require.True(t, s.Enqueue(h, h-1, block(h)))
-			require.True(t, s.EnqueueSalted(a, h, h-1, block(h)))
-			require.True(t, s.EnqueueSalted(b, h, h-1, block(h)))
+	fp0 := fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 0}.Sum()
+	fp1 := fingerprint.Inputs{Model: "m", TPSize: 2, Rank: 1}.Sum()
+	rank0 := newStore(t, srv, fp0, "kv-test")
+	rank1 := newStore(t, srv, fp1, "kv-test")
+	// The same hashes under three salts. An engine never makes them (the
+	// salt seeds the sequence hash, and a store's registry of stored
+	// hashes is salt-blind), so each salt's copies are uploaded by a store
+	// of its own: one registry would skip the second salt's upload of a
+	// hash whose first upload finished before it started.
+	for _, f := range []fingerprint.Fingerprint{fp0, fp1} {
+		for _, salt := range []uint64{0, a, b} {
+			up := newStore(t, srv, f, "kv-test")
+			for h := uint64(1); h <= 4; h++ {
+				require.True(t, up.EnqueueSalted(salt, h, h-1, block(h)))
+			}
+			flush(t, up)
 		}
-		flush(t, rank0)
-		flush(t, rank1)
 	}
 	require.Len(t, listKeys(t, srv, "kv-test"), 24)
 	ctx := context.Background()

@@ -7,7 +7,8 @@ import (
 
 // Registry is a bounded set of sequence hashes known to be stored (LRU:
 // the least recently added or confirmed hash goes first). Safe for
-// concurrent use.
+// concurrent use. It does not record the salt: a request's salt seeds its
+// sequence hashes, so one hash under two salts is a 64-bit collision.
 type Registry struct {
 	cap int
 

@@ -208,6 +208,65 @@ def test_default_mode_uses_copy_engines(tmp_path, mode, packed):
         w.close()
 
 
+GROUP_MODES = ["auto", "kernel", "staged", "batch", "split"]
+
+
+@pytest.mark.parametrize("mode", GROUP_MODES)
+def test_two_kv_cache_groups_round_trip_per_group(tmp_path, mode):
+    """vLLM's hybrid KV cache manager on a GPU: two groups (full attention,
+    sliding window) whose layer i shares tensor i, each group using its own
+    blocks of it. A save stores layer l of each position from the block of
+    l's group; a load writes each group's layers into that group's blocks,
+    leaves a group given the null block (-1: before a sliding window)
+    untouched, and touches no other block; through G2 and G3, every mode."""
+    tensors = [rand_bf16((2, NBLOCKS, BS, HEADS, DIM)) for _ in range(2)]
+    os.environ.update({
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_CUDA_COPY": mode,
+    })
+    layers = [tensors[0], tensors[0], tensors[1], tensors[1]]  # layer order: full, sliding, full, sliding
+    w = Worker(tensors=[(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers], kind="flash_attn",
+               num_blocks=NBLOCKS, block_size=BS, dtype_bytes=2, layer_groups=[0, 1, 0, 1],
+               group_kinds=["full_attention", "sliding_window(32)"])
+    try:
+        full, sliding = list(range(1, 9)), list(range(20, 28))  # a request's blocks per group
+        want = [[tensors[i // 2][:, (full if i % 2 == 0 else sliding)[p]].clone() for i in range(4)]
+                for p in range(len(full))]
+        save = _plan.encode_map({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(full)]})
+        w.bind(_plan.with_group_rows(save, 2, {b: [b, s] for b, s in zip(full, sliding)}))
+        w.wait_for_save()
+        w.bind(_plan.encode_map({"q": 2, "m": [copy(2, 4 + i, 3, i) for i in range(4)]}))
+        w.wait_for_save()
+        w.bind(_plan.encode_map({"q": 3, "x": [copy(2, 4 + i, 0, 0) for i in range(4)]}))
+        torch.cuda.synchronize()
+        before = [t.clone() for t in tensors]
+        # The loading request: full blocks 40.., its sliding group the null
+        # block for the first two positions.
+        lfull, lsliding = list(range(40, 48)), [-1, -1] + list(range(60, 66))
+        loads = [copy(2, i, 1, lfull[i]) for i in range(4)] + [copy(3, i, 1, lfull[4 + i]) for i in range(4)]
+        plan = _plan.encode_map({"q": 4, "l": [{"r": "r", "c": loads}]})
+        w.bind(_plan.with_group_rows(plan, 2, {b: [b, s] for b, s in zip(lfull, lsliding)}))
+        w.start_load()
+        w.wait_loads()
+        assert w.finished() == (["r"], [])
+        torch.cuda.synchronize()
+        touched = {(i, b) for i in range(2) for b in lfull} | {(i, b) for i in range(2) for b in lsliding if b >= 0}
+        for p in range(8):
+            for layer in range(4):
+                blk = (lfull if layer % 2 == 0 else lsliding)[p]
+                if blk >= 0:
+                    got = tensors[layer // 2][:, blk].view(torch.int16)
+                    assert torch.equal(got, want[p][layer].view(torch.int16)), (p, layer)
+        for i in range(2):
+            for b in range(NBLOCKS):
+                if (i, b) not in touched:
+                    assert torch.equal(tensors[i][:, b].view(torch.int16), before[i][:, b].view(torch.int16)), (i, b)
+    finally:
+        w.close()
+
+
 def test_dropped_g2_block_fails_load(tmp_path):
     """A load from a G2 block that was dropped reports the G1 block as failed."""
     cache = Cache("flash_attn")

@@ -135,3 +135,102 @@ func BenchmarkCopier(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkRows: a hybrid model's KV cache as vLLM's hybrid manager lays it
+// out (32 layers in two KV cache groups, layer 2i of group 0 and layer 2i+1
+// of group 1 sharing tensor i, each group using its own blocks; the
+// BenchmarkCopier block shape) moved per group with GatherRows/ScatterRows,
+// 2048 random positions, next to the same bytes of a one-group engine moved
+// with GatherBlocks/ScatterBlocks in Auto and Batch mode, same run.
+func BenchmarkRows(b *testing.B) {
+	needGPU(b)
+	const layers, nblocks, moved = 32, 8192, 2048
+	shape := []int64{2, nblocks, 16, 8, 128}
+	per := int64(2 * nblocks * 16 * 8 * 128 * 2)
+	var ptrs []cu.DevicePtr
+	alloc := func(n int) []layout.Tensor {
+		var ts []layout.Tensor
+		onCtx(b, func() error {
+			for i := 0; i < n; i++ {
+				p, err := cu.MemAlloc(per)
+				if err != nil {
+					return err
+				}
+				if err := cu.MemsetD8(p, byte(i+1), per); err != nil {
+					return err
+				}
+				ptrs = append(ptrs, p)
+				ts = append(ts, layout.Tensor{Ptr: uintptr(p), Shape: shape})
+			}
+			return nil
+		})
+		return ts
+	}
+	defer onCtx(b, func() error {
+		for _, p := range ptrs {
+			_ = cu.MemFree(p)
+		}
+		return nil
+	})
+	shared := alloc(layers / 2)
+	var tensors []layout.Tensor
+	groups := make([]int, layers)
+	for l := 0; l < layers; l++ {
+		tensors, groups[l] = append(tensors, shared[l/2]), l%2
+	}
+	hybrid, err := layout.NewEngine(layout.Spec{Kind: layout.FlashAttn, Tensors: tensors, NumBlocks: nblocks,
+		BlockSize: 16, DtypeBytes: 2, LayerGroups: groups})
+	require.NoError(b, err)
+	one, err := layout.NewEngine(layout.Spec{Kind: layout.FlashAttn, Tensors: alloc(layers), NumBlocks: nblocks,
+		BlockSize: 16, DtypeBytes: 2})
+	require.NoError(b, err)
+	bpb := hybrid.BytesPerBlock()
+	host, err := storage.NewHostRegion(moved, bpb, true)
+	require.NoError(b, err)
+	defer host.Close()
+	bufs := make([][]byte, moved)
+	for i := range bufs {
+		bufs[i] = host.Block(i)
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	perm := rng.Perm(nblocks)
+	rows := make([][]int64, moved)
+	for i := range rows {
+		rows[i] = []int64{int64(perm[i]), int64(perm[moved+i])}
+	}
+	total := int64(moved) * bpb
+	c, err := New(hybrid, Options{})
+	require.NoError(b, err)
+	require.NoError(b, c.RegisterHost(host))
+	b.Run("two_groups_rows/offload", func(b *testing.B) {
+		b.SetBytes(total)
+		for i := 0; i < b.N; i++ {
+			require.NoError(b, c.GatherRows(rows, bufs))
+		}
+	})
+	b.Run("two_groups_rows/onboard", func(b *testing.B) {
+		b.SetBytes(total)
+		for i := 0; i < b.N; i++ {
+			require.NoError(b, c.ScatterRows(rows, bufs))
+		}
+	})
+	require.NoError(b, c.Close())
+	for _, m := range []Mode{Auto, Batch} {
+		c, err := New(one, Options{Mode: m})
+		require.NoError(b, err)
+		require.NoError(b, c.RegisterHost(host))
+		b.Run(fmt.Sprintf("one_group_%s/offload", m), func(b *testing.B) {
+			b.SetBytes(total)
+			for i := 0; i < b.N; i++ {
+				require.NoError(b, c.GatherBlocks(perm[:moved], bufs))
+			}
+		})
+		b.Run(fmt.Sprintf("one_group_%s/onboard", m), func(b *testing.B) {
+			b.SetBytes(total)
+			for i := 0; i < b.N; i++ {
+				require.NoError(b, c.ScatterBlocks(perm[moved:2*moved], bufs))
+			}
+		})
+		require.NoError(b, c.Close())
+	}
+}

@@ -562,3 +562,98 @@ func TestCoalescedCopies(t *testing.T) {
 		}
 	}
 }
+
+// TestRows: with two KV cache groups sharing each tensor (vLLM's hybrid
+// manager: layers 0 and 1 in tensor A, 2 and 3 in tensor B, groups 0 and 1
+// alternating), GatherRows reads layer l from the block of l's group, in the
+// host layout transfer.GatherRows writes; ScatterRows writes layer l into the
+// block of l's group and nothing else, leaving a group whose entry is the
+// null block untouched. Every copy mode takes the same path.
+func TestRows(t *testing.T) {
+	needGPU(t)
+	base := newCache(t, layout.FlashAttn, 2, []int64{2, 48, 16, 2, 64}, 48, 16, 2)
+	shape := []int64{2, 48, 16, 2, 64}
+	a, b := layout.Tensor{Ptr: base.eng.Base(0), Shape: shape}, layout.Tensor{Ptr: base.eng.Base(1), Shape: shape}
+	e, err := layout.NewEngine(layout.Spec{Kind: layout.FlashAttn, Tensors: []layout.Tensor{a, a, b, b},
+		NumBlocks: 48, BlockSize: 16, DtypeBytes: 2, LayerGroups: []int{0, 1, 0, 1}})
+	require.NoError(t, err)
+	g := &gpuCache{eng: e}
+	// chunks reads G1 back per (tensor, block, outer), the unit two groups share.
+	type key struct{ tensor, block, outer int }
+	snapshot := func() map[key][]byte {
+		out := map[key][]byte{}
+		onCtx(t, func() error {
+			for blk := 0; blk < e.NumBlocks; blk++ {
+				for l := 0; l < e.NumLayers; l += 2 {
+					for o := 0; o < e.OuterDim; o++ {
+						buf := make([]byte, e.ChunkBytes)
+						if err := cu.MemcpyDtoH(unsafe.Pointer(&buf[0]), cu.DevicePtr(e.ChunkAddr(blk, l, o)), e.ChunkBytes); err != nil {
+							return err
+						}
+						out[key{l / 2, blk, o}] = buf
+					}
+				}
+			}
+			return nil
+		})
+		return out
+	}
+	h := e.Host()
+	for _, mode := range []Mode{Kernel, Staged, Batch, Split} {
+		t.Run(mode.String(), func(t *testing.T) {
+			c, err := New(e, Options{Mode: mode})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, c.Close()) }()
+			region, err := storage.NewHostRegion(8, e.BytesPerBlock(), true)
+			require.NoError(t, err)
+			defer region.Close()
+			require.NoError(t, c.RegisterHost(region))
+			bufs := [][]byte{region.IOBlock(0), region.IOBlock(1), region.IOBlock(2)}
+			rows := [][]int64{{3, 10}, {7, 11}, {40, 2}}
+			require.NoError(t, c.GatherRows(rows, bufs))
+			for i, r := range rows {
+				for l := 0; l < e.NumLayers; l++ {
+					for o := 0; o < e.OuterDim; o++ {
+						off := h.ChunkOffset(l, o)
+						want := g.block(t, int(r[e.LayerGroup(l)]))[off : off+e.ChunkBytes]
+						require.Equal(t, want, bufs[i][off:off+e.ChunkBytes], "row %d layer %d outer %d", i, l, o)
+					}
+				}
+			}
+
+			rng := rand.New(rand.NewPCG(3, uint64(mode)))
+			for _, buf := range bufs {
+				for j := range buf {
+					buf[j] = byte(rng.Uint32())
+				}
+			}
+			before := snapshot()
+			load := [][]int64{{20, 21}, {22, layout.NoBlock}, {23, 24}}
+			require.NoError(t, c.ScatterRows(load, bufs))
+			after := snapshot()
+			written := map[key]bool{}
+			for i, r := range load {
+				for l := 0; l < e.NumLayers; l++ {
+					blk := r[e.LayerGroup(l)]
+					if blk == layout.NoBlock {
+						continue
+					}
+					for o := 0; o < e.OuterDim; o++ {
+						k := key{l / 2, int(blk), o}
+						written[k] = true
+						off := h.ChunkOffset(l, o)
+						require.Equal(t, bufs[i][off:off+e.ChunkBytes], after[k], "row %d layer %d outer %d", i, l, o)
+					}
+				}
+			}
+			for k, v := range before {
+				if !written[k] {
+					require.Equal(t, v, after[k], "chunk %+v changed", k)
+				}
+			}
+			require.ErrorContains(t, c.GatherRows([][]int64{{1, layout.NoBlock}}, bufs[:1]), "out of range")
+			require.ErrorContains(t, c.GatherRows([][]int64{{1}}, bufs[:1]), "group row")
+			require.ErrorContains(t, c.GatherRows([][]int64{{1, 2}}, [][]byte{make([]byte, e.BytesPerBlock())}), "not in a registered host region")
+		})
+	}
+}

@@ -12,11 +12,13 @@ import (
 // (cuMemcpyBatchAsync) over the lane's DMA streams, and the plain DMA copy
 // Direct uses too.
 
+// batchMax is the most copies one cuMemcpyBatchAsync call carries.
+const batchMax = 8192
+
 // runBatch moves every chunk with the driver's batched copy, merging chunks
 // adjacent in both G1 and host memory. The copies are split into one
 // contiguous share per stream, at most batchMax copies per call.
 func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []uintptr) error {
-	const batchMax = 8192
 	e := c.eng
 	if c.pitched != nil {
 		g1, hs := make([]uint64, len(blocks)), make([]uint64, len(blocks))
@@ -54,17 +56,7 @@ func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []u
 			}
 		}
 	}
-	ns := min(len(streams), len(sizes))
-	for k := range ns {
-		lo, hi := k*len(sizes)/ns, (k+1)*len(sizes)/ns
-		for ; lo < hi; lo += batchMax {
-			m := min(hi, lo+batchMax)
-			if err := memcpyBatch(dsts[lo:m], srcs[lo:m], sizes[lo:m], toG1, c.ordinal, rawStream(&streams[k])); err != nil {
-				return fmt.Errorf("cuda: batched copy: %w", err)
-			}
-		}
-	}
-	return nil
+	return c.copyPieces(streams, toG1, dsts, srcs, sizes)
 }
 
 // dma enqueues one copy of n bytes between device address d and page-locked

@@ -199,6 +199,32 @@ func TestWorkerFailureClosesInReverse(t *testing.T) {
 	}
 }
 
+// rowRecorder is a recorder that copies per KV cache group.
+type rowRecorder struct{ recorder }
+
+func (r *rowRecorder) GatherRows([][]int64, [][]byte) error  { return nil }
+func (r *rowRecorder) ScatterRows([][]int64, [][]byte) error { return nil }
+
+// TestGroupsNeedARowCopier: KV cache groups are served with a copier that
+// copies per group (the CUDA one), refused with one that moves whole blocks
+// only (TestWorkerFailureClosesInReverse), and need none on host memory.
+func TestGroupsNeedARowCopier(t *testing.T) {
+	var log []string
+	rec := &rowRecorder{recorder{log: &log}}
+	d := Deps{Registry: NewRegistry(), Logger: quiet(),
+		NewCopier: func(*layout.Engine, *config.Config) (worker.G1Copier, error) { return rec, nil }}
+	w, err := NewWorker(testConfig(t, map[string]string{config.EnvCPUCacheOverrideBlocks: "16"}), WorkerSpec{Layout: cpuSpec(t, 2), Model: "m"}, d)
+	require.NoError(t, err)
+	require.Same(t, worker.G1Copier(rec), w.G1)
+	require.Equal(t, 2, w.Layout.NumGroups())
+	w.Close()
+	require.Equal(t, 1, rec.closed)
+
+	w, err = NewWorker(testConfig(t, map[string]string{config.EnvCPUCacheOverrideBlocks: "16"}), WorkerSpec{Layout: cpuSpec(t, 2), Model: "m"}, Deps{Registry: NewRegistry(), Logger: quiet()})
+	require.NoError(t, err)
+	w.Close()
+}
+
 // TestCopierFailure: a copier that fails to open fails the worker as an
 // I/O error and opens nothing else.
 func TestCopierFailure(t *testing.T) {

@@ -92,7 +92,7 @@ func NewWorker(cfg *config.Config, spec WorkerSpec, d Deps) (_ *Worker, err erro
 				_ = g1.Close()
 			}
 		})
-		if err := checkGroupsCopier(eng); err != nil {
+		if err := checkGroupsCopier(eng, g1); err != nil {
 			return nil, err
 		}
 	}
@@ -147,16 +147,18 @@ func NewWorker(cfg *config.Config, spec WorkerSpec, d Deps) (_ *Worker, err erro
 	return n, nil
 }
 
-// checkGroupsCopier refuses KV cache groups on device memory: the CUDA
-// copier moves whole blocks of one block table (goext/cuda), not a block per
-// group.
-func checkGroupsCopier(eng *layout.Engine) error {
+// checkGroupsCopier refuses KV cache groups with a G1 copier that moves
+// only whole blocks of one block table (not a worker.G1RowCopier).
+func checkGroupsCopier(eng *layout.Engine, g1 worker.G1Copier) error {
 	if eng.NumGroups() <= 1 {
 		return nil
 	}
+	if _, ok := g1.(worker.G1RowCopier); ok {
+		return nil
+	}
 	// errprefix: the message names the C export the engine called, as before the assembly moved here
-	return withKind(KindConfig, fmt.Errorf("kvbm_worker_new: %d KV cache groups (layer groups %v) on device memory: "+
-		"the CUDA copier does not copy per KV cache group yet (host-memory KV caches do)", eng.NumGroups(), eng.LayerGroups()))
+	return withKind(KindConfig, fmt.Errorf("kvbm_worker_new: %d KV cache groups (layer groups %v): "+
+		"the G1 copier %T does not copy per KV cache group", eng.NumGroups(), eng.LayerGroups(), g1))
 }
 
 // connect attaches the worker's side channel: the handshake completes in

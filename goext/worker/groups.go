@@ -54,7 +54,11 @@ func (w *Worker) gatherRows(rows [][]int64, dsts [][]byte) error {
 		return w.gather(oneGroup(rows, dsts))
 	}
 	if w.opts.G1 != nil {
-		return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
+		rc, ok := w.opts.G1.(G1RowCopier)
+		if !ok {
+			return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsCopier)
+		}
+		return rc.GatherRows(rows, dsts)
 	}
 	transfer.GatherRows(w.g1, rows, dsts)
 	return nil
@@ -65,14 +69,19 @@ func (w *Worker) scatterRows(rows [][]int64, srcs [][]byte) error {
 		return w.scatter(oneGroup(rows, srcs))
 	}
 	if w.opts.G1 != nil {
-		return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsDevice)
+		rc, ok := w.opts.G1.(G1RowCopier)
+		if !ok {
+			return fmt.Errorf("worker: %d KV cache groups: %w", w.g1.NumGroups(), errGroupsCopier)
+		}
+		return rc.ScatterRows(rows, srcs)
 	}
 	transfer.ScatterRows(w.g1, rows, srcs)
 	return nil
 }
 
-// errGroupsDevice: the device copier moves whole blocks of one block table.
-var errGroupsDevice = errors.New("the device (CUDA) copier does not copy per KV cache group yet") // errprefix: wrapped by the worker: errors above
+// errGroupsCopier: a G1 copier that is not a G1RowCopier moves whole blocks
+// of one block table (node refuses it with several groups at start).
+var errGroupsCopier = errors.New("the G1 copier does not copy per KV cache group") // errprefix: wrapped by the worker: errors above
 
 // invalidate marks a G2 or G3 destination as holding no completed write.
 func (w *Worker) invalidate(t plan.Tier, b int64) {

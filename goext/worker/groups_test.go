@@ -212,3 +212,63 @@ func TestGroupsOneGroupRowsDeviceCopier(t *testing.T) {
 	require.Equal(t, []int{9}, c.scatter)
 	require.Equal(t, g.block(5), g.block(9))
 }
+
+// rowCopier is recCopier with per-group copies (a G1RowCopier): it records
+// the rows it was handed and moves them with the host reference.
+type rowCopier struct {
+	recCopier
+	gatherRows, scatterRows [][]int64
+}
+
+func (c *rowCopier) GatherRows(rows [][]int64, dsts [][]byte) error {
+	c.gatherRows = append(c.gatherRows, rows...)
+	transfer.GatherRows(c.e, rows, dsts)
+	return nil
+}
+
+func (c *rowCopier) ScatterRows(rows [][]int64, srcs [][]byte) error {
+	c.scatterRows = append(c.scatterRows, rows...)
+	transfer.ScatterRows(c.e, rows, srcs)
+	return nil
+}
+
+// TestGroupsDeviceRowCopier: with several groups, a copier that copies per
+// group gets every group's block of each position (the null block included
+// for a load), never whole blocks; one that does not fails the copy, and a
+// failed load is reported for its request instead of loading wrong layers.
+func TestGroupsDeviceRowCopier(t *testing.T) {
+	g := newGroupedG1(t)
+	c := &rowCopier{recCopier: recCopier{e: g.e}}
+	w := newWorker(t, g, Options{HostBlocks: 4, MaxConcurrent: 1, BatchSize: 4, G1: c})
+	row := []int64{3, 3, 10}
+	want := g.position(row[1:])
+	_, failed := run(t, w, &plan.Step{Seq: 1, G1Groups: rows(2, row),
+		Saves: copies(plan.G1, []int64{3}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+	require.Equal(t, [][]int64{{3, 10}}, c.gatherRows)
+	load := []int64{20, 20, layout.NoBlock}
+	loaded, failed := run(t, w, &plan.Step{Seq: 2, G1Groups: rows(2, load),
+		Loads: []plan.Load{{ReqID: "r", Copies: copies(plan.G2, []int64{0}, plan.G1, []int64{20})}}})
+	require.Equal(t, []string{"r"}, loaded)
+	require.Empty(t, failed)
+	require.Equal(t, [][]int64{{20, layout.NoBlock}}, c.scatterRows)
+	require.Empty(t, c.gathered)
+	require.Empty(t, c.scatter)
+	for l := 0; l < g.e.NumLayers; l += 2 { // group 0's layers landed at block 20
+		for o := 0; o < g.e.OuterDim; o++ {
+			require.Equal(t, want[l*g.e.OuterDim+o], g.chunk(20, l, o), "layer %d", l)
+		}
+	}
+
+	g2 := newGroupedG1(t)
+	plain := &recCopier{e: g2.e}
+	w2 := newWorker(t, g2, Options{HostBlocks: 4, MaxConcurrent: 1, BatchSize: 4, G1: plain})
+	_, failed = run(t, w2, &plan.Step{Seq: 1, G1Groups: rows(2, row),
+		Saves: copies(plan.G1, []int64{3}, plan.G2, []int64{0})})
+	require.Empty(t, failed)
+	_, failed = run(t, w2, &plan.Step{Seq: 2, G1Groups: rows(2, load),
+		Loads: []plan.Load{{ReqID: "r", Copies: copies(plan.G2, []int64{0}, plan.G1, []int64{20})}}})
+	require.Equal(t, []int64{20}, failed)
+	require.Empty(t, plain.gathered)
+	require.Empty(t, plain.scatter)
+}

@@ -144,6 +144,19 @@ type G1Copier interface {
 	Close() error
 }
 
+// G1RowCopier is what a G1Copier adds to serve an engine with several KV
+// cache groups (layout/groups.go): rows[i] names each group's G1 block at
+// one token position, and layer l of the host block dsts[i] (srcs[i]) comes
+// from (goes to) rows[i][LayerGroup(l)], in the host layout GatherBlocks
+// uses (transfer.GatherRows is the host-memory reference). ScatterRows
+// leaves the layers of a group whose entry is layout.NoBlock unwritten;
+// GatherRows is given no such entry. Both return once the bytes have landed.
+type G1RowCopier interface {
+	G1Copier
+	GatherRows(rows [][]int64, dsts [][]byte) error
+	ScatterRows(rows [][]int64, srcs [][]byte) error
+}
+
 // blockDisk is what the worker needs from the disk tier; tests substitute a
 // failing one.
 type blockDisk interface {

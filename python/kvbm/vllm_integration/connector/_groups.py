@@ -106,16 +106,14 @@ class GroupLayout:
                          for i, k in enumerate(self.kinds))
 
 
-def kv_groups(kv_cache_config: Any, block_size: int,
-              on_device: bool = False) -> tuple[GroupLayout | None, str | None]:
+def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None, str | None]:
     """The groups of a vLLM KVCacheConfig kvbm serves, or None with the reason.
 
     One group: served as before (whatever its attention kind; a group of
     recurrent state, a pure state-space model, is refused). Several: every group
     must be full, sliding-window or chunked-local attention with the
-    engine's block size, one must be full attention, and the KV cache must
-    be host memory (``on_device``: the CUDA copier moves whole blocks of one
-    block table, goext/cuda)."""
+    engine's block size, and one must be full attention. Host-memory and
+    CUDA KV caches alike (the CUDA copier copies per group, goext/cuda)."""
     if kv_cache_config is None:
         return None, "no kv_cache_config"
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
@@ -149,9 +147,6 @@ def kv_groups(kv_cache_config: Any, block_size: int,
             return None, f"KV cache group {i} ({kinds[i]}) is not transferable"
     if len(layer_group) != sum(len(g.layer_names) for g in groups):
         return None, f"a layer is in several KV cache groups ({what})"
-    if on_device:
-        return None, (f"{len(groups)} KV cache groups ({what}) on device memory: kvbm's CUDA copier "
-                      "does not copy per KV cache group yet (host-memory KV caches are served)")
     return GroupLayout(kinds, kinds.index("full_attention"), layer_group, page, windows, block_size), None
 
 
@@ -173,17 +168,6 @@ def state_groups_missing(specs: list[Any]) -> str:
             "output's boundary_state_offloads); kvbm's tiers keep one block per token position "
             "holding every layer and do not store boundary states yet, so its hits could not be "
             "completed; vLLM's own prefix cache still serves the model")
-
-
-def platform_on_device() -> bool:
-    """Whether vLLM's platform keeps the KV cache in device memory (the
-    scheduler does not see the tensors; the worker checks them too)."""
-    try:
-        from vllm.platforms import current_platform
-
-        return str(getattr(current_platform, "device_type", "cpu")) != "cpu"
-    except Exception:  # no vLLM: the caller's tensors decide
-        return False
 
 
 def _window(spec: Any, kind: str) -> tuple[int, int]:

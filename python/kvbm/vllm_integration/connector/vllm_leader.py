@@ -33,7 +33,6 @@ from kvbm.vllm_integration.connector._groups import (
     NULL_BLOCK_ID,
     GroupLayout,
     kv_groups,
-    platform_on_device,
 )
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ class VllmConnectorLeader(VllmSide):
         from kvbm._core import Leader
         from kvbm.vllm_integration.consolidator_config import get_consolidator_endpoints, should_enable_consolidator
 
-        groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=platform_on_device())
+        groups, why = kv_groups(self._kv_cache_config, self._block_size)
         if groups is None:
             self._disable(str(why))
             return

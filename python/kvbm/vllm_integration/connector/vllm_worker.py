@@ -110,8 +110,7 @@ class VllmConnectorWorker(VllmSide):
         layer_groups: list[int] | None = None
         group_kinds: list[str] | None = None
         if self._kv_cache_config is not None:
-            on_device = bool(kv_caches) and next(iter(kv_caches.values())).device.type != "cpu"
-            groups, why = kv_groups(self._kv_cache_config, self._block_size, on_device=on_device)
+            groups, why = kv_groups(self._kv_cache_config, self._block_size)
             if groups is None:
                 self._disable(str(why))
                 return

@@ -37,26 +37,37 @@ func (c *Copier) runBatch(streams []cu.Stream, toG1 bool, blocks []int, host []u
 		}
 		return nil
 	}
-	n := len(blocks) * e.NumLayers * e.OuterDim
-	dsts, srcs, sizes := make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)
+	p := newPieces(len(blocks) * e.NumLayers * e.OuterDim)
 	for i, b := range blocks {
 		for ly := 0; ly < e.NumLayers; ly++ {
 			for o := 0; o < e.OuterDim; o++ {
-				g := uint64(e.ChunkAddr(b, ly, o))
-				h := uint64(host[i]) + uint64(c.hostOff[ly*e.OuterDim+o])
-				d, s := h, g
-				if toG1 {
-					d, s = g, h
-				}
-				if k := len(sizes); k > 0 && dsts[k-1]+sizes[k-1] == d && srcs[k-1]+sizes[k-1] == s {
-					sizes[k-1] += uint64(e.ChunkBytes)
-					continue
-				}
-				dsts, srcs, sizes = append(dsts, d), append(srcs, s), append(sizes, uint64(e.ChunkBytes))
+				p.add(toG1, uint64(e.ChunkAddr(b, ly, o)), uint64(host[i])+uint64(c.hostOff[ly*e.OuterDim+o]), uint64(e.ChunkBytes))
 			}
 		}
 	}
-	return c.copyPieces(streams, toG1, dsts, srcs, sizes)
+	return c.copyPieces(streams, toG1, p.dsts, p.srcs, p.sizes)
+}
+
+// pieces lists copies, a piece continuing the last one on both sides merged
+// into it.
+type pieces struct{ dsts, srcs, sizes []uint64 }
+
+func newPieces(n int) *pieces {
+	return &pieces{make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)}
+}
+
+// add lists the copy of n bytes between G1 address g and host address h,
+// towards G1 when toG1.
+func (p *pieces) add(toG1 bool, g, h, n uint64) {
+	d, s := h, g
+	if toG1 {
+		d, s = g, h
+	}
+	if k := len(p.sizes); k > 0 && p.dsts[k-1]+p.sizes[k-1] == d && p.srcs[k-1]+p.sizes[k-1] == s {
+		p.sizes[k-1] += n
+		return
+	}
+	p.dsts, p.srcs, p.sizes = append(p.dsts, d), append(p.srcs, s), append(p.sizes, n)
 }
 
 // dma enqueues one copy of n bytes between device address d and page-locked

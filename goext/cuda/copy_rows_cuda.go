@@ -38,8 +38,7 @@ func (c *Copier) runRows(l *lane, toG1 bool, rows [][]int64, bufs [][]byte) erro
 	}
 	e := c.eng
 	groups := e.NumGroups()
-	n := len(rows) * e.NumLayers * e.OuterDim
-	dsts, srcs, sizes := make([]uint64, 0, n), make([]uint64, 0, n), make([]uint64, 0, n)
+	p := newPieces(len(rows) * e.NumLayers * e.OuterDim)
 	for i, row := range rows {
 		if len(row) != groups {
 			return fmt.Errorf("cuda: group row %v has %d entries, the engine has %d KV cache groups", row, len(row), groups)
@@ -65,27 +64,17 @@ func (c *Copier) runRows(l *lane, toG1 bool, rows [][]int64, bufs [][]byte) erro
 				continue
 			}
 			for o := 0; o < e.OuterDim; o++ {
-				g := uint64(e.ChunkAddr(int(b), ly, o))
-				h := host + uint64(e.Host().ChunkOffset(ly, o))
-				d, s := h, g
-				if toG1 {
-					d, s = g, h
-				}
-				if k := len(sizes); k > 0 && dsts[k-1]+sizes[k-1] == d && srcs[k-1]+sizes[k-1] == s {
-					sizes[k-1] += uint64(e.ChunkBytes)
-					continue
-				}
-				dsts, srcs, sizes = append(dsts, d), append(srcs, s), append(sizes, uint64(e.ChunkBytes))
+				p.add(toG1, uint64(e.ChunkAddr(int(b), ly, o)), host+uint64(e.Host().ChunkOffset(ly, o)), uint64(e.ChunkBytes))
 			}
 		}
 	}
-	if len(sizes) == 0 {
+	if len(p.sizes) == 0 {
 		return nil
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return c.with(func() error {
-		err := c.copyPieces(l.dma, toG1, dsts, srcs, sizes)
+		err := c.copyPieces(l.dma, toG1, p.dsts, p.srcs, p.sizes)
 		// Wait even after an enqueue error, as run does.
 		if serr := l.synchronize(); serr != nil {
 			err = errors.Join(err, fmt.Errorf("cuda: synchronize: %w", serr))

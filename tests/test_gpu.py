@@ -218,7 +218,8 @@ def test_two_kv_cache_groups_round_trip_per_group(tmp_path, mode):
     blocks of it. A save stores layer l of each position from the block of
     l's group; a load writes each group's layers into that group's blocks,
     leaves a group given the null block (-1: before a sliding window)
-    untouched, and touches no other block; through G2 and G3, every mode."""
+    untouched, and touches no other block; through G2 and G3, every mode.
+    The save is ordered after the engine's stream, which writes the blocks late."""
     tensors = [rand_bf16((2, NBLOCKS, BS, HEADS, DIM)) for _ in range(2)]
     os.environ.update({
         "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(2 * N),
@@ -232,11 +233,21 @@ def test_two_kv_cache_groups_round_trip_per_group(tmp_path, mode):
                group_kinds=["full_attention", "sliding_window(32)"])
     try:
         full, sliding = list(range(1, 9)), list(range(20, 28))  # a request's blocks per group
-        want = [[tensors[i // 2][:, (full if i % 2 == 0 else sliding)[p]].clone() for i in range(4)]
-                for p in range(len(full))]
+        # The engine writes the request's blocks after a ~20 ms sleep on its stream.
+        late = [rand_bf16((2, len(full) + len(sliding), BS, HEADS, DIM)) for _ in range(2)]
+        engine = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(40_000_000)
+            for t, v in zip(tensors, late):
+                t[:, torch.tensor(full + sliding, device="cuda")] = v
+        set_stream(w, engine)
         save = _plan.encode_map({"q": 1, "v": [copy(1, b, 2, i) for i, b in enumerate(full)]})
         w.bind(_plan.with_group_rows(save, 2, {b: [b, s] for b, s in zip(full, sliding)}))
         w.wait_for_save()
+        engine.synchronize()
+        want = [[tensors[i // 2][:, (full if i % 2 == 0 else sliding)[p]].clone() for i in range(4)]
+                for p in range(len(full))]
         w.bind(_plan.encode_map({"q": 2, "m": [copy(2, 4 + i, 3, i) for i in range(4)]}))
         w.wait_for_save()
         w.bind(_plan.encode_map({"q": 3, "x": [copy(2, 4 + i, 0, 0) for i in range(4)]}))

@@ -70,9 +70,17 @@ def test_a_decode_step_crosses_the_abi_twice(env, crossings):  # noqa: F811
         for name in ("kvbm_leader_match", "kvbm_leader_update_after_alloc", "kvbm_leader_load_sources",
                      "kvbm_worker_start_load"):
             assert crossings[name] == 1, (name, dict(crossings))
-        assert crossings["kvbm_worker_finished"] >= 1, dict(crossings)
-        assert crossings["kvbm_worker_finished"] <= 2, dict(crossings)
+        # kvbm_worker_finished crosses in the steps while the load runs (how
+        # many depends on how fast the machine copies), at most once a step.
+        assert 1 <= crossings["kvbm_worker_finished"] <= crossings["kvbm_leader_step"], dict(crossings)
         assert not any(k.startswith("python_plan_") for k in crossings), dict(crossings)
+        # A request with nothing to load: no step of it asks for finished loads.
+        crossings.clear()
+        eng.add(vf.FakeRequest("c", prompt(4, 3 * BS + 1)))
+        eng.run()
+        assert crossings["kvbm_leader_step"] >= 1, dict(crossings)
+        assert crossings["kvbm_worker_finished"] == 0, dict(crossings)
+        assert crossings["kvbm_worker_start_load"] == 0, dict(crossings)
     finally:
         eng.close()
 

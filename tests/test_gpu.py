@@ -67,6 +67,8 @@ class Cache:
             self.tensors = [rand_bf16((2, NBLOCKS, BS, HEADS, DIM)) for _ in range(LAYERS)]
         elif kind == "flashinfer":
             self.tensors = [rand_bf16((NBLOCKS, 2, BS, HEADS, DIM)) for _ in range(LAYERS)]
+        elif kind == "cpu_paged":  # vLLM 0.32's per-layer view [N, heads, bs, 2*head_dim], NHD in memory (LBNHC)
+            self.tensors = [rand_bf16((NBLOCKS, BS, HEADS, 2 * DIM)).permute(0, 2, 1, 3) for _ in range(LAYERS)]
         elif kind == "mla":  # vLLM's MLA backends: one latent per token and layer
             self.tensors = [rand_bf16((NBLOCKS, BS, MLA_LATENT)) for _ in range(LAYERS)]
         else:  # trtllm: one pool [N, L, kv_factor, heads × block_size × head_dim]
@@ -115,6 +117,7 @@ def set_stream(w, stream):
 
 MODES = {"flash_attn": ["kernel", "staged", "batch", "split"], "flashinfer": ["kernel", "staged", "batch", "split"],
          "trtllm": ["direct", "kernel", "staged", "batch", "split", "auto"],
+         "cpu_paged": ["kernel", "staged", "batch", "split", "auto"],
          "mla": ["kernel", "staged", "batch", "split", "auto"]}
 CASES = [(k, m, via) for k, ms in MODES.items() for m in ms for via in ("g2", "g3")]
 

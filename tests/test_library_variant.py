@@ -98,3 +98,31 @@ def test_adapters_take_gpu_tensors_when_the_library_answers_cuda(answer):
     assert kind == "flash_attn"
     w = trtllm_register()
     assert "CUDA" not in (w._disabled_reason or ""), w._disabled_reason
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_vllm_views_from_its_own_allocator_are_paged_on_a_gpu(answer, layout):
+    """vLLM 0.32's model runners (GPU and CPU alike) view the KV cache as
+    [num_blocks, kv_heads, block_size, 2 × head_dim] per layer
+    (vllm.v1.worker.utils.allocate_kv_cache, in the backend's memory order):
+    the worker takes those views on a GPU as on the CPU, as the paged kind."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvbm.testing.vllm_fakes import vllm_config
+    from kvbm.vllm_integration.connector.vllm_worker import VllmConnectorWorker
+
+    answer("cuda", "custom")
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[
+        KVCacheTensor(size=spec.page_size_bytes * 8 * 2, layers=names, layer_stride=spec.page_size_bytes * 8,
+                      block_stride=spec.page_size_bytes)], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kv = allocate_kv_cache(kvc, torch.device("meta"), KVCacheLayout[layout])
+    assert all(t.device.type == "meta" and t.dim() == 4 for t in kv.values())
+    tensors, kind, dtype_bytes = VllmConnectorWorker(vllm_config(4))._describe_caches(kv)
+    assert kind == "cpu_paged" and dtype_bytes == 2
+    assert [shape for _, shape, _ in tensors] == [[8, 2, 4, 16]] * 2

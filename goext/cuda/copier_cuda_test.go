@@ -184,6 +184,8 @@ var layouts = []layoutCase{
 	// vLLM's MLA backends: one latent per token and layer (72 here, 576 in
 	// DeepSeek's), no K/V split.
 	{"mla", layout.MLA, 4, []int64{96, 16, 72}, 96, 16, 2},
+	// vLLM 0.32's per-layer view on every platform: [N, heads, bs, 2 × head_dim].
+	{"cpu_paged", layout.CPUPaged, 4, []int64{96, 2, 16, 128}, 96, 16, 2},
 	// 30-byte chunks: the unaligned (byte) kernel.
 	{"flash_attn_unaligned", layout.FlashAttn, 3, []int64{2, 96, 3, 1, 5}, 96, 3, 2},
 }

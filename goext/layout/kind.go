@@ -43,10 +43,12 @@ const (
 	// TRTLLM is TensorRT-LLM's single pool tensor,
 	// [num_blocks, num_layers, kv_factor, kv_heads × block_size × head_dim].
 	TRTLLM
-	// CPUPaged is vLLM's CPU attention backend since the KVCacheLayout rework
-	// (0.30+, layout "LBHNC"): one tensor per layer, [num_blocks, kv_heads,
-	// block_size, 2 × head_dim], blocks outermost. K and V share each page, so
-	// one (block, layer) page is the single chunk (outer_dim 1).
+	// CPUPaged is vLLM's per-layer KV cache view since the KVCacheLayout
+	// rework (0.30+; the CPU and the GPU model runners of 0.32 alike): one
+	// tensor per layer, [num_blocks, kv_heads, block_size, 2 × head_dim],
+	// blocks outermost, its memory order the backend's (LBHNC, or LBNHC's
+	// NHD-ordered page). K and V share each page, so one (block, layer) page
+	// is the single chunk (outer_dim 1).
 	CPUPaged
 )
 

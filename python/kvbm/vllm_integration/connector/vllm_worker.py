@@ -203,8 +203,13 @@ class VllmConnectorWorker(VllmSide):
                 f"KV cache tensors are on {first.device} but the loaded kvbm library ({_native.loaded_path()}) "
                 f"is the {_native.build_info()['variant']} build, without CUDA support (build it with `make cuda`)")
         nd = first.dim()
-        if first.device.type == "cpu":
-            kind = "cpu_paged" if nd == 4 else ("cpu" if nd == 5 else "mla")
+        if nd == 4:
+            # vLLM's per-layer view since its KVCacheLayout rework, on every
+            # platform: [num_blocks, kv_heads, block_size, 2 × head_dim]
+            # (K and V in one page; its memory order may differ, e.g. NHD).
+            kind = "cpu_paged"
+        elif first.device.type == "cpu":
+            kind = "cpu" if nd == 5 else "mla"
         elif nd == 5:
             kind = "flash_attn" if first.shape[0] == 2 else "flashinfer"
         elif nd == 3:

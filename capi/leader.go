@@ -62,6 +62,8 @@ type kvGroupsOption struct {
 	Primary   int      `json:"primary"`
 	Windows   [][2]int `json:"windows"`
 	NullBlock int64    `json:"null_block"`
+	// State marks the groups of recurrent state (vLLM's MambaSpec).
+	State []bool `json:"state,omitempty"`
 }
 
 type leaderHandle struct {
@@ -156,7 +158,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		Metrics: h.m,
 	}
 	if g := o.KVGroups; g != nil {
-		spec.Groups = &leader.Groups{Primary: g.Primary, Windows: g.Windows, NullBlock: g.NullBlock}
+		spec.Groups = &leader.Groups{Primary: g.Primary, Windows: g.Windows, NullBlock: g.NullBlock, State: g.State}
 	}
 	if c := o.Consolidator; c != nil {
 		spec.Consolidator = c.spec()

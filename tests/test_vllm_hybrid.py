@@ -304,10 +304,10 @@ def test_a_load_kvbm_never_planned_fails_the_request(hybrid, monkeypatch):
     assert res.failed_recving == {"b"} and "b" in res.finished_recving and invalid == set()
 
 
-def test_mamba_groups_turn_kvbm_off_naming_them_and_leave_hma_on(env, caplog):
-    """A hybrid SSM model: kvbm cannot serve Mamba state yet, so it turns
-    itself off for the engine with one line naming the group kinds; it still
-    declares HMA, so vLLM starts and serves the model."""
+def test_mamba_groups_without_prefix_caching_turn_kvbm_off_naming_them_and_leave_hma_on(env, caplog):
+    """A hybrid SSM model without vLLM's prefix caching of its state: kvbm
+    turns itself off for the engine with one line naming the group kinds; it
+    still declares HMA, so vLLM starts and serves the model."""
     from kvbm.vllm_integration.connector import DynamoConnector
 
     mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256)
@@ -319,25 +319,7 @@ def test_mamba_groups_turn_kvbm_off_naming_them_and_leave_hma_on(env, caplog):
         assert h.sched._leader is None and h.worker._worker is None
         assert h.sched.get_num_new_matched_tokens(request("x", PROMPT), 0) == (0, False)
         assert supports_hma(DynamoConnector)
-        assert "KV cache groups of kind mamba are not served by kvbm yet" in caplog.text
-    finally:
-        h.close()
-
-
-def test_mamba_align_groups_name_the_missing_boundary_states(env):
-    """With prefix caching on (vLLM's mamba_cache_mode='align') the reason
-    says what a hit needs and kvbm lacks: each state group's state at the
-    hit's block boundary, which vLLM hands connectors as boundary-state
-    offloads and kvbm's position blocks do not hold."""
-    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=256,
-                      mamba_cache_mode="align")
-    h = Hybrid(hybrid_config(second=mamba))
-    try:
-        reason = h.sched._disabled_reason
-        assert reason is not None and h.sched._leader is None and h.worker._worker is None
-        assert "KV cache groups of kind mamba are not served by kvbm yet" in reason
-        assert "state at the block boundary N" in reason and "boundary_state_offloads" in reason
-        assert "mamba_cache_mode='align'" in reason
+        assert "KV cache groups of kind mamba are not served by kvbm here" in caplog.text
     finally:
         h.close()
 
@@ -365,7 +347,7 @@ def test_a_pure_state_space_model_is_refused_not_served_as_positions(env):
                         kv_cache_groups=[KVCacheGroupSpec(SLIDING, mamba)])
     layout, why = kv_groups(kvc, BS)
     assert layout is None and why is not None
-    assert "KV cache groups of kind mamba are not served by kvbm yet (this model's groups: mamba)" in why
+    assert "only recurrent-state groups (mamba)" in why
     full = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(FULL, attn(FullAttentionSpec))])
     assert kv_groups(full, BS)[0] is not None  # one attention group: served as before

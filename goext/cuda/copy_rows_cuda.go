@@ -44,7 +44,7 @@ func (c *Copier) runRows(l *lane, toG1 bool, rows [][]int64, bufs [][]byte) erro
 			return fmt.Errorf("cuda: group row %v has %d entries, the engine has %d KV cache groups", row, len(row), groups)
 		}
 		for g, b := range row {
-			if b == layout.NoBlock && toG1 {
+			if b == layout.NoBlock && (toG1 || e.StateGroup(g)) {
 				continue
 			}
 			if b < 0 || b >= int64(e.NumBlocks) {
@@ -61,6 +61,12 @@ func (c *Copier) runRows(l *lane, toG1 bool, rows [][]int64, bufs [][]byte) erro
 		for ly := 0; ly < e.NumLayers; ly++ {
 			b := row[e.LayerGroup(ly)]
 			if b == layout.NoBlock {
+				if !toG1 { // a position without its state: zeroed, as transfer.GatherRows does
+					for o := 0; o < e.OuterDim; o++ {
+						off := e.Host().ChunkOffset(ly, o)
+						clear(bufs[i][off : off+e.ChunkBytes])
+					}
+				}
 				continue
 			}
 			for o := 0; o < e.OuterDim; o++ {

@@ -360,3 +360,28 @@ func TestSequenceHashesAllBlockSizes(t *testing.T) {
 		}
 	}
 }
+
+func TestStateHashIsNotASequenceHash(t *testing.T) {
+	toks := make([]uint32, 64)
+	for i := range toks {
+		toks[i] = uint32(i * 7)
+	}
+	seq := SequenceHashes(toks, 16, 0, nil)
+	seen := map[uint64]bool{}
+	for _, h := range seq {
+		seen[h] = true
+	}
+	for _, h := range seq {
+		s := StateHash(h)
+		if seen[s] {
+			t.Fatalf("StateHash(%x) = %x collides with a sequence hash", h, s)
+		}
+		if s != StateHash(h) {
+			t.Fatal("StateHash is not deterministic")
+		}
+		seen[s] = true
+	}
+	if StateHash(seq[0]) == StateHash(seq[1]) {
+		t.Fatal("two positions share a state key")
+	}
+}

@@ -65,3 +65,17 @@ func growLen(s []uint64, n int) []uint64 {
 	}
 	return s[:len(s)+n]
 }
+
+// stateSeed seeds StateHash: the bytes "kvbm state" read as a little-endian
+// u64 prefix, so that no sequence hash's own chain step produces it.
+const stateSeed = 0x6174_7320_6d62_766b // "kvbm sta"
+
+// StateHash returns the key of a block stored with the recurrent state of a
+// hybrid model's state layers at its end (docs/design.md §11): a position
+// whose sequence hash is seq, copied in the step that ended exactly at its
+// last token, so that its state layers hold the state a hit of its length
+// resumes from. Blocks under seq itself hold the position's attention
+// layers only as far as a load is concerned.
+func StateHash(seq uint64) uint64 {
+	return newChainKey(stateSeed).hash16(seq, stateSeed)
+}

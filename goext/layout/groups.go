@@ -64,6 +64,17 @@ func (e *Engine) LayerGroups() []int { return append([]int(nil), e.layerGroup...
 // or nil with one group (or when none were given).
 func (e *Engine) GroupKinds() []string { return append([]string(nil), e.groupKinds...) }
 
+// StateKind is the group kind of recurrent-state layers (vLLM's MambaSpec:
+// Mamba, Mamba2, short convolution, linear attention, gated delta nets), as
+// the vLLM adapter names it. Such a group's block at a position holds the
+// layer's state after the position's last token, or nothing.
+const StateKind = "mamba"
+
+// StateGroup reports whether group g keeps recurrent state.
+func (e *Engine) StateGroup(g int) bool {
+	return g < len(e.groupKinds) && e.groupKinds[g] == StateKind
+}
+
 // LayerGroup returns layer l's group (0 with one group).
 func (e *Engine) LayerGroup(l int) int {
 	if e.layerGroup == nil {

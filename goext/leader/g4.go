@@ -2,6 +2,7 @@ package leader
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/events"
@@ -121,7 +122,15 @@ type g4State struct {
 	unwatch   func() []uint64 // stops the Events watch of reg (nil without Events)
 }
 
-type g4Probe struct{ done bool }
+type g4Probe struct {
+	done bool
+	// alt: state keys of the positions asked (g4Match), looked up for the
+	// positions whose block was found.
+	alt []uint64
+}
+
+// g4StateLookups bounds one request's state-key HEAD requests in flight.
+const g4StateLookups = 8
 
 type tierHash struct {
 	idx  int
@@ -235,7 +244,11 @@ func (g *g4State) off() bool { return g.opts.Store != nil && g.opts.Store.Unavai
 
 // g4Match returns how many leading hashes of rest are in G4, or pending.
 // Called with l.mu held.
-func (l *Leader) g4Match(reqID string, salt uint64, rest []uint64) (n int, pending bool) {
+//
+// With recurrent-state groups, alt gives each of rest's state keys
+// (hashing.StateHash): the lookup asks for those of the positions found as
+// well, so that a hit can end on a stored state (stateCut).
+func (l *Leader) g4Match(reqID string, salt uint64, rest, alt []uint64) (n int, pending bool) {
 	g := l.g4
 	if g == nil || len(rest) == 0 || g.off() {
 		return 0, false
@@ -247,7 +260,11 @@ func (l *Leader) g4Match(reqID string, salt uint64, rest []uint64) (n int, pendi
 		case p == nil && g.opts.Store != nil && g.opts.Store.Available():
 			p = &g4Probe{}
 			g.probes[reqID] = p
-			ask := append([]uint64(nil), rest[n:min(len(rest), n+g.opts.MaxLookupBlocks)]...)
+			end := min(len(rest), n+g.opts.MaxLookupBlocks)
+			ask := append([]uint64(nil), rest[n:end]...)
+			if alt != nil {
+				p.alt = append([]uint64(nil), alt[:end]...)
+			}
 			go l.g4Lookup(g.opts.Store, p, salt, ask)
 			if g.opts.Async {
 				return 0, true
@@ -268,6 +285,22 @@ func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 	defer cancel()
 	start := l.now()
 	found := s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
+	if len(p.alt) > 0 && found > 0 {
+		// A state key is stored beside its position's block only at some
+		// positions, so each is asked alone (a missing one must not hide
+		// the next, as a missing block hides the rest of a prefix).
+		alt := p.alt[:min(len(p.alt), len(p.alt)-len(hashes)+found)]
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, g4StateLookups)
+		for _, h := range alt {
+			sem <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-sem }()
+				s.LookupSalted(ctx, salt, []uint64{h})
+			})
+		}
+		wg.Wait()
+	}
 	took := l.now().Sub(start)
 	l.mu.Lock()
 	p.done = true

@@ -32,7 +32,20 @@ type Groups struct {
 	// NullBlock is the engine's null block id (vLLM: 0): a group's entry for
 	// a position it does not hold.
 	NullBlock int64
+	// State marks the groups of recurrent state (vLLM's MambaSpec in its
+	// "align" mode): a group's block at position j, when not the null block
+	// in a step that ends at the position's last token, holds the state
+	// after it. nil or all false: attention groups only.
+	State []bool
 }
+
+// hasState reports whether any group keeps recurrent state.
+func (g *Groups) hasState() bool {
+	return g != nil && slices.Contains(g.State, true)
+}
+
+// isState reports whether group i keeps recurrent state.
+func (g *Groups) isState(i int) bool { return i < len(g.State) && g.State[i] }
 
 // GroupBlocks is an update's blocks per group (RequestUpdate.Groups).
 type GroupBlocks struct {
@@ -119,6 +132,18 @@ func (l *Leader) groupRow(s *slot, pos, computed int) []int64 {
 	return row
 }
 
+// missesAttention reports whether an attention group holds no block in row
+// (a save needs every attention layer; a state group without a block at a
+// position simply has no state to store there).
+func (l *Leader) missesAttention(row []int64) bool {
+	for g, b := range row {
+		if b == noBlock && !l.groups.isState(g) {
+			return true
+		}
+	}
+	return false
+}
+
 func allNoBlock(row []int64) bool {
 	return !slices.ContainsFunc(row, func(b int64) bool { return b != noBlock })
 }
@@ -144,12 +169,23 @@ func (l *Leader) addGroupRows(st *plan.Step, updates []RequestUpdate) {
 		if s == nil {
 			continue
 		}
+		last := -1 // the load's last position: the only one a state group loads
+		for _, c := range ld.Copies {
+			if pos, ok := s.gpos[c.DstBlock]; ok && c.Dst == plan.G1 {
+				last = max(last, pos)
+			}
+		}
 		for _, c := range ld.Copies {
 			if c.Dst != plan.G1 {
 				continue
 			}
 			if pos, ok := s.gpos[c.DstBlock]; ok {
 				if row := l.groupRow(s, pos, 0); row != nil {
+					for g := range row {
+						if l.groups.isState(g) && pos != last {
+							row[g] = noBlock
+						}
+					}
 					set(c.DstBlock, row)
 				}
 			}
@@ -185,7 +221,7 @@ func (l *Leader) addGroupRows(st *plan.Step, updates []RequestUpdate) {
 				if prev, ok := rows[b]; row == nil || ok && allNoBlock(prev) {
 					continue
 				}
-				if slices.Contains(row, noBlock) {
+				if l.missesAttention(row) {
 					// This request held b at a position some group has freed
 					// since: b may be reused by another request now, so the
 					// save cannot tell whose bytes it reads. It fails.

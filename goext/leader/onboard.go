@@ -7,6 +7,7 @@ import (
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/goext/pool"
 )
 
 // slotFor returns the request's slot, creating it with salt when absent
@@ -107,7 +108,14 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	}
 	if l.g4 != nil && l.g4WorthLooking(reqID, len(query)-len(srcs)) {
 		rest := query[len(srcs):]
-		n, pending := l.g4Match(reqID, s.salt, rest)
+		var alt []uint64
+		if l.groups.hasState() {
+			alt = make([]uint64, len(rest))
+			for k, h := range rest {
+				alt[k] = hashing.StateHash(h)
+			}
+		}
+		n, pending := l.g4Match(reqID, s.salt, rest, alt)
 		if pending {
 			return Pending, false // nothing pinned; the engine asks again
 		}
@@ -115,13 +123,24 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 			srcs = append(srcs, source{tier: plan.G4, idx: -1, hash: h}) // bounce allocated when planned
 		}
 	}
+	state := l.groups.hasState()
+	if state {
+		// A hybrid model's recurrent state: the hit ends where a stored
+		// state does, and leaves the engine at least one token (vLLM's own
+		// hits on such models end on a block boundary before the last token).
+		srcs = l.stateCut(s, srcs[:min(len(srcs), (len(tokens)-1-numComputed)/bs)], numComputed/bs)
+	}
 	if numComputed+len(srcs)*bs == len(tokens) && !l.fullHit {
 		// Full-prompt hit, and the engine takes only whole blocks: the last
 		// block is left to it. The sources are ordered host then disk, so the
 		// last one is from the deepest tier used.
 		srcs = srcs[:len(srcs)-1]
 	}
+	matched := len(srcs)
 	srcs = l.applyLoadPolicy(reqID, srcs) // DYN_KVBM_LOAD_POLICY (policy.go)
+	if state && len(srcs) < matched {
+		srcs = l.stateCut(s, srcs, numComputed/bs) // the policy kept a shorter prefix
+	}
 	for _, src := range srcs {
 		if src.tier != plan.G4 {
 			l.poolOf(src.tier).Pin(src.idx)
@@ -157,6 +176,36 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 		n--
 	}
 	return n, true
+}
+
+// stateCut shortens srcs (s's matched blocks from position base on) to the
+// longest prefix whose last position has its state stored (under
+// hashing.StateHash, in G2, G3 or G4's registry), and makes that position
+// load from the state block. Empty when no matched position has one: a hit
+// on a model with recurrent state needs the state at its end (design §11).
+func (l *Leader) stateCut(s *slot, srcs []source, base int) []source {
+	for k := len(srcs); k > 0; k-- {
+		h := hashing.StateHash(s.hashes[base+k-1])
+		switch {
+		case l.host != nil && l.has(l.host, h):
+			idx, _ := l.host.Lookup(h)
+			srcs[k-1] = source{tier: plan.G2, idx: idx, hash: h}
+		case l.disk != nil && l.has(l.disk, h):
+			idx, _ := l.disk.Lookup(h)
+			srcs[k-1] = source{tier: plan.G3, idx: idx, hash: h}
+		case l.g4 != nil && !l.g4.off() && l.g4.reg.Contains(h):
+			srcs[k-1] = source{tier: plan.G4, idx: -1, hash: h}
+		default:
+			continue
+		}
+		return srcs[:k]
+	}
+	return srcs[:0]
+}
+
+func (l *Leader) has(p *pool.Pool, h uint64) bool {
+	_, ok := p.Lookup(h)
+	return ok
 }
 
 // unstage releases a staged or planned (not yet emitted) load.

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/goext/pool"
 )
@@ -256,7 +257,6 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 		return
 	}
 	s.ensureHashes(end, bs)
-	tier := l.saveTo.Tier()
 	for i := start; i < end; i++ {
 		prio := s.prio[i]
 		if prio == noPriority {
@@ -269,37 +269,65 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 				"request", s.id, "block", i, "priority", prio, "min_priority", l.minPrio)
 			return
 		}
-		h := s.hashes[i]
-		if idx, ok := l.saveTo.Lookup(h); ok {
-			l.saveTo.Touch(idx)
-			if l.saveTo == l.host {
-				l.noteHostRegistration(idx, h)
-			}
-			s.offloaded = i + 1
-			continue
-		}
-		dst, ok := l.allocate(l.saveTo)
-		if !ok {
-			// The tier is full of pinned blocks; the block stays in G1 (the
-			// request holds it) and is retried next step.
-			return
-		}
 		var parent uint64
 		if i > 0 {
 			parent = s.hashes[i-1]
 		}
-		dst, _ = l.saveTo.Register(dst, h, parent, i > 0, s.tokens[i*bs:(i+1)*bs], prio)
-		l.written = append(l.written, tierBlock{tier, dst})
-		st.Saves = append(st.Saves, plan.Copy{Src: plan.G1, SrcBlock: s.g1[i], Dst: tier, DstBlock: int64(dst)})
-		if tier == plan.G2 {
-			l.m.OffloadD2H.Inc()
-			l.noteHostRegistration(dst, h)
-			l.planUpload(st, dst, h, parent, s.salt)
-		} else {
-			l.m.OffloadD2D.Inc()
+		if !l.saveBlock(s, i, s.hashes[i], parent, i > 0, prio, st) {
+			return // the tier is full of pinned blocks; retried next step
+		}
+		if stateEnd := u.NumComputedTokens + u.NumScheduledTokens; (i+1)*bs == stateEnd && l.stateHeld(s, i) {
+			// The step ends at this position's last token and the state
+			// groups hold their state there: the position is stored a second
+			// time, under its state key, from the same G1 blocks (design §11).
+			// A tier full of pinned blocks only loses this state.
+			l.saveBlock(s, i, hashing.StateHash(s.hashes[i]), s.hashes[i], true, prio, st)
 		}
 		s.offloaded = i + 1
 	}
+}
+
+// stateHeld reports whether every recurrent-state group of s holds a block
+// (not the null block) at position i. False without state groups.
+func (l *Leader) stateHeld(s *slot, i int) bool {
+	if !l.groups.hasState() || s.groups == nil {
+		return false
+	}
+	for g, ids := range s.groups {
+		if l.groups.isState(g) && (i >= len(ids) || ids[i] == l.groups.NullBlock) {
+			return false
+		}
+	}
+	return true
+}
+
+// saveBlock plans the save of s's G1 block at position i under h (unless
+// the save tier has h already); false when the tier has no free block.
+func (l *Leader) saveBlock(s *slot, i int, h, parent uint64, hasParent bool, prio int, st *plan.Step) bool {
+	bs := l.bs
+	tier := l.saveTo.Tier()
+	if idx, ok := l.saveTo.Lookup(h); ok {
+		l.saveTo.Touch(idx)
+		if l.saveTo == l.host {
+			l.noteHostRegistration(idx, h)
+		}
+		return true
+	}
+	dst, ok := l.allocate(l.saveTo)
+	if !ok {
+		return false
+	}
+	dst, _ = l.saveTo.Register(dst, h, parent, hasParent, s.tokens[i*bs:(i+1)*bs], prio)
+	l.written = append(l.written, tierBlock{tier, dst})
+	st.Saves = append(st.Saves, plan.Copy{Src: plan.G1, SrcBlock: s.g1[i], Dst: tier, DstBlock: int64(dst)})
+	if tier == plan.G2 {
+		l.m.OffloadD2H.Inc()
+		l.noteHostRegistration(dst, h)
+		l.planUpload(st, dst, h, parent, s.salt)
+	} else {
+		l.m.OffloadD2D.Inc()
+	}
+	return true
 }
 
 // noteHostRegistration is called when G2 block idx is (re-)registered under

@@ -35,8 +35,8 @@ func (w *Worker) g1Row(rows map[int64][]int64, b int64, read bool) ([]int64, err
 			b, row, len(row), w.g1.NumGroups())
 	}
 	for g, blk := range row {
-		if blk == layout.NoBlock && !read {
-			continue
+		if blk == layout.NoBlock && (!read || w.g1.StateGroup(g)) {
+			continue // a state group holds a state at some positions only
 		}
 		if blk == layout.NoBlock {
 			return nil, fmt.Errorf("G1 block %d: KV cache group %d holds no block at its position, "+

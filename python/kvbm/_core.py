@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from ctypes import POINTER, byref, c_char_p, c_int32, c_int64, c_uint8, c_uint32, c_uint64
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, NotRequired, TypedDict
 
 import msgpack
 
@@ -93,12 +93,13 @@ class LeaderG4Info(TypedDict):
 class KVGroupsOptions(TypedDict):
     """The engine's KV cache groups (``Leader(kv_groups=...)``): the group
     the leader plans with, per group (sliding window, extra retained tokens)
-    or (0, chunk size) or (0, 0) for full attention, and the engine's null
-    block id."""
+    or (0, chunk size) or (0, 0) for full attention, the engine's null
+    block id, and which groups keep recurrent state (optional)."""
 
     primary: int
     windows: list[tuple[int, int]]
     null_block: int
+    state: NotRequired[list[bool]]
 
 
 class LeaderSideChannelOptions(TypedDict, total=False):

@@ -16,6 +16,7 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
        "actions": [{"generate": [[ids...], ...], "max_tokens": 8, "tag": "first"},
                    {"each": [[ids...], ...], "max_tokens": 1, "check_tokens": 16, "tag": "timed"},
                    {"generate": [...], "salt": "tenant"} (vLLM's cache_salt),
+                   {"generate": [...], "logprobs": true} (each token's log-probability too),
                    {"purge": {"salt": "tenant"} | {"all": true} | ...} (kvbm.admin.purge),
                    {"reset": true, "reset_connector": false}, {"corrupt_disk": true},
                    {"quiesce": true},
@@ -294,7 +295,8 @@ def run(spec: dict) -> dict:
                     print(f"[{act.get('tag', i)}] request {j + 1}/{len(act['each'])}: {len(p)} prompt tokens, "
                           f"{rec['secs_each'][-1] * 1000:.0f} ms", flush=True)
         elif "generate" in act:
-            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True)
+            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True,
+                                logprobs=0 if act.get("logprobs") else None)
             prompts = [{"prompt_token_ids": p} for p in act["generate"]]
             if act.get("salt") is not None:  # vLLM's cache_salt: kvbm's salt hash (design §3)
                 for pr in prompts:
@@ -304,6 +306,9 @@ def run(spec: dict) -> dict:
             rec["secs"] = time.time() - t
             rec["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             rec["num_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in outs]
+            if act.get("logprobs"):  # each generated token's log-probability, per prompt
+                rec["logprobs"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
+                                   for o in outs]
             ttfts = []
             for o in outs:
                 m = getattr(o, "metrics", None)

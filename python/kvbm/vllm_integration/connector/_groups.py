@@ -13,9 +13,17 @@ goext/plan/groups.go), and the worker copies layer l from or to its group's
 block. A sliding-window or chunked-local group holds vLLM's null block before
 its window: those layers are not loaded.
 
-Groups kvbm cannot serve yet (Mamba and other state-space or linear-attention
-groups, whose state is not per token position) turn kvbm off for the engine
-with a reason naming them; vLLM keeps its hybrid manager and serves the model.
+Recurrent-state groups (vLLM's MambaSpec: Mamba, Mamba2, short convolution,
+linear attention, gated delta nets) with vLLM's prefix caching of their state
+(``mamba_cache_mode='align'``) are served beside an attention group: a group's
+block at position j holds the state after the position's last token when the
+step that computed it ended there. kvbm stores such a position a second time
+under its state key, and a hit ends on a position whose state is stored (the
+leader's ``stateCut``). A state layer's block is moved as the raw page vLLM
+binds it to (``state_views``). Groups kvbm cannot serve (state without
+prefix caching, speculative state blocks, any spec kvbm does not know) turn
+kvbm off for the engine with a reason naming them; vLLM keeps its hybrid
+manager and serves the model.
 """
 
 from __future__ import annotations
@@ -44,8 +52,12 @@ def group_kind(spec: Any) -> str:
     return name.removesuffix("Spec").lower() or name
 
 
+# What group_kind calls vLLM's MambaSpec (goext/layout.StateKind).
+STATE_KIND = "mamba"
+
+
 def _served(kind: str) -> bool:
-    return kind == "full_attention" or kind.startswith(("sliding_window(", "chunked_local("))
+    return kind in ("full_attention", STATE_KIND) or kind.startswith(("sliding_window(", "chunked_local("))
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,15 @@ class GroupLayout:
         return 0
 
     @property
+    def state(self) -> tuple[bool, ...]:
+        """Per group: whether it keeps recurrent state."""
+        return tuple(k == STATE_KIND for k in self.kinds)
+
+    @property
+    def has_state(self) -> bool:
+        return STATE_KIND in self.kinds
+
+    @property
     def full_hit_ok(self) -> bool:
         """Whether a prompt cached whole may load every block and leave vLLM
         its last token (leader load_full_hit). Not with a sliding-window or
@@ -89,7 +110,7 @@ class GroupLayout:
         block before its last token), so the block that window needs is
         never allocated and that prompt never hits G1 again. The hit stays
         block aligned, as vLLM's own."""
-        return not any(w != (0, 0) for w in self.windows)
+        return not any(w != (0, 0) for w in self.windows) and not self.has_state
 
     _block_size: int = 1
 
@@ -128,12 +149,14 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[GroupLayout | None
         return GroupLayout(kinds, 0, layer_group, page, windows, block_size), None
     unserved = sorted({k for k in kinds if not _served(k)})
     if unserved:
-        why = (f"KV cache groups of kind {', '.join(unserved)} are not served by kvbm yet "
-               f"(this model's groups: {what}); kvbm serves full, sliding-window and chunked local attention")
-        state = [g.kv_cache_spec for g in groups if _is_state_spec(g.kv_cache_spec)]
-        if state:
-            why += "; " + state_groups_missing(state)
-        return None, why
+        return None, (f"KV cache groups of kind {', '.join(unserved)} are not served by kvbm yet "
+                      f"(this model's groups: {what}); kvbm serves full, sliding-window and chunked local "
+                      "attention, and recurrent state beside them")
+    state = [g.kv_cache_spec for g in groups if _is_state_spec(g.kv_cache_spec)]
+    if state and (why := state_groups_missing(state)):
+        return None, f"KV cache groups of kind mamba are not served by kvbm here (this model's groups: {what}): {why}"
+    if state and len(groups) == len(state):
+        return None, f"only recurrent-state groups ({what}): kvbm plans positions with a full-attention group"
     if "full_attention" not in kinds:
         return None, f"several KV cache groups ({what}) and none of full attention, which kvbm plans positions with"
     for i, g in enumerate(groups):
@@ -156,18 +179,59 @@ def _is_state_spec(spec: Any) -> bool:
     return any(c.__name__ == "MambaSpec" for c in type(spec).__mro__)
 
 
-def state_groups_missing(specs: list[Any]) -> str:
-    """What kvbm lacks to serve recurrent-state groups (docs/design.md §11),
-    for the line that turns kvbm off."""
+def state_groups_missing(specs: list[Any]) -> str | None:
+    """Why kvbm cannot serve these recurrent-state groups (docs/design.md
+    §11), or None when it can."""
     modes = sorted({str(getattr(s, "mamba_cache_mode", "none")) for s in specs})
     if modes != ["align"]:
         return (f"with mamba_cache_mode={'/'.join(modes)} (prefix caching off) vLLM keeps only each "
                 "request's running state, so no prefix of such a model can be stored or loaded")
-    return ("a hit of N tokens on such a model needs each state group's state at the block boundary N "
-            "(vLLM's mamba_cache_mode='align' state block, handed to connectors as the scheduler "
-            "output's boundary_state_offloads); kvbm's tiers keep one block per token position "
-            "holding every layer and do not store boundary states yet, so its hits could not be "
-            "completed; vLLM's own prefix cache still serves the model")
+    spec = [int(getattr(s, "num_speculative_blocks", 0) or 0) for s in specs]
+    if any(spec):
+        return (f"state groups with {max(spec)} speculative blocks (speculative decoding) move the running "
+                "state between blocks, which kvbm does not follow")
+    return None
+
+
+def state_views(kv_caches: dict[str, Any], layout: GroupLayout) -> dict[str, Any]:
+    """kv_caches with each state layer's tensor replaced by a view shaped as
+    the attention layers' over the same bytes.
+
+    vLLM binds a state layer to a byte view of the tensor it shares with an
+    attention layer (``[num_blocks, 1, 1, state bytes]``, one page per
+    block) and pads the state page to the attention page, so block b of
+    either is the page at ``b × page_bytes``. kvbm copies a state layer's
+    block as that whole page, like an attention layer's. Raises ValueError
+    when the pages do not line up."""
+    if not layout.has_state:
+        return kv_caches
+    state = layout.state
+    attn = next((t for n, t in kv_caches.items() if not state[layout.layer_group[n]]), None)
+    if attn is None:
+        raise ValueError("no attention layer to shape the state layers' pages after")
+    import torch
+
+    page = layout.page_bytes
+    if attn.stride(0) * attn.element_size() != page:
+        raise ValueError(f"attention layers are not one {page}-byte page per block "
+                         f"(shape {tuple(attn.shape)}, stride {attn.stride()})")
+    out = dict(kv_caches)
+    for name, t in kv_caches.items():
+        if not state[layout.layer_group[name]]:
+            continue
+        if isinstance(t, (list, tuple)):
+            raise ValueError(f"state layer {name} is registered as {len(t)} separate tensors, not one page view")
+        off = t.storage_offset() * t.element_size()
+        if t.stride(0) * t.element_size() != page or off % attn.element_size():
+            raise ValueError(f"state layer {name}: block stride {t.stride(0) * t.element_size()} B, "
+                             f"the attention page is {page} B")
+        nbytes = off + attn.shape[0] * page
+        if t.untyped_storage().nbytes() < nbytes:
+            raise ValueError(f"state layer {name}: its storage ends before its last block's page")
+        v = torch.empty(0, dtype=attn.dtype, device=t.device)
+        v.set_(t.untyped_storage(), off // attn.element_size(), attn.shape, attn.stride())
+        out[name] = v
+    return out
 
 
 def _window(spec: Any, kind: str) -> tuple[int, int]:

@@ -131,6 +131,8 @@ class VllmConnectorLeader(VllmSide):
         if self._groups is not None:
             kv_group_opts = {"primary": groups.primary, "null_block": NULL_BLOCK_ID,
                              "windows": list(groups.windows) or [(0, 0)] * groups.num_groups}
+            if groups.has_state:
+                kv_group_opts["state"] = list(groups.state)
         consolidator: ConsolidatorOptions | None = None
         if should_enable_consolidator(self._vllm_config):
             engine_ep, out_bind, _ = get_consolidator_endpoints(self._vllm_config)

@@ -33,7 +33,7 @@ from kvbm.vllm_integration.connector._common import (
     log,
 )
 from kvbm.vllm_integration.connector._stats import KvbmConnectorStats
-from kvbm.vllm_integration.connector._groups import kv_groups
+from kvbm.vllm_integration.connector._groups import kv_groups, state_views
 
 if TYPE_CHECKING:
     from kvbm._core import Worker
@@ -109,6 +109,7 @@ class VllmConnectorWorker(VllmSide):
 
         layer_groups: list[int] | None = None
         group_kinds: list[str] | None = None
+        groups = None
         if self._kv_cache_config is not None:
             groups, why = kv_groups(self._kv_cache_config, self._block_size)
             if groups is None:
@@ -128,6 +129,8 @@ class VllmConnectorWorker(VllmSide):
                 group_kinds = list(groups.kinds)
                 self._multi_group = True
         try:
+            if groups is not None and groups.has_state:
+                kv_caches = state_views(kv_caches, groups)
             tensors, kind, dtype_bytes = self._describe_caches(kv_caches)
         except ValueError as e:
             self._disable(str(e))

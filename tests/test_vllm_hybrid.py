@@ -609,3 +609,52 @@ def test_two_groups_survive_a_restart_through_the_persistent_disk_tier(env):
             assert h.sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (0, False)
         finally:
             h.close()
+
+
+def test_mamba_align_groups_are_served_beside_attention():
+    """With vLLM's prefix caching of state (mamba_cache_mode='align') a
+    state group beside full attention is served: its kind is named for the
+    fingerprint, the leader gets which groups keep state, and a whole-prompt
+    hit is not taken (the hit must end on a stored state before the last
+    token). Speculative state blocks are refused with the reason."""
+    from kvbm.vllm_integration.connector._groups import kv_groups
+
+    page = attn(FullAttentionSpec).page_size_bytes
+    mamba = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=page,
+                      mamba_cache_mode="align")
+    layout, why = kv_groups(hybrid_config(second=mamba), BS)
+    assert why is None, why
+    assert layout.kinds == ("full_attention", "mamba") and layout.primary == 0
+    assert layout.state == (False, True) and layout.has_state and layout.with_rows
+    assert not layout.full_hit_ok
+    spec = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=(torch.float16,), page_size_padded=page,
+                     mamba_cache_mode="align", num_speculative_blocks=2)
+    layout, why = kv_groups(hybrid_config(second=spec), BS)
+    assert layout is None and "2 speculative blocks" in why
+
+
+def test_state_views_cover_the_page_vllm_binds():
+    """vLLM binds a state layer to a byte view [num_blocks, 1, 1, state
+    bytes] of the tensor it shares with an attention layer, one page per
+    block; state_views gives kvbm that layer as a view shaped like the
+    attention layers over the same bytes, so block b is the page at b."""
+    from kvbm.vllm_integration.connector._groups import GroupLayout, state_views
+
+    nb, heads, head_dim = 6, 2, 8
+    page = heads * BS * 2 * head_dim * 4  # float32 [heads, tokens, 2 x head_dim]
+    raw = torch.zeros(2 * nb * page, dtype=torch.int8)
+    attn_t = raw[:nb * page].view(torch.float32).view(nb, heads, BS, 2 * head_dim)
+    state_t = torch.as_strided(raw[nb * page:], (nb, 1, 1, 64), (page, 64, 64, 1))
+    layout = GroupLayout(("full_attention", "mamba"), 0, {"a": 0, "s": 1}, page, ((0, 0), (0, 0)), BS)
+    views = state_views({"a": attn_t, "s": state_t}, layout)
+    assert views["a"] is attn_t
+    v = views["s"]
+    assert v.shape == attn_t.shape and v.stride() == attn_t.stride() and v.dtype == attn_t.dtype
+    state_t[3, 0, 0, :] = 7  # vLLM writes block 3's state
+    page3 = v[3].contiguous().view(torch.int8).flatten()
+    assert bool((page3[:64] == 7).all()) and bool((page3[64:] == 0).all())
+    assert bool((raw[nb * page + 3 * page:nb * page + 3 * page + 64] == 7).all())
+    # A state view whose blocks are not pages of the attention page size is refused.
+    bad = torch.as_strided(raw[nb * page:], (nb, 1, 1, 64), (page // 2, 64, 64, 1))
+    with pytest.raises(ValueError, match="block stride"):
+        state_views({"a": attn_t, "s": bad}, layout)

@@ -19,7 +19,7 @@ import (
 // vLLM's hybrid manager does: layers 0 and 2 in group 0, layers 1 and 3 in
 // group 1, and layer i of each group sharing one tensor (layers 0 and 1
 // tensor A, layers 2 and 3 tensor B), each group using its own blocks.
-func newGroupedG1(t *testing.T) *g1 {
+func newGroupedG1(t *testing.T, kinds ...string) *g1 {
 	t.Helper()
 	shape := []int64{2, nBlocks, heads, bs, hdim}
 	n := int64(2)
@@ -38,7 +38,7 @@ func newGroupedG1(t *testing.T) *g1 {
 	// Layer order: 0 (A, g0), 1 (A, g1), 2 (B, g0), 3 (B, g1).
 	tensors := []layout.Tensor{ts[0], ts[0], ts[1], ts[1]}
 	e, err := layout.NewEngine(layout.Spec{Kind: layout.CPU, Tensors: tensors, NumBlocks: nBlocks, BlockSize: bs,
-		DtypeBytes: 2, LayerGroups: []int{0, 1, 0, 1}})
+		DtypeBytes: 2, LayerGroups: []int{0, 1, 0, 1}, GroupKinds: kinds})
 	require.NoError(t, err)
 	require.Equal(t, 2, e.NumGroups())
 	g.e = e
@@ -125,6 +125,60 @@ func TestGroupsSaveLoad(t *testing.T) {
 					"block %d layer %d outer %d", b, l, o)
 			}
 		}
+	}
+}
+
+// TestGroupsStateGroup: group 0 keeps recurrent state (layout.StateKind).
+// A save of a position without a state (its entry NoBlock) stores the
+// attention layers with the state layers zeroed, instead of failing; a save
+// with the state stores it; a load writes the state layers only where the
+// row names a state block.
+func TestGroupsStateGroup(t *testing.T) {
+	g := newGroupedG1(t, layout.StateKind, "full_attention")
+	require.True(t, g.e.StateGroup(0))
+	require.False(t, g.e.StateGroup(1))
+	w := newWorker(t, g, Options{HostBlocks: 8, MaxConcurrent: 1, BatchSize: 2})
+	plain, withState := []int64{3, layout.NoBlock, 3}, []int64{4, 9, 4}
+	wantState := g.position(withState[1:])
+	wantPlain := g.position([]int64{3, 3}) // attention layers of block 3 (state layers checked apart)
+	_, failed := run(t, w, &plan.Step{Seq: 1, G1Groups: rows(2, plain, withState),
+		Saves: copies(plan.G1, []int64{3, 4}, plan.G2, []int64{0, 1})})
+	require.Empty(t, failed)
+	require.True(t, w.hostValid[0].Load() && w.hostValid[1].Load())
+
+	g.scramble()
+	before := g.snapshot()
+	// Load the plain position without a state, and the stateful one with its state.
+	loadPlain, loadState := []int64{20, layout.NoBlock, 20}, []int64{21, 25, 21}
+	loaded, failed := run(t, w, &plan.Step{Seq: 2, G1Groups: rows(2, loadPlain, loadState), Loads: []plan.Load{
+		{ReqID: "r", Copies: copies(plan.G2, []int64{0, 1}, plan.G1, []int64{20, 21})}}})
+	require.Equal(t, []string{"r"}, loaded)
+	require.Empty(t, failed)
+	require.Equal(t, wantState, g.position(loadState[1:]))
+	for l := 1; l < g.e.NumLayers; l += 2 { // attention layers of the plain position: loaded
+		for o := 0; o < g.e.OuterDim; o++ {
+			require.Equal(t, wantPlain[l*g.e.OuterDim+o], g.chunk(20, l, o), "layer %d", l)
+		}
+	}
+	// Only blocks 20, 21 (attention) and 25 (state) were written.
+	after := g.snapshot()
+	for tn := range before {
+		for b := 0; b < nBlocks; b++ {
+			if b == 20 || b == 21 || b == 25 {
+				continue
+			}
+			for o := 0; o < g.e.OuterDim; o++ {
+				_, off := g.e.ChunkOffset(b, 2*tn, o)
+				require.Equal(t, before[tn][off:off+g.e.ChunkBytes], after[tn][off:off+g.e.ChunkBytes], "block %d", b)
+			}
+		}
+	}
+	// The stored plain position holds zeros in its state layers.
+	host := w.host.Block(0)
+	hl := g.e.Host()
+	for l := 0; l < g.e.NumLayers; l += 2 {
+		off := hl.ChunkOffset(l, 0)
+		require.Equal(t, make([]byte, g.e.ChunkBytes), host[off:off+g.e.ChunkBytes], "state layer %d", l)
 	}
 }
 

@@ -1,0 +1,89 @@
+package leader
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/plan"
+)
+
+// A hybrid model with a recurrent-state group (group 0) beside full
+// attention (group 1): the position a step ends on is stored a second time
+// under its state key, with the state group's block in its row; a hit ends
+// on a stored state, and only its last position loads the state layers.
+func TestStateGroups(t *testing.T) {
+	e := newEnvWith(t, 32, 0, nil, func(o *Options) {
+		o.Groups = &Groups{Primary: 1, Windows: [][2]int{{0, 0}, {0, 0}}, State: []bool{true, false}}
+	})
+	prompt := toks(100, 3*bs+1)
+	hs := seqHashes(prompt)
+	// The prefill step ends on block 2's last token; the state group holds
+	// the state there (vLLM's align mode: nulls before it).
+	st := e.step(t, RequestUpdate{ReqID: "r", NewTokens: prompt, NewBlockIDs: []int64{1, 2, 3},
+		NumScheduledTokens: 3 * bs, Groups: &GroupBlocks{Replace: true, Blocks: [][]int64{{0, 0, 7}, {1, 2, 3}}}})
+	require.Len(t, st.Saves, 4) // three positions, and position 2 with its state
+	require.Equal(t, []int64{1, 2, 3, 3}, []int64{st.Saves[0].SrcBlock, st.Saves[1].SrcBlock, st.Saves[2].SrcBlock,
+		st.Saves[3].SrcBlock})
+	// Positions without a state are saved without the state layers (not failed).
+	require.Equal(t, map[int64][]int64{1: {noBlock, 1}, 2: {noBlock, 2}, 3: {7, 3}}, st.G1Groups.Map())
+	for i, h := range hs {
+		_, ok := e.l.host.Lookup(h)
+		require.True(t, ok, "position %d", i)
+		_, ok = e.l.host.Lookup(hashing.StateHash(h))
+		require.Equal(t, i == 2, ok, "state of position %d", i)
+	}
+	// The next step (the prompt's last token) ends inside block 3: nothing.
+	st = e.step(t, RequestUpdate{ReqID: "r", NewBlockIDs: []int64{4}, NumComputedTokens: 3 * bs, NumScheduledTokens: 1,
+		Groups: &GroupBlocks{Blocks: [][]int64{{8}, {4}}}})
+	require.Empty(t, st.Saves)
+
+	// A prompt ending inside block 2, where no state was kept: no hit,
+	// although positions 0 and 1 are stored.
+	got, _ := e.l.GetNumNewMatchedTokens("head", prompt[:2*bs+1], 0, 0)
+	require.Zero(t, got)
+	// A prompt of whole blocks: the hit must leave the engine a token, so it
+	// could end only at position 1, which has no state: none.
+	got, _ = e.l.GetNumNewMatchedTokens("whole", prompt[:3*bs], 0, 0)
+	require.Zero(t, got)
+
+	// The same prompt again: 3 blocks, the last from its state key.
+	got, async := e.l.GetNumNewMatchedTokens("q", prompt, 0, 0)
+	require.Equal(t, 3*bs, got)
+	require.True(t, async)
+	staged := e.l.slots["q"].staged
+	require.Equal(t, hashing.StateHash(hs[2]), staged[2].hash)
+	require.Equal(t, hs[1], staged[1].hash)
+	e.l.UpdateStateAfterAlloc("q", []int64{21, 22, 23, 24}, 3*bs)
+	// An interior state entry (never in align mode) is not loaded either.
+	e.l.NoteAllocGroups("q", [][]int64{{30, 0, 31, 32}, {21, 22, 23, 24}})
+	st = e.step(t)
+	require.Len(t, st.Loads, 1)
+	require.Equal(t, map[int64][]int64{21: {noBlock, 21}, 22: {noBlock, 22}, 23: {31, 23}}, st.G1Groups.Map())
+	var srcs []int64
+	for _, c := range st.Loads[0].Copies {
+		if c.Dst == plan.G1 {
+			srcs = append(srcs, c.SrcBlock)
+		}
+	}
+	idx, _ := e.l.host.Lookup(hashing.StateHash(hs[2]))
+	require.Equal(t, int64(idx), srcs[len(srcs)-1], "the last position loads from the state block")
+}
+
+// Without a state kept anywhere in the prefix the match is empty, whatever
+// the attention blocks: a hit would load garbage into the state block.
+func TestStateCutWithoutAnyState(t *testing.T) {
+	e := newEnvWith(t, 32, 0, nil, func(o *Options) {
+		o.Groups = &Groups{Primary: 1, Windows: [][2]int{{0, 0}, {0, 0}}, State: []bool{true, false}}
+	})
+	prompt := toks(100, 4*bs+1)
+	seed(t, e.l.host, prompt, 0, 1, 2, 3)
+	got, _ := e.l.GetNumNewMatchedTokens("q", prompt, 0, 0)
+	require.Zero(t, got)
+	// The same blocks without state groups: a hit of all four.
+	e2 := newEnv(t, 32, 0, nil)
+	seed(t, e2.l.host, prompt, 0, 1, 2, 3)
+	got, _ = e2.l.GetNumNewMatchedTokens("q", prompt, 0, 0)
+	require.Equal(t, 4*bs, got)
+}

@@ -659,3 +659,52 @@ func TestRows(t *testing.T) {
 		})
 	}
 }
+
+// TestRowsStateGroup: group 1 keeps recurrent state (layout.StateKind). A
+// gather whose row has no state block stores the attention layers and
+// zeros in the state layers (as transfer.GatherRows does), instead of
+// refusing the row; an attention group without a block is still refused.
+func TestRowsStateGroup(t *testing.T) {
+	needGPU(t)
+	base := newCache(t, layout.FlashAttn, 2, []int64{2, 48, 16, 2, 64}, 48, 16, 2)
+	shape := []int64{2, 48, 16, 2, 64}
+	a, b := layout.Tensor{Ptr: base.eng.Base(0), Shape: shape}, layout.Tensor{Ptr: base.eng.Base(1), Shape: shape}
+	e, err := layout.NewEngine(layout.Spec{Kind: layout.FlashAttn, Tensors: []layout.Tensor{a, a, b, b},
+		NumBlocks: 48, BlockSize: 16, DtypeBytes: 2, LayerGroups: []int{0, 1, 0, 1},
+		GroupKinds: []string{"full_attention", layout.StateKind}})
+	require.NoError(t, err)
+	g := &gpuCache{eng: e}
+	h := e.Host()
+	for _, mode := range []Mode{Kernel, Batch, Split} {
+		t.Run(mode.String(), func(t *testing.T) {
+			c, err := New(e, Options{Mode: mode})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, c.Close()) }()
+			region, err := storage.NewHostRegion(4, e.BytesPerBlock(), true)
+			require.NoError(t, err)
+			defer region.Close()
+			require.NoError(t, c.RegisterHost(region))
+			bufs := [][]byte{region.IOBlock(0), region.IOBlock(1)}
+			for _, buf := range bufs {
+				for j := range buf {
+					buf[j] = 0xA5 // stale bytes of an earlier block
+				}
+			}
+			rows := [][]int64{{3, layout.NoBlock}, {7, 11}}
+			require.NoError(t, c.GatherRows(rows, bufs))
+			for i, r := range rows {
+				for l := 0; l < e.NumLayers; l++ {
+					for o := 0; o < e.OuterDim; o++ {
+						off := h.ChunkOffset(l, o)
+						want := make([]byte, e.ChunkBytes)
+						if blk := r[e.LayerGroup(l)]; blk != layout.NoBlock {
+							want = g.block(t, int(blk))[off : off+e.ChunkBytes]
+						}
+						require.Equal(t, want, bufs[i][off:off+e.ChunkBytes], "row %d layer %d outer %d", i, l, o)
+					}
+				}
+			}
+			require.ErrorContains(t, c.GatherRows([][]int64{{layout.NoBlock, 2}}, bufs[:1]), "out of range")
+		})
+	}
+}

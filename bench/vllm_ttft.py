@@ -32,15 +32,18 @@ layer attends within a 256-token sliding window, so vLLM's hybrid KV cache
 manager gives it two KV cache groups; it adds a column, kvbm with the hybrid
 manager off (one group, full-size KV for every layer: what vLLM does with a
 connector that cannot handle groups), and a row of the bytes kvbm stored per
-prompt token in both kvbm columns. --quick uses 1K-token documents instead
-of 2K.
+prompt token in both kvbm columns. --model state is the small model's size
+as an LFM2-like hybrid: short-convolution state layers and full attention in
+turn (a MambaSpec group beside the attention group, vLLM's prefix caching of
+state on); a re-visit resumes from the state kvbm stored where the first
+visit's prefill step ended. --quick uses 1K-token documents instead of 2K.
 
 3. --cost: only kvbm's cost when nothing is reused (first visits and
    no-reuse throughput of kvbm, of kvbm with its threads left on the
    model's cores, of the no-op connector and of no connector, --repeat
    rounds, default 3, every round printed with the spread).
 
-    python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b|sliding] [--docs N] [--no-peers] [--cost]
+    python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b|sliding|state] [--docs N] [--no-peers] [--cost]
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from kvbm.testing.tiny_model import QWEN2_05B_LIKE  # noqa: E402
 
 SMALL = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8000, arch="qwen2")
 SLIDING = dict(SMALL, arch="llama", sliding_window=256)
+STATE = dict(SMALL, arch="lfm2")
 CHECK_TOKENS = 16
 
 
@@ -96,8 +100,14 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     DYN_KVBM_THREAD_AFFINITY), the no-op connector and no connector, every
     column run --repeat times (column order rotated), every run printed."""
     cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT]
+    # The warm-up request is a document's head; with --model state it is a
+    # prompt of its own: vLLM resuming a state model from a cached state
+    # continues with slightly other floats than computing from scratch (its
+    # own prefix cache as well as kvbm's), so a document warmed up would be
+    # re-visited from a state the no-kvbm column computed another way.
+    warm = prompts(9, 1, 256, vocab)[0] if a.model == "state" else docs[0][:256]
     actions = [
-        {"each": [docs[0][:256]], "max_tokens": 1, "tag": "warmup"},
+        {"each": [warm], "max_tokens": 1, "tag": "warmup"},
         {"each": docs, "max_tokens": 1, "tag": "first_visit", "progress": True},
         {"generate": prompts(3, n_unique, unique_len, vocab), "max_tokens": out_len, "tag": "no_reuse_warmup"},
         {"generate": prompts(2, n_unique, unique_len, vocab), "max_tokens": out_len, "tag": "no_reuse"},
@@ -149,10 +159,11 @@ def main():
                          "first visits and no-reuse batches were fastest: on a shared machine interference only "
                          "slows a run down, and those requests have nothing for kvbm to reuse (with --cost: "
                          "N rounds, every one printed)")
-    ap.add_argument("--model", choices=("small", "0.5b", "sliding"), default="small",
+    ap.add_argument("--model", choices=("small", "0.5b", "sliding", "state"), default="small",
                     help="small: ~25M parameters (default, minutes on 2 cores); 0.5b: Qwen2-0.5B's dimensions "
                          "(about 20× the prefill work: for a machine with more cores); sliding: small with every "
-                         "other layer in a 256-token sliding window (two KV cache groups)")
+                         "other layer in a 256-token sliding window (two KV cache groups); state: small as an "
+                         "LFM2-like hybrid (short-convolution state layers beside attention)")
     ap.add_argument("--no-peers", action="store_true",
                     help="leave out the peer columns (LMCache, vLLM's OffloadingConnector)")
     ap.add_argument("--cost", action="store_true",
@@ -177,6 +188,10 @@ def main():
         model = dict(SLIDING, dir="/tmp/kvbm-bench-sliding-small")
         mname = ("~25M-parameter Llama-like with a 256-token sliding window on every other layer "
                  "(hidden 512, 8 layers, 2 KV heads; two KV cache groups)")
+    elif a.model == "state":
+        model = dict(STATE, dir="/tmp/kvbm-bench-state-small")
+        mname = ("~25M-parameter LFM2-like hybrid: short-convolution state layers and full attention in turn "
+                 "(hidden 512, 8 layers, 2 KV heads; a state group beside the attention group)")
     else:
         model = dict(SMALL, dir="/tmp/kvbm-demo-model-small")
         mname = "~25M-parameter Qwen2-like (hidden 512, 8 layers, 2 KV heads)"
@@ -203,8 +218,14 @@ def main():
             a.repeat = 3
         cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique_len, out_len, vocab)
         return
+    # The warm-up request is a document's head; with --model state it is a
+    # prompt of its own: vLLM resuming a state model from a cached state
+    # continues with slightly other floats than computing from scratch (its
+    # own prefix cache as well as kvbm's), so a document warmed up would be
+    # re-visited from a state the no-kvbm column computed another way.
+    warm = prompts(9, 1, 256, vocab)[0] if a.model == "state" else docs[0][:256]
     actions = [
-        {"each": [docs[0][:256]], "max_tokens": 1, "tag": "warmup"},
+        {"each": [warm], "max_tokens": 1, "tag": "warmup"},
         {"each": docs, "max_tokens": 1, "tag": "first_visit", "progress": True},
         {"each": [docs[i] for i in order], "max_tokens": 1, "check_tokens": CHECK_TOKENS, "tag": "revisit",
          "progress": True},

@@ -198,7 +198,7 @@ func (l *Leader) addGroupRows(st *plan.Step, updates []RequestUpdate) {
 		}
 	}
 	if len(saves) > 0 {
-		computed := map[string]int{}
+		computed, ends := map[string]int{}, map[string]int{}
 		var ids []string
 		for i := range updates {
 			u := &updates[i]
@@ -206,6 +206,7 @@ func (l *Leader) addGroupRows(st *plan.Step, updates []RequestUpdate) {
 				ids = append(ids, u.ReqID)
 			}
 			computed[u.ReqID] = u.NumComputedTokens
+			ends[u.ReqID] = u.NumComputedTokens + u.NumScheduledTokens
 		}
 		for _, id := range ids {
 			s := l.slots[id]
@@ -220,6 +221,14 @@ func (l *Leader) addGroupRows(st *plan.Step, updates []RequestUpdate) {
 				row := l.groupRow(s, pos, computed[id])
 				if prev, ok := rows[b]; row == nil || ok && allNoBlock(prev) {
 					continue
+				}
+				for g := range row {
+					if l.groups.isState(g) && (pos+1)*l.bs != ends[id] {
+						// A state block holds the state at this position's end
+						// only in the step that ends there (a save retried
+						// later would read a block vLLM has since let go).
+						row[g] = noBlock
+					}
 				}
 				if l.missesAttention(row) {
 					// This request held b at a position some group has freed

@@ -87,3 +87,20 @@ func TestStateCutWithoutAnyState(t *testing.T) {
 	got, _ = e2.l.GetNumNewMatchedTokens("q", prompt, 0, 0)
 	require.Equal(t, 4*bs, got)
 }
+
+// A save of a position planned in a later step than the one that ended on
+// it (retried after G2 was full) does not read the state group's block:
+// vLLM has let go of it since.
+func TestStateBlockReadOnlyInTheStepEndingThere(t *testing.T) {
+	e := newEnvWith(t, 32, 0, nil, func(o *Options) {
+		o.Groups = &Groups{Primary: 1, Windows: [][2]int{{0, 0}, {0, 0}}, State: []bool{true, false}}
+	})
+	s, _ := e.l.slotFor("a", 0, e.clock.Now())
+	s.noteGroups(&GroupBlocks{Replace: true, Blocks: [][]int64{{0, 0, 7}, {1, 2, 3}}}, 1)
+	st := &plan.Step{Seq: 1, Saves: []plan.Copy{save(3, plan.G2, 0)}}
+	e.l.addGroupRows(st, []RequestUpdate{{ReqID: "a", NumScheduledTokens: 3 * bs}})
+	require.Equal(t, map[int64][]int64{3: {7, 3}}, st.G1Groups.Map())
+	st = &plan.Step{Seq: 2, Saves: []plan.Copy{save(3, plan.G2, 0)}}
+	e.l.addGroupRows(st, []RequestUpdate{{ReqID: "a", NumComputedTokens: 3 * bs, NumScheduledTokens: 1}})
+	require.Equal(t, map[int64][]int64{3: {noBlock, 3}}, st.G1Groups.Map())
+}

@@ -1,14 +1,20 @@
 """A KV connector that does nothing, for benchmarks: vLLM takes a different
 scheduling path when any KV connector is configured, so kvbm's own overhead
 is measured against this, with the same path, as well as against no
-connector at all."""
+connector at all. It declares SupportsHMA, as kvbm does, so vLLM keeps its
+hybrid KV cache manager for hybrid models in both columns (without it vLLM
+turns the manager off, and a hybrid with state layers fails at start-up)."""
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+)
 
 
-class NoopConnector(KVConnectorBase_V1):
+class NoopConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
 
@@ -36,3 +42,6 @@ class NoopConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         return KVConnectorMetadata()
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        return False, None

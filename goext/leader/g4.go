@@ -3,6 +3,7 @@ package leader
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/events"
@@ -129,7 +130,7 @@ type g4Probe struct {
 	alt []uint64
 }
 
-// g4StateLookups bounds one request's state-key HEAD requests in flight.
+// g4StateLookups is how many state keys one wave of g4StateLookup asks.
 const g4StateLookups = 8
 
 type tierHash struct {
@@ -254,7 +255,10 @@ func (l *Leader) g4Match(reqID string, salt uint64, rest, alt []uint64) (n int, 
 		return 0, false
 	}
 	n = g.reg.PrefixLen(rest)
-	if n < len(rest) {
+	// A state model's hit also needs the state at its end: a probe asks for
+	// it unless the registry knows the last found position's already.
+	wantState := alt != nil && n > 0 && !g.reg.Contains(alt[n-1])
+	if n < len(rest) || wantState {
 		p := g.probes[reqID]
 		switch {
 		case p == nil && g.opts.Store != nil && g.opts.Store.Available():
@@ -284,22 +288,17 @@ func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
 	defer cancel()
 	start := l.now()
-	found := s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
-	if len(p.alt) > 0 && found > 0 {
-		// A state key is stored beside its position's block only at some
-		// positions, so each is asked alone (a missing one must not hide
-		// the next, as a missing block hides the rest of a prefix).
-		alt := p.alt[:min(len(p.alt), len(p.alt)-len(hashes)+found)]
-		var wg sync.WaitGroup
-		sem := make(chan struct{}, g4StateLookups)
-		for _, h := range alt {
-			sem <- struct{}{}
-			wg.Go(func() {
-				defer func() { <-sem }()
-				s.LookupSalted(ctx, salt, []uint64{h})
-			})
-		}
-		wg.Wait()
+	found := 0
+	if len(hashes) > 0 {
+		found = s.LookupSalted(ctx, salt, hashes) // found hashes join the registry
+	}
+	if ctx.Err() != nil {
+		l.log.Warn("kvbm G4: lookup ran out of time; the request loads what was found by then",
+			"blocks_asked", len(hashes), "found", found, "timeout", l.g4.opts.LookupTimeout)
+	}
+	if known := len(p.alt) - len(hashes) + found; len(p.alt) > 0 && known > 0 {
+		// The positions found before the lookup and by it.
+		l.g4StateLookup(s, salt, p.alt[:known])
 	}
 	took := l.now().Sub(start)
 	l.mu.Lock()
@@ -314,6 +313,38 @@ func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 		m.ObserveLookup(took, waves)
 	}
 	l.mu.Unlock()
+}
+
+// g4StateLookup asks the bucket for the state keys of a request's
+// positions (alt: hashing.StateHash of each, in prompt order), from the
+// last backward in waves of g4StateLookups, until a wave finds one: a hit
+// ends on the last position with a stored state (stateCut), and state keys
+// exist only where a step ended, so a missing one must not hide the ones
+// before it. The states get a deadline of their own, so that a slow block
+// lookup does not leave a hit without its state.
+func (l *Leader) g4StateLookup(s G4Store, salt uint64, alt []uint64) {
+	ctx, cancel := context.WithTimeout(context.Background(), l.g4.opts.LookupTimeout)
+	defer cancel()
+	for end := len(alt); end > 0 && ctx.Err() == nil; end -= g4StateLookups {
+		wave := alt[max(0, end-g4StateLookups):end]
+		var hit atomic.Bool
+		var wg sync.WaitGroup
+		for _, h := range wave {
+			wg.Go(func() {
+				if s.LookupSalted(ctx, salt, []uint64{h}) > 0 {
+					hit.Store(true)
+				}
+			})
+		}
+		wg.Wait()
+		if hit.Load() {
+			return
+		}
+	}
+	if ctx.Err() != nil {
+		l.log.Warn("kvbm G4: state lookup ran out of time; the request's hit ends on a state found elsewhere or loads nothing",
+			"positions", len(alt), "timeout", l.g4.opts.LookupTimeout)
+	}
 }
 
 // g4Forget drops a finished request's lookup state. l.mu held.

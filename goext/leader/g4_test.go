@@ -40,15 +40,19 @@ func g4Store(t *testing.T, srv *s3test.Server) *object.Store {
 	return s
 }
 
-func newG4Env(t *testing.T, hostBlocks int, g4 *G4Options) *env {
+func newG4Env(t *testing.T, hostBlocks int, g4 *G4Options, edit ...func(*Options)) *env {
 	t.Helper()
 	e := &env{sink: &recSink{}, m: metrics.New(), clock: &fakeClock{t: time.Unix(1_000_000, 0)}, logs: &bytes.Buffer{}}
-	l, err := New(Options{
+	o := Options{
 		Config: &config.Config{CPUCacheOverrideBlocks: hostBlocks, CacheStatsMaxRequests: 1000,
 			CacheStatsLogInterval: 5 * time.Second},
 		BlockSize: bs, BytesPerBlock: 64, NumWorkers: 1, Sink: e.sink, Metrics: e.m, Now: e.clock.Now,
 		Logger: slog.New(slog.NewTextHandler(e.logs, nil)), G4: g4,
-	})
+	}
+	for _, f := range edit {
+		f(&o)
+	}
+	l, err := New(o)
 	require.NoError(t, err)
 	e.l = l
 	return e

@@ -141,18 +141,23 @@ func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint
 	if state && len(srcs) < matched {
 		srcs = l.stateCut(s, srcs, numComputed/bs) // the policy kept a shorter prefix
 	}
-	for _, src := range srcs {
-		if src.tier != plan.G4 {
-			l.poolOf(src.tier).Pin(src.idx)
-		}
-	}
-	for k := range srcs {
-		// A G4 block downloads into a G2 bounce block, taken now (after the
-		// G2 sources are pinned, so it cannot evict one of them); without
-		// one the match stops there.
-		if srcs[k].tier == plan.G4 && !l.g4Bounce(&srcs[k]) {
-			srcs = srcs[:k]
+	for {
+		k := l.pinSources(srcs)
+		if k == len(srcs) {
 			break
+		}
+		// No G2 bounce block for the G4 source at k: the match stops there.
+		// A state model's hit must end on a stored state again, so the pins
+		// are released and the shorter match pinned anew.
+		for j := range srcs {
+			l.releaseSource(srcs[j])
+			if srcs[j].tier == plan.G4 {
+				srcs[j].idx = -1
+			}
+		}
+		srcs = srcs[:k]
+		if state {
+			srcs = l.stateCut(s, srcs, numComputed/bs)
 		}
 	}
 	for _, src := range srcs {
@@ -201,6 +206,24 @@ func (l *Leader) stateCut(s *slot, srcs []source, base int) []source {
 		return srcs[:k]
 	}
 	return srcs[:0]
+}
+
+// pinSources pins srcs' G2 and G3 blocks, then takes a G2 bounce block for
+// each G4 source in order (after the pins, so that a bounce block cannot
+// evict a source), and returns how many leading sources it could take
+// (len(srcs) when all). Every pin and bounce block taken stays taken.
+func (l *Leader) pinSources(srcs []source) int {
+	for _, src := range srcs {
+		if src.tier != plan.G4 {
+			l.poolOf(src.tier).Pin(src.idx)
+		}
+	}
+	for k := range srcs {
+		if srcs[k].tier == plan.G4 && !l.g4Bounce(&srcs[k]) {
+			return k
+		}
+	}
+	return len(srcs)
 }
 
 func (l *Leader) has(p *pool.Pool, h uint64) bool {

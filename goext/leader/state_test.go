@@ -1,12 +1,17 @@
 package leader
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/hashing"
+	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
+	"github.com/kvbm/kvbm/internal/s3test"
 )
 
 // A hybrid model with a recurrent-state group (group 0) beside full
@@ -103,4 +108,109 @@ func TestStateBlockReadOnlyInTheStepEndingThere(t *testing.T) {
 	st = &plan.Step{Seq: 2, Saves: []plan.Copy{save(3, plan.G2, 0)}}
 	e.l.addGroupRows(st, []RequestUpdate{{ReqID: "a", NumComputedTokens: 3 * bs, NumScheduledTokens: 1}})
 	require.Equal(t, map[int64][]int64{3: {noBlock, 3}}, st.G1Groups.Map())
+}
+
+func stateGroups(o *Options) {
+	o.Groups = &Groups{Primary: 1, Windows: [][2]int{{0, 0}, {0, 0}}, State: []bool{true, false}}
+}
+
+// A state model's G4 hit ends on the last position whose state key the
+// bucket holds, found by the lookup even when the block lookup used most
+// of the deadline (the state keys get a deadline of their own), and the
+// last position loads from its state key. The engine is answered Pending
+// until the state keys are asked: the blocks alone (all found first) must
+// not end the wait.
+func TestStateG4LookupFindsTheLastState(t *testing.T) {
+	f := s3test.StartFake(t)
+	s := fakeStore(t, f)
+	prompt := toks(500, 10*bs+1)
+	hs := seqHashes(prompt)
+	for _, h := range hs {
+		require.True(t, s.Enqueue(h, 0, make([]byte, 64)))
+	}
+	for _, i := range []int{1, 8} { // steps ended at positions 1 and 8
+		require.True(t, s.Enqueue(hashing.StateHash(hs[i]), hs[i], make([]byte, 64)))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, s.Flush(ctx))
+	require.Len(t, f.Keys("kv-state"), 12)
+
+	// A fresh leader (another engine): its registry knows nothing. The
+	// first block's HEAD takes most of the lookup deadline, every state
+	// key's HEAD a good part of it.
+	const timeout = 4 * time.Second
+	first := s.KeyFor(0, hs[0])
+	states := map[string]bool{}
+	for _, h := range hs {
+		states[s.KeyFor(0, hashing.StateHash(h))] = true
+	}
+	f.OnHead(func(key string, stored bool) bool {
+		switch {
+		case key == first:
+			time.Sleep(timeout * 6 / 10)
+		case states[key]:
+			time.Sleep(timeout * 5 / 10)
+		}
+		return stored
+	})
+	s2 := fakeStore(t, f)
+	e := newG4Env(t, 16, &G4Options{Store: s2, Async: true, WriteThrough: true, LookupTimeout: timeout}, stateGroups)
+	n := Pending
+	deadline := time.Now().Add(30 * time.Second)
+	for n == Pending {
+		require.True(t, time.Now().Before(deadline), "lookup never finished")
+		time.Sleep(5 * time.Millisecond)
+		n, _ = e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	}
+	require.Equal(t, 9*bs, n, "the hit ends on position 8's state: %s", e.logs.String())
+	staged := e.l.slots["r"].staged
+	require.Len(t, staged, 9)
+	require.Equal(t, hashing.StateHash(hs[8]), staged[8].hash)
+	require.Equal(t, plan.G4, staged[8].tier)
+	require.Equal(t, hs[7], staged[7].hash)
+	require.NotContains(t, e.logs.String(), "ran out of time")
+	// Asked from the last position backward, one wave (positions 2 to 9)
+	// found position 8's state: position 1's was not asked.
+	require.False(t, s2.Registry().Contains(hashing.StateHash(hs[1])))
+}
+
+// A G4 hit that G2 has too few free blocks to download is cut back to a
+// position with a stored state, never to one without (whose state layers
+// would load as zeros), and the bounce blocks of the positions dropped are
+// free again.
+func TestStateG4BounceShortageCutsBackToAState(t *testing.T) {
+	s := g4Store(t, nil)
+	e := newG4Env(t, 4, &G4Options{Store: s, WriteThrough: true}, stateGroups)
+	prompt := toks(600, 6*bs+1)
+	hs := seqHashes(prompt)
+	for _, h := range hs {
+		s.Registry().Add(h)
+	}
+	s.Registry().Add(hashing.StateHash(hs[2]))
+	s.Registry().Add(hashing.StateHash(hs[5]))
+	n, _ := e.l.GetNumNewMatchedTokens("r", prompt, 0, 0)
+	require.Equal(t, 3*bs, n, "four bounce blocks: cut to position 2, the last with a state before the cut")
+	staged := e.l.slots["r"].staged
+	require.Equal(t, hashing.StateHash(hs[2]), staged[2].hash)
+	require.Equal(t, 1, e.l.host.NumFree(), "three bounce blocks held")
+	require.False(t, e.l.RequestFinished("r"))
+	require.Equal(t, 4, e.l.host.NumFree())
+}
+
+// fakeStore returns a store on f's bucket "kv-state" (created), with its
+// own registry.
+func fakeStore(t *testing.T, f *s3test.Fake) *object.Store {
+	t.Helper()
+	c, err := object.NewClient(object.ClientOptions{Host: f.Addr, Bucket: "kv-state", Region: "us-east-1",
+		AccessKey: "k", SecretKey: "s"})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, c.EnsureBucket(ctx, "us-east-1"))
+	s, err := object.NewStore(object.StoreOptions{Client: c, Fingerprint: fingerprint.Inputs{Model: "m"}.Sum(),
+		BlockBytes: 64, Registry: object.NewRegistry(1000), BreakerCooldown: time.Hour})
+	require.NoError(t, err)
+	t.Cleanup(s.Close)
+	return s
 }

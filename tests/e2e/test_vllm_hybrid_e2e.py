@@ -185,6 +185,36 @@ def test_state_space_hybrid_served_from_g2_and_g3_with_its_state(harness, tmp_pa
         assert close(t[tag]["logprobs"], b[tag]["logprobs"], OTHER_LP), tag
 
 
+def test_state_space_hybrid_shares_g4_between_two_engines(harness, s3_server):
+    """LFM2 through G4: engine one uploads A's positions and the one with
+    its state; a second engine process (empty G1 and G2) loads A's prefix
+    ending on that state from the bucket, with vLLM's output."""
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET + "-state")}
+    engine = {"num_gpu_blocks_override": 64}
+    ref = harness({"model": LFM2_MODEL, "engine": engine, "kvbm": False, "actions": [lp("a", A)]})
+    one = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [
+        lp("a", A),
+        {"s3_objects": s3_server.state_dir, "bucket": BUCKET + "-state", "at_least": 7, "tag": "uploaded"},
+        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 7, "poke": POKE, "tag": "counted"},
+    ]})
+    t1 = {a["tag"]: a for a in one["actions"]}
+    assert t1["uploaded"]["reached"] and t1["uploaded"]["objects"] == 7, t1["uploaded"]
+    two = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [lp("a", A)]})
+    for res in (one, two):
+        assert "Turning off hybrid kv cache manager" not in res["log"]
+        for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
+            assert bad not in res["log"], bad
+    t2 = {a["tag"]: a for a in two["actions"]}
+    m2 = t2["a"]["metrics"]
+    g4_lines = [ln for ln in two["log"].splitlines() if "G4" in ln]
+    assert m2["kvbm_onboard_blocks_obj2h"] == 6, (m2, g4_lines)
+    assert m2.get("kvbm_load_errors", 0) == 0, m2
+    assert t2["a"]["num_cached_tokens"] == [6 * BS]
+    assert t2["a"]["tokens"] == t1["a"]["tokens"] == ref["actions"][0]["tokens"]
+    assert close(t2["a"]["logprobs"], t1["a"]["logprobs"], OTHER_LP)
+    assert close(t2["a"]["logprobs"], ref["actions"][0]["logprobs"], OTHER_LP)
+
+
 C = prompt(3, 8 * BS + 1)
 
 

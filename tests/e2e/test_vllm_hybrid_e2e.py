@@ -419,3 +419,51 @@ def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
     base = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)],
                     "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}})
     assert t2["a_again"]["tokens"] == t1["a"]["tokens"] == base["actions"][0]["tokens"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
+def test_state_space_hybrid_tensor_parallel_2(harness, tmp_path):
+    """LFM2 at tensor parallelism 2 (each rank holds its shard of the
+    convolution state and its KV head): both ranks store A's positions and
+    the one with its state, a re-visit loads them from G2 into each rank's
+    blocks, and a second engine on the same persistent G3 directory loads
+    them from G3 — with the tokens and log-probabilities vLLM computes at
+    TP=2 from scratch."""
+    from kvbm.testing.ports import free_ports
+
+    pub, ack = free_ports(2)
+    env = {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 10,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
+        "DYN_KVBM_DISK_PERSIST": "true",
+        "DYN_KVBM_LEADER_ZMQ_PUB_PORT": pub,
+        "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    engine = {"num_gpu_blocks_override": 64, "tensor_parallel_size": 2}
+    first = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [
+        lp("first", A), {"reset": True, "tag": "reset"}, lp("a_from_g2", A), {"quiesce": True, "tag": "q"}]})
+    second = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [lp("a_from_g3", A)]})
+    for res in (first, second):
+        log = res["log"]
+        assert "Turning off hybrid kv cache manager" not in log
+        assert log.count("2 KV cache groups (layer groups [0 1 0 1])") >= 2, log[-4000:]  # both ranks' workers
+        for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
+            assert bad not in log, bad
+    t1 = {a["tag"]: a for a in first["actions"]}
+    t2 = {a["tag"]: a for a in second["actions"]}
+    assert t1["first"]["metrics"]["kvbm_offload_blocks_d2h"] == 7, t1["first"]["metrics"]
+    assert t1["a_from_g2"]["metrics"]["kvbm_onboard_blocks_h2d"] == 6
+    assert t1["a_from_g2"]["num_cached_tokens"] == [6 * BS]
+    m = t2["a_from_g3"]["metrics"]
+    assert m["kvbm_onboard_blocks_d2d"] == 6 and m["kvbm_matched_tokens"] == 6 * BS, m
+    assert m.get("kvbm_load_errors", 0) == 0, m
+    assert t2["a_from_g3"]["num_cached_tokens"] == [6 * BS]
+    base = harness({"model": LFM2_MODEL, "engine": engine, "kvbm": False, "actions": [lp("a", A)],
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}})
+    ref = base["actions"][0]
+    for got in (t1["first"], t1["a_from_g2"], t2["a_from_g3"]):
+        assert got["tokens"] == ref["tokens"]
+        assert close(got["logprobs"], ref["logprobs"], OTHER_LP)

@@ -66,7 +66,7 @@ pytest: build build-debug
 # classes, in .venv-vllm033 (scripts/vllm033-env.sh: vLLM 0.33 without its
 # dependencies over .venv's packages). Under CI a missing environment fails.
 VLLM033_PY := .venv-vllm033/bin/python
-VLLM033_TESTS := tests/test_vllm_api.py tests/test_vllm_adapter.py tests/test_vllm_surfaces.py tests/test_vllm_call_orders.py
+VLLM033_TESTS := tests/test_vllm_api.py tests/test_vllm_adapter.py tests/test_vllm_surfaces.py tests/test_vllm_call_orders.py tests/test_vllm_hybrid.py
 pytest-vllm033: build
 	@if [ ! -x $(VLLM033_PY) ]; then \
 	  if [ -n "$$CI" ]; then echo "no $(VLLM033_PY): run scripts/vllm033-env.sh"; exit 1; fi; \

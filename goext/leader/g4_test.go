@@ -21,14 +21,20 @@ import (
 // tests that only use the registry).
 func g4Store(t *testing.T, srv *s3test.Server) *object.Store {
 	t.Helper()
-	host := "127.0.0.1:1"
-	if srv != nil {
-		host = srv.Addr
+	if srv == nil {
+		return storeAt(t, "127.0.0.1:1", false)
 	}
+	return storeAt(t, srv.Addr, true)
+}
+
+// storeAt returns a store on bucket "kv-leader" at host (created when
+// create), with a registry of its own.
+func storeAt(t *testing.T, host string, create bool) *object.Store {
+	t.Helper()
 	c, err := object.NewClient(object.ClientOptions{Host: host, Bucket: "kv-leader", Region: "us-east-1",
 		AccessKey: s3test.AccessKey, SecretKey: s3test.SecretKey})
 	require.NoError(t, err)
-	if srv != nil {
+	if create {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		require.NoError(t, c.EnsureBucket(ctx, "us-east-1"))

@@ -7,9 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/hashing"
-	"github.com/kvbm/kvbm/goext/object"
 	"github.com/kvbm/kvbm/goext/plan"
 	"github.com/kvbm/kvbm/internal/s3test"
 )
@@ -122,7 +120,7 @@ func stateGroups(o *Options) {
 // not end the wait.
 func TestStateG4LookupFindsTheLastState(t *testing.T) {
 	f := s3test.StartFake(t)
-	s := fakeStore(t, f)
+	s := storeAt(t, f.Addr, true)
 	prompt := toks(500, 10*bs+1)
 	hs := seqHashes(prompt)
 	for _, h := range hs {
@@ -134,7 +132,7 @@ func TestStateG4LookupFindsTheLastState(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	require.NoError(t, s.Flush(ctx))
-	require.Len(t, f.Keys("kv-state"), 12)
+	require.Len(t, f.Keys("kv-leader"), 12)
 
 	// A fresh leader (another engine): its registry knows nothing. The
 	// first block's HEAD takes most of the lookup deadline, every state
@@ -154,7 +152,7 @@ func TestStateG4LookupFindsTheLastState(t *testing.T) {
 		}
 		return stored
 	})
-	s2 := fakeStore(t, f)
+	s2 := storeAt(t, f.Addr, true)
 	e := newG4Env(t, 16, &G4Options{Store: s2, Async: true, WriteThrough: true, LookupTimeout: timeout}, stateGroups)
 	n := Pending
 	deadline := time.Now().Add(30 * time.Second)
@@ -196,21 +194,4 @@ func TestStateG4BounceShortageCutsBackToAState(t *testing.T) {
 	require.Equal(t, 1, e.l.host.NumFree(), "three bounce blocks held")
 	require.False(t, e.l.RequestFinished("r"))
 	require.Equal(t, 4, e.l.host.NumFree())
-}
-
-// fakeStore returns a store on f's bucket "kv-state" (created), with its
-// own registry.
-func fakeStore(t *testing.T, f *s3test.Fake) *object.Store {
-	t.Helper()
-	c, err := object.NewClient(object.ClientOptions{Host: f.Addr, Bucket: "kv-state", Region: "us-east-1",
-		AccessKey: "k", SecretKey: "s"})
-	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	require.NoError(t, c.EnsureBucket(ctx, "us-east-1"))
-	s, err := object.NewStore(object.StoreOptions{Client: c, Fingerprint: fingerprint.Inputs{Model: "m"}.Sum(),
-		BlockBytes: 64, Registry: object.NewRegistry(1000), BreakerCooldown: time.Hour})
-	require.NoError(t, err)
-	t.Cleanup(s.Close)
-	return s
 }

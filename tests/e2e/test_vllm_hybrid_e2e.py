@@ -374,19 +374,23 @@ def test_sliding_window_model_disk_tier_survives_restart(harness, tmp_path):
             assert bad not in res["log"], bad
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
-def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
-    """Two KV cache groups at tensor parallelism 2, with the persistent disk
-    tier: each rank stores its shard (its KV head) of every layer of each
-    position, A moves G2 → G3 over the side channel; a second engine on the
-    same directory recovers both ranks' files and loads A from G3 into each
-    group's blocks on each rank, with the output vLLM computes at TP=2
-    without kvbm."""
+def assert_two_groups_on_both_ranks(log):
+    """The engine kept vLLM's hybrid manager and both ranks' workers
+    registered the model's two groups, with no failure."""
+    assert "Turning off hybrid kv cache manager" not in log
+    assert log.count("2 KV cache groups (layer groups [0 1 0 1])") >= 2, log[-4000:]
+    for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
+        assert bad not in log, bad
+
+
+def tp2_persistent_env(tmp_path, host_blocks):
+    """kvbm's settings for an engine at tensor parallelism 2 with a
+    persistent G3 in tmp_path (one OpenMP thread per rank, on its own core)."""
     from kvbm.testing.ports import free_ports
 
     pub, ack = free_ports(2)
-    env = {
-        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 8,
+    return {
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host_blocks,
         "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
         "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
         "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
@@ -395,6 +399,17 @@ def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
         "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
     }
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs 2 CPU cores")
+def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
+    """Two KV cache groups at tensor parallelism 2, with the persistent disk
+    tier: each rank stores its shard (its KV head) of every layer of each
+    position, A moves G2 → G3 over the side channel; a second engine on the
+    same directory recovers both ranks' files and loads A from G3 into each
+    group's blocks on each rank, with the output vLLM computes at TP=2
+    without kvbm."""
+    env = tp2_persistent_env(tmp_path, host_blocks=8)
     engine = {"num_gpu_blocks_override": 32, "tensor_parallel_size": 2}
     first = harness({"model": MODEL, "engine": engine, "env": env,
                      "actions": [gen("a", A), gen("b", B), {"quiesce": True, "tag": "q"}]})
@@ -405,11 +420,7 @@ def test_sliding_window_model_tensor_parallel_2_restart(harness, tmp_path):
 
     second = harness({"model": MODEL, "engine": engine, "env": env, "actions": [gen("a_again", A)]})
     for res in (first, second):
-        log = res["log"]
-        assert "Turning off hybrid kv cache manager" not in log
-        assert log.count("2 KV cache groups (layer groups [0 1 0 1])") >= 2, log[-4000:]  # both ranks' workers
-        for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
-            assert bad not in log, bad
+        assert_two_groups_on_both_ranks(res["log"])
     t2 = {a["tag"]: a for a in second["actions"]}
     m = t2["a_again"]["metrics"]
     assert m["kvbm_g3_recovered_blocks"] >= 6, m
@@ -429,29 +440,13 @@ def test_state_space_hybrid_tensor_parallel_2(harness, tmp_path):
     blocks, and a second engine on the same persistent G3 directory loads
     them from G3 — with the tokens and log-probabilities vLLM computes at
     TP=2 from scratch."""
-    from kvbm.testing.ports import free_ports
-
-    pub, ack = free_ports(2)
-    env = {
-        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 10,
-        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": 64,
-        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
-        "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path),
-        "DYN_KVBM_DISK_PERSIST": "true",
-        "DYN_KVBM_LEADER_ZMQ_PUB_PORT": pub,
-        "DYN_KVBM_LEADER_ZMQ_ACK_PORT": ack,
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-    }
+    env = tp2_persistent_env(tmp_path, host_blocks=10)
     engine = {"num_gpu_blocks_override": 64, "tensor_parallel_size": 2}
     first = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [
         lp("first", A), {"reset": True, "tag": "reset"}, lp("a_from_g2", A), {"quiesce": True, "tag": "q"}]})
     second = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [lp("a_from_g3", A)]})
     for res in (first, second):
-        log = res["log"]
-        assert "Turning off hybrid kv cache manager" not in log
-        assert log.count("2 KV cache groups (layer groups [0 1 0 1])") >= 2, log[-4000:]  # both ranks' workers
-        for bad in ("kvbm disabled", "kvbm failed", "Traceback", "panic"):
-            assert bad not in log, bad
+        assert_two_groups_on_both_ranks(res["log"])
     t1 = {a["tag"]: a for a in first["actions"]}
     t2 = {a["tag"]: a for a in second["actions"]}
     assert t1["first"]["metrics"]["kvbm_offload_blocks_d2h"] == 7, t1["first"]["metrics"]

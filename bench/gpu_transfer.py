@@ -22,7 +22,9 @@ worker (C ABI → Go → CUDA), for each layout and copy mode, and checking byte
 
 Baselines in the same run: (a) torch's pinned contiguous copy of the same
 number of bytes, each way and both ways at once; (b) naive per-block,
-per-layer torch copies. GB/s = 10^9 bytes per second of moved payload
+per-layer torch copies; (c) with the trtllm layout, torch's per-block copies
+of the same scattered blocks (kvbm's `direct` work, issued by torch), both
+ways, and the matmul while it moves them. GB/s = 10^9 bytes per second of moved payload
 (2,048 × 2 MiB = 4.29 GB each way). The table's "vs torch" column is kvbm's
 matmul slowdown minus torch's own DMA slowdown (points, same run); the lines
 after it check each kvbm row against the targets (TARGET_SLOW_PT,
@@ -235,6 +237,55 @@ def torch_mover(dev, host, to_dev):
     return run
 
 
+def torch_block_mover(cache, host, blocks, to_dev):
+    """Loops kvbm's `direct` work done by torch: one copy per scattered 2 MiB
+    block (TensorRT-LLM's layout: a block is one contiguous range of every
+    layer) between the cache and a pinned host buffer, on a side stream."""
+    def run(stop):
+        s = torch.cuda.Stream()
+        ev = torch.cuda.Event()
+        moved, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            with torch.cuda.stream(s):
+                for i, b in enumerate(blocks):
+                    (cache[b].copy_(host[i], non_blocking=True) if to_dev else host[i].copy_(cache[b], non_blocking=True))
+                ev.record()
+            poll(ev)
+            moved += host.numel() * host.element_size()
+        return moved, time.perf_counter() - t0
+    return run
+
+
+def bench_torch_blocks(nblocks, src, dst, repeat, mm_k):
+    """(c): torch moving the same scattered blocks as kvbm (per-block
+    copies, trtllm layout), both ways at once, and the matmul while it does:
+    the baseline for what scattering the copies costs the engine, apart
+    from how kvbm issues them."""
+    cache = make_cache("trtllm", nblocks)[0]
+    cache.view(torch.int16).random_()
+    out = torch.empty((len(src), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
+    inp = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+    d2h, h2d = torch_block_mover(cache, out, src, False), torch_block_mover(cache, inp, dst, True)
+    nbytes = out.numel() * out.element_size()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        for i, (a, b) in enumerate(zip(src, dst)):
+            with torch.cuda.stream(s1):
+                out[i].copy_(cache[a], non_blocking=True)
+            with torch.cuda.stream(s2):
+                cache[b].copy_(inp[i], non_blocking=True)
+
+    r = {"both": gbps(2 * nbytes, timed(both, repeat))}
+    if mm_k:
+        alone, tflops, slow, res = slowdown([d2h, h2d], mm_k)
+        r.update(mm_alone=alone, mm=tflops, mm_slow=slow,
+                 mm_gbps=sum(m for m, _ in res) / 1e9 / max(t for _, t in res))
+    del cache, out, inp
+    torch.cuda.empty_cache()
+    return r
+
+
 def bench_pinned(nbytes, repeat):
     """(a): one way each, and both ways at once, pinned contiguous."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -444,6 +495,12 @@ def main():
     torch.cuda.empty_cache()
     rows.append(dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both,
                      mm_alone=mm_alone, mm=mm_torch, mm_slow=torch_slow, mm_gbps=torch_gbps))
+    if "trtllm" in args.layouts.split(","):
+        r = bench_torch_blocks(args.blocks, src, dst, args.repeat, args.matmuls)
+        rows.append(dict(name="(c) torch per-block DMA, trtllm", mode="copy_ per block", off=None, on=None, **r))
+        print(f"  torch per-block copies of the same blocks: both ways {r['both']:.1f} GB/s"
+              + (f"; matmul {r['mm']:.0f} TFLOP/s while moving {r['mm_gbps']:.1f} GB/s" if "mm" in r else ""),
+              flush=True)
     first = True
     for kind in args.layouts.split(","):
         tensors = make_cache(kind, args.blocks)
@@ -498,12 +555,12 @@ def main():
 
     for r in rows:
         mm = r.get("mm")
-        cells = [r["name"], r["mode"], f(r["off"]), f(100 * r["off"] / a_off, "{:.0f}%"), f(r["on"]),
-                 f(100 * r["on"] / a_on, "{:.0f}%"),
+        cells = [r["name"], r["mode"], f(r["off"]), f(100 * r["off"] / a_off, "{:.0f}%") if r["off"] else "-",
+                 f(r["on"]), f(100 * r["on"] / a_on, "{:.0f}%") if r["on"] else "-",
                  f"{r['off_e2e']:.1f} / {r['on_e2e']:.1f}" if "off_e2e" in r else "-",
                  f(r.get("both")), f(100 * r["both"] / a_both, "{:.0f}%") if r.get("both") else "-",
                  f(mm, "{:.0f}"), f(100 * r["mm_slow"], "{:.1f}%") if mm else "-",
-                 f"{100 * (r['mm_slow'] - torch_slow):+.1f} pt" if mm and r["name"].startswith("kvbm") else "-",
+                 f"{100 * (r['mm_slow'] - torch_slow):+.1f} pt" if mm and not r["name"].startswith("(a)") else "-",
                  f(r.get("mm_gbps"))]
         print("| " + " | ".join(cells) + " |")
     print_targets(rows, a_both, torch_slow)
@@ -522,6 +579,7 @@ def print_targets(rows, a_both, torch_slow):
     slowdown (points) and its both-ways GB/s against torch's, each with
     its target and whether this run met it."""
     kv = [r for r in rows if r["name"].startswith("kvbm") and r.get("both")]
+    blocks = next((r for r in rows if r["name"].startswith("(c)")), None)
     if not kv:
         return
     if torch_slow is None:
@@ -536,6 +594,9 @@ def print_targets(rows, a_both, torch_slow):
             d = 100 * (r["mm_slow"] - torch_slow)
             parts.insert(0, f"slowdown {100 * r['mm_slow']:.1f}%, torch {d:+.1f} pt "
                             f"({'met' if d <= TARGET_SLOW_PT else 'NOT met'})")
+            if blocks and blocks.get("mm") is not None and r["name"].endswith("trtllm"):
+                parts.insert(1, f"{100 * (r['mm_slow'] - blocks['mm_slow']):+.1f} pt against torch's per-block "
+                                "copies of the same blocks (no target)")
         print(f"  {r['name']}/{r['mode']}: " + "; ".join(parts))
 
 

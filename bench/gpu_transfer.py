@@ -221,39 +221,38 @@ def poll(ev):
         time.sleep(0.0002)
 
 
-def torch_mover(dev, host, to_dev):
-    """Loops pinned contiguous copies of dev ⇄ host on a side stream."""
+def side_mover(issue, nbytes):
+    """A mover looping issue() (copies of nbytes queued on a side stream)
+    until its stop event is set, each round waited for by polling; returns
+    (bytes moved, seconds)."""
     def run(stop):
         s = torch.cuda.Stream()
         ev = torch.cuda.Event()
         moved, t0 = 0, time.perf_counter()
         while not stop.is_set():
             with torch.cuda.stream(s):
-                (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
+                issue()
                 ev.record()
             poll(ev)
-            moved += dev.numel()
+            moved += nbytes
         return moved, time.perf_counter() - t0
     return run
+
+
+def torch_mover(dev, host, to_dev):
+    """Pinned contiguous copies of dev ⇄ host (uint8 tensors)."""
+    return side_mover(lambda: dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True),
+                      dev.numel())
 
 
 def torch_block_mover(cache, host, blocks, to_dev):
-    """Loops kvbm's `direct` work done by torch: one copy per scattered 2 MiB
-    block (TensorRT-LLM's layout: a block is one contiguous range of every
-    layer) between the cache and a pinned host buffer, on a side stream."""
-    def run(stop):
-        s = torch.cuda.Stream()
-        ev = torch.cuda.Event()
-        moved, t0 = 0, time.perf_counter()
-        while not stop.is_set():
-            with torch.cuda.stream(s):
-                for i, b in enumerate(blocks):
-                    (cache[b].copy_(host[i], non_blocking=True) if to_dev else host[i].copy_(cache[b], non_blocking=True))
-                ev.record()
-            poll(ev)
-            moved += host.numel() * host.element_size()
-        return moved, time.perf_counter() - t0
-    return run
+    """kvbm's `direct` work done by torch: one copy per scattered 2 MiB block
+    (TensorRT-LLM's layout: a block is one contiguous range of every layer)
+    between the cache and a pinned host buffer."""
+    def issue():
+        for i, b in enumerate(blocks):
+            (cache[b].copy_(host[i], non_blocking=True) if to_dev else host[i].copy_(cache[b], non_blocking=True))
+    return side_mover(issue, host.numel() * host.element_size())
 
 
 def bench_torch_blocks(nblocks, src, dst, repeat, mm_k):

@@ -40,8 +40,10 @@ visit's prefill step ended. --quick uses 1K-token documents instead of 2K.
 
 3. --cost: only kvbm's cost when nothing is reused (first visits and
    no-reuse throughput of kvbm, of kvbm with its threads left on the
-   model's cores, of the no-op connector and of no connector, --repeat
-   rounds, default 3, every round printed with the spread).
+   model's cores, of the no-op connector and of no connector), paired: the
+   four engines run side by side and every request goes to each in turn;
+   --repeat rounds (default 3) of fresh engines and prompts; verdicts from
+   the paired ratios' 95% interval (met, not met, or not decided).
 
     python bench/vllm_ttft.py [--quick] [--repeat N] [--model small|0.5b|sliding|state] [--docs N] [--no-peers] [--cost]
 """
@@ -53,6 +55,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -97,57 +100,97 @@ def spread(xs):
 def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique_len, out_len, vocab):
     """kvbm's cost when nothing is reused: first visits and no-reuse
     throughput of kvbm, kvbm with its threads on the model's cores (before
-    DYN_KVBM_THREAD_AFFINITY), the no-op connector and no connector, every
-    column run --repeat times (column order rotated), every run printed."""
+    DYN_KVBM_THREAD_AFFINITY), the no-op connector and no connector.
+
+    Paired and interleaved: every round starts all four engines at once
+    (compare.LiveColumn) and sends each request to each of them in turn
+    (order rotated per request), one engine working at a time, so a request
+    and its pairs in the other columns run seconds apart on the same machine;
+    slow drifts of a shared machine then hit all columns alike. After each
+    request the kvbm columns wait until their background work (G2→G3 moves)
+    is done, so none of it runs during another column's request (the time it
+    took is printed). Each round has fresh documents and prompts (a first
+    visit is one). The verdicts use the paired ratios of all rounds: their
+    geometric mean and 95% bootstrap interval (compare.paired_ratio)."""
     cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT]
-    # The warm-up request is a document's head; with --model state it is a
-    # prompt of its own: vLLM resuming a state model from a cached state
-    # continues with slightly other floats than computing from scratch (its
-    # own prefix cache as well as kvbm's), so a document warmed up would be
-    # re-visited from a state the no-kvbm column computed another way.
-    warm = prompts(9, 1, 256, vocab)[0] if a.model == "state" else docs[0][:256]
-    actions = [
-        {"each": [warm], "max_tokens": 1, "tag": "warmup"},
-        {"each": docs, "max_tokens": 1, "tag": "first_visit", "progress": True},
-        {"generate": prompts(3, n_unique, unique_len, vocab), "max_tokens": out_len, "tag": "no_reuse_warmup"},
-        {"generate": prompts(2, n_unique, unique_len, vocab), "max_tokens": out_len, "tag": "no_reuse"},
-        {"generate": prompts(4, n_unique, unique_len, vocab), "max_tokens": out_len, "tag": "no_reuse_2"},
-    ]
     n = max(a.repeat, 1)
-    print(f"vLLM no-reuse cost: {mname} model; first visits of {len(docs)} × {length}-token documents and "
-          f"{n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s) of {', '.join(cols)}",
+    print(f"vLLM no-reuse cost: {mname} model; per round {len(docs)} first visits of {length}-token documents and "
+          f"2 batches of {n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s), the "
+          f"engines of {', '.join(cols)} running side by side, each request sent to every engine in turn",
           flush=True)
     print(compare.engine_threads(), flush=True)
-    first = {c: [] for c in cols}
-    tput = {c: [] for c in cols}
+    first = {c: [] for c in cols}  # ms, per request, every round
+    tput = {c: [] for c in cols}  # tok/s, per batch, every round
+    settle = {c: [] for c in cols}  # s kvbm's background work ran on after a request
     ntok = n_unique * out_len
     for k in range(n):
-        order = cols[k % len(cols):] + cols[:k % len(cols)]
-        r = compare.run_columns(model, engine, g1, host, disk, actions, columns=order)
-        for c in cols:
-            first[c].append(1000 * statistics.mean(r[c]["first_visit"]["secs_each"]))
-            tput[c].append(max(ntok / r[c][t]["secs"] for t in ("no_reuse", "no_reuse_2")))
-        print(f"round {k + 1}/{n}: " + "; ".join(f"{c}: first visit {first[c][-1]:.1f} ms, {tput[c][-1]:.1f} tok/s"
-                                                  for c in cols), flush=True)
+        # The warm-up request is a prompt of its own (with --model state a
+        # document's head would be re-visited from a state computed two ways).
+        warm = prompts(900 + k, 1, 256, vocab)[0]
+        round_docs = prompts(100 + k, len(docs), length, vocab)
+        batches = [prompts(200 + 10 * k + b, n_unique, unique_len, vocab) for b in range(3)]
+        live = {}
+        try:
+            print(f"== round {k + 1}/{n}: starting {len(cols)} engines (vLLM CPU backend) ...", flush=True)
+            for c in cols:
+                live[c] = compare.LiveColumn(c, model, engine, g1, host, disk)
+            for c in cols:
+                live[c].ready()
+
+            def one(c, act):
+                rec = live[c].do(act)
+                t0 = time.time()
+                live[c].do({"quiesce": True, "tag": "quiesce"})
+                settle[c].append(time.time() - t0)
+                return rec
+
+            for c in cols:
+                one(c, {"each": [warm], "max_tokens": 1, "tag": "warmup"})
+            for j, d in enumerate(round_docs):
+                m = (j + k) % len(cols)
+                for c in cols[m:] + cols[:m]:
+                    first[c].append(1000 * one(c, {"each": [d], "max_tokens": 1, "tag": "first_visit"})["secs_each"][0])
+                print(f"   first visit {j + 1}/{len(round_docs)}: " +
+                      ", ".join(f"{c} {first[c][-1]:.0f} ms" for c in cols), flush=True)
+            for b, batch in enumerate(batches):  # batch 0 warms the decode path up
+                m = (b + k) % len(cols)
+                for c in cols[m:] + cols[:m]:
+                    rec = one(c, {"generate": batch, "max_tokens": out_len, "tag": f"no_reuse_{b}"})
+                    if b:
+                        tput[c].append(ntok / rec["secs"])
+        finally:
+            for c in live.values():
+                c.close()
+        per = len(round_docs)
+        print(f"round {k + 1}/{n}: " + "; ".join(
+            f"{c}: first visit {statistics.mean(first[c][-per:]):.1f} ms, {statistics.mean(tput[c][-2:]):.1f} tok/s"
+            for c in cols), flush=True)
     print()
     compare.print_table([
-        ("first visit, TTFT mean per run, ms", first, spread),
-        ("no reuse, tok/s per run", tput, spread),
+        ("first visit, TTFT per request, ms", first, spread),
+        ("no reuse, tok/s per batch", tput, spread),
+        ("background work after a request (quiesce), s", settle, lambda xs: f"{statistics.mean(xs):.2f}"),
     ], cols)
+    print(f"paired ratios, {n} round(s): geometric mean and 95% bootstrap interval; target ≥ 95%")
+    verdicts = {}
     for kv in ("kvbm", compare.KVBM_INHERIT):
         for base in ("no-op connector", "no kvbm"):
-            f = [first[base][i] / first[kv][i] for i in range(n)]
-            t = [tput[kv][i] / tput[base][i] for i in range(n)]
-            print(f"{kv} against {base}, same round: first visits at {spread([100 * x for x in f])} % of "
-                  f"{base}'s speed (100 = equal), no-reuse throughput {spread([100 * x for x in t])} %")
-    fm = statistics.mean(first["no-op connector"]) / statistics.mean(first["kvbm"])
-    tm = statistics.mean(tput["kvbm"]) / statistics.mean(tput["no-op connector"])
-    rows.emit("vllm_cost", f"vLLM no reuse, kvbm vs no-op connector, {n} rounds: first-visit TTFT",
-              f"{statistics.mean(first['kvbm']):.1f} ms", f"no-op {statistics.mean(first['no-op connector']):.1f} ms",
-              f"{100 * fm:.0f}% of no-op's speed", "≥ 95%", fm >= 0.95)
-    rows.emit("vllm_cost", f"vLLM no reuse, kvbm vs no-op connector, {n} rounds: throughput",
-              f"{statistics.mean(tput['kvbm']):.1f} tok/s", f"no-op {statistics.mean(tput['no-op connector']):.1f} tok/s",
-              f"{100 * tm:.0f}%", "≥ 95%", tm >= 0.95)
+            f = compare.paired_ratio([first[base][i] / first[kv][i] for i in range(len(first[kv]))])
+            t = compare.paired_ratio([tput[kv][i] / tput[base][i] for i in range(len(tput[kv]))])
+            for what, (m, lo, hi) in (("first visits (speed)", f), ("no-reuse throughput", t)):
+                v = compare.verdict(lo, hi, 0.95)
+                verdicts[(kv, base, what)] = (m, lo, hi, v)
+                word = {True: "met", False: "NOT met", None: "not decided (the interval spans 95%)"}[v]
+                print(f"  {kv} against {base}: {what} {100 * m:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}%): {word}")
+    for what, short in (("first visits (speed)", "first-visit TTFT"), ("no-reuse throughput", "throughput")):
+        m, lo, hi, v = verdicts[("kvbm", "no-op connector", what)]
+        base = statistics.mean(first["no-op connector"]) if short != "throughput" else statistics.mean(
+            tput["no-op connector"])
+        mine = statistics.mean(first["kvbm"]) if short != "throughput" else statistics.mean(tput["kvbm"])
+        unit = "tok/s" if short == "throughput" else "ms"
+        rows.emit("vllm_cost", f"vLLM no reuse, kvbm vs no-op connector, {n} paired rounds: {short}",
+                  f"{mine:.1f} {unit}", f"no-op {base:.1f} {unit}",
+                  f"{100 * m:.0f}% (95% interval {100 * lo:.0f}–{100 * hi:.0f}%)", "≥ 95%", v)
 
 
 def main():
@@ -169,7 +212,8 @@ def main():
     ap.add_argument("--cost", action="store_true",
                     help="only kvbm's cost when nothing is reused: first visits and no-reuse throughput of kvbm, "
                          "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), the "
-                         "no-op connector and no connector, --repeat rounds (default 3), every run printed")
+                         "no-op connector and no connector, their engines side by side and every request sent to "
+                         "each in turn; --repeat rounds (default 3), verdicts from the paired ratios' interval")
     ap.add_argument("--lmcache-store-policy", choices=("skip_l1", "default"), default=peers.LMCACHE_STORE_POLICY,
                     help="LMCache's L2 store policy: skip_l1 (every chunk to disk, out of L1; default) or default "
                          "(every chunk to disk and kept in L1 while it fits)")

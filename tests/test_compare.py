@@ -4,6 +4,7 @@ get kvbm's bytes. No engine runs here."""
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -169,3 +170,110 @@ def test_lmcache_store_policy_is_the_benchs_choice(monkeypatch):
     monkeypatch.setattr(peers, "LMCACHE_STORE_POLICY", "default")
     argv = _specs()[peers.LMCACHE]["server"]["argv"]
     assert argv[argv.index("--l2-store-policy") + 1] == "default"
+
+
+def test_harness_serve_answers_each_action_and_survives_a_failing_one(monkeypatch):
+    """The harness's serve mode: a ready line, then one answer per action
+    line (blank lines skipped), an action that raises answered with its
+    error while the engine goes on."""
+    import io
+
+    from kvbm.testing import vllm_harness
+
+    seen = []
+
+    def fake(llm, act, i, metrics_port):
+        seen.append((act["tag"], i, metrics_port))
+        if act.get("boom"):
+            raise ValueError("no such prompt")
+        return {"tag": act["tag"], "secs_each": [0.25]}
+
+    monkeypatch.setattr(vllm_harness, "do_action", fake)
+    inp = io.StringIO('{"tag": "a"}\n\n{"tag": "b", "boom": true}\n{"tag": "c"}\n')
+    out = io.StringIO()
+    assert vllm_harness.serve(object(), 4242, inp, out) == 3
+    lines = out.getvalue().splitlines()
+    assert all(ln.startswith(vllm_harness.RESULT) for ln in lines)
+    recs = [json.loads(ln[len(vllm_harness.RESULT):]) for ln in lines]
+    assert recs == [{"ready": True}, {"tag": "a", "secs_each": [0.25]}, {"error": "ValueError: no such prompt"},
+                    {"tag": "c", "secs_each": [0.25]}]
+    assert seen == [("a", 0, 4242), ("b", 1, 4242), ("c", 2, 4242)]
+
+
+_FAKE_ENGINE = r'''
+import json, sys
+RESULT = "@@kvbm-harness-result "
+spec = json.load(open(sys.argv[-2]))
+print("INFO engine starting, serve=%s" % spec.get("serve"), flush=True)
+print(RESULT + json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    act = json.loads(line)
+    if act.get("die"):
+        print("(EngineCore_DP0 pid=1) RuntimeError: out of KV cache", flush=True)
+        sys.exit(3)
+    if act.get("boom"):
+        print(RESULT + json.dumps({"error": "ValueError: bad"}), flush=True)
+        continue
+    print("[first_visit] request 1/1: 5 prompt tokens, 1 ms", flush=True)
+    print(RESULT + json.dumps({"tag": act.get("tag"), "secs_each": [0.5], "n": len(act.get("each", []))}), flush=True)
+'''
+
+
+def _fake_python(tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(_FAKE_ENGINE)
+    fake = tmp_path / "python"
+    # Stands in for "python -m kvbm.testing.vllm_harness spec out".
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_live_column_runs_actions_one_at_a_time(tmp_path):
+    """compare.LiveColumn keeps a column's engine up (spec "serve") and
+    returns each action's record; an action the engine could not run raises
+    with its error; close() ends the engine and removes its run directory."""
+    col = compare.LiveColumn("no-op connector", SMALL, ENGINE, 70, 64, 768, python=_fake_python(tmp_path))
+    assert col.spec["serve"] is True and col.spec["noop_connector"] is True
+    col.ready()
+    assert col.do({"each": [[1, 2, 3]], "tag": "first_visit"}) == {"tag": "first_visit", "secs_each": [0.5], "n": 1}
+    with pytest.raises(RuntimeError, match="no-op connector: x: ValueError: bad"):
+        col.do({"boom": True, "tag": "x"})
+    assert col.do({"each": [], "tag": "again"})["tag"] == "again"  # still up
+    run_dir = col._dir.name
+    col.close()
+    assert col.proc.returncode == 0
+    assert not os.path.exists(run_dir)
+
+
+def test_live_column_that_dies_names_the_root_cause(tmp_path):
+    col = compare.LiveColumn("kvbm", SMALL, ENGINE, 70, 64, 768, python=_fake_python(tmp_path))
+    col.ready()
+    with pytest.raises(RuntimeError, match=r"kvbm: engine exited \(exit 3\): RuntimeError: out of KV cache"):
+        col.do({"die": True})
+    col.close()
+
+
+def test_paired_ratio_interval():
+    """Geometric mean of paired ratios with a bootstrap interval around it:
+    no spread, no width; spread widens it; the same seed, the same answer."""
+    assert compare.paired_ratio([0.9] * 8) == pytest.approx((0.9, 0.9, 0.9))
+    rs = [0.8, 1.2, 0.95, 1.05, 0.9, 1.1]
+    m, lo, hi = compare.paired_ratio(rs)
+    assert m == pytest.approx((0.8 * 1.2 * 0.95 * 1.05 * 0.9 * 1.1) ** (1 / 6))
+    assert lo < m < hi and 0.8 <= lo and hi <= 1.2
+    assert compare.paired_ratio(rs) == (m, lo, hi)
+    # More pairs with the same spread: a narrower interval.
+    m2, lo2, hi2 = compare.paired_ratio(rs * 8)
+    assert hi2 - lo2 < hi - lo
+    with pytest.raises(ValueError, match="positive"):
+        compare.paired_ratio([1.0, 0.0])
+    with pytest.raises(ValueError):
+        compare.paired_ratio([])
+
+
+def test_verdict_decides_only_when_the_interval_does():
+    assert compare.verdict(0.96, 1.02, 0.95) is True
+    assert compare.verdict(0.90, 0.94, 0.95) is False
+    assert compare.verdict(0.93, 0.97, 0.95) is None
+    assert compare.verdict(0.95, 0.99, 0.95) is True

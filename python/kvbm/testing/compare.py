@@ -22,7 +22,9 @@ connector loaded) and kvbm's onboard counters (G2→G1, G3→G1).
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import re
 import signal
 import socket
@@ -221,6 +223,106 @@ def run_harness(spec: dict, label: str, may_fail: bool = False) -> dict:
         with open(op) as f:
             out: dict[str, Any] = json.load(f)
             return out
+
+
+class LiveColumn:
+    """One column's engine kept running (the harness's serve mode): actions
+    sent one at a time, each answered with its record. Several live columns
+    let a bench interleave requests: each measured request runs while the
+    other engines are idle, and consecutive requests of different columns see
+    the machine of the same moment (bench/vllm_ttft.py --cost).
+
+    Start every column first, then wait for each with ready(): the engines
+    start at once, and no request is timed while another engine starts."""
+
+    def __init__(self, col: str, model: dict, engine: dict, g1: int, host: int, disk: int,
+                 kv_env: dict | None = None, python: str | None = None) -> None:
+        from kvbm.testing.vllm_harness import RESULT
+
+        self.label, self._result = col, RESULT
+        self.spec = column_spec(col, model, engine, g1, host, disk, [], kv_env, port=free_port(),
+                                http_port=free_port())
+        self.spec["serve"] = True
+        if python:
+            self.spec["python"] = python
+        self._dir = tempfile.TemporaryDirectory(prefix="kvbm-run-", dir=disk_dir())
+        d = self._dir.name
+        sp = os.path.join(d, "spec.json")
+        with open(sp, "w") as f:
+            json.dump(self.spec, f)
+        self._server = _start_server(self.spec["server"], d, col) if self.spec.get("server") else None
+        self.tail: list[str] = []
+        self.proc = subprocess.Popen([self.spec.get("python") or sys.executable, "-m", "kvbm.testing.vllm_harness",
+                                      sp, os.path.join(d, "out.json")],
+                                     env=harness_env(self.spec, _root(), d), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def _answer(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(self._result):
+                rec: dict = json.loads(line[len(self._result):])
+                return rec
+            self.tail = (self.tail + [line])[-200:]
+        code = self.proc.wait()
+        raise RuntimeError(f"{self.label}: engine exited (exit {code}): {startup_error(self.tail)}")
+
+    def ready(self) -> None:
+        """Returns once the engine is up (raises with its root cause if it
+        exited)."""
+        self._answer()
+
+    def do(self, act: dict) -> dict:
+        """One action (vllm_harness's spec format); its record. An action the
+        engine could not run raises with the engine's error."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(act) + "\n")
+        self.proc.stdin.flush()
+        rec = self._answer()
+        if "error" in rec:
+            raise RuntimeError(f"{self.label}: {act.get('tag', 'action')}: {rec['error']}")
+        return rec
+
+    def close(self) -> None:
+        """Ends the engine (end of its input; killed after 120 s) and the
+        column's server; removes its run directory."""
+        try:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        finally:
+            if self._server is not None:
+                _stop_server(*self._server)
+            self._dir.cleanup()
+
+
+def paired_ratio(ratios: Sequence[float], seed: int = 0, resamples: int = 2000) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios (one per request or batch, each
+    measured against its pair moments apart) and its 95% bootstrap interval:
+    (mean, low, high)."""
+    if not ratios or min(ratios) <= 0:
+        raise ValueError(f"paired_ratio: want positive ratios, got {list(ratios)!r}")
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
+
+
+def verdict(low: float, high: float, target: float) -> bool | None:
+    """A target decided by an interval: True when all of it meets the target,
+    False when none of it does, None (not decided) otherwise."""
+    if low >= target:
+        return True
+    if high < target:
+        return False
+    return None
 
 
 def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: int, actions: list,

@@ -23,7 +23,9 @@ spec: {"model": {...make_tiny_model kwargs..., "dir": path},
                    {"s3": "stop" | "start", "state": dir (kvbm.testing.s3server)},
                    {"wait_metric": "kvbm_...", "at_least": n, "at_most": m, "timeout_s": 60,
                     "poke": [ids...] (generated, 1 token, between scrapes: keeps the engine stepping)},
-                   {"s3_objects": state dir, "bucket": name, "at_least": n, "timeout_s": 60}]}
+                   {"s3_objects": state dir, "bucket": name, "at_least": n, "timeout_s": 60}],
+       "serve": true (after the actions, more actions one JSON line at a time
+           on stdin, each answered on stdout: see serve())}
 result: {"startup_s": float, "actions": [{"tag", "tokens", "secs", "ttft_s", "metrics"}...]}
 """
 
@@ -240,6 +242,143 @@ def _conversations(llm: Any, SamplingParams: Any, act: dict[str, Any]) -> dict[s
     return out
 
 
+def do_action(llm: Any, act: dict, i: int, metrics_port: int | None) -> dict:
+    """One action of a spec on the running engine; its record."""
+    from vllm import SamplingParams
+
+    rec: dict = {"tag": act.get("tag", str(i))}
+    if "conversations" in act:
+        rec.update(_conversations(llm, SamplingParams, act))
+    elif "each" in act:
+        # One request at a time: the wall time of a max_tokens=1 request is
+        # its time to first token on an otherwise idle engine.
+        sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 1), ignore_eos=True)
+        rec["secs_each"], rec["tokens"], rec["num_cached_tokens"] = [], [], []
+        rec["prompt_lens"] = [len(p) for p in act["each"]]
+        for j, p in enumerate(act["each"]):
+            t = time.time()
+            o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            rec["secs_each"].append(time.time() - t)
+            rec["tokens"].append(list(o.outputs[0].token_ids))
+            rec["num_cached_tokens"].append(getattr(o, "num_cached_tokens", None))
+            if act.get("check_tokens"):
+                # The same prompt continued for check_tokens tokens (its
+                # KV is in G1 now, as computed or loaded): the output
+                # compared across runs for correctness.
+                chk = SamplingParams(temperature=0.0, max_tokens=act["check_tokens"], ignore_eos=True)
+                c = llm.generate([{"prompt_token_ids": p}], chk, use_tqdm=False)[0]
+                rec.setdefault("check", []).append(list(c.outputs[0].token_ids))
+            if act.get("progress"):
+                print(f"[{act.get('tag', i)}] request {j + 1}/{len(act['each'])}: {len(p)} prompt tokens, "
+                      f"{rec['secs_each'][-1] * 1000:.0f} ms", flush=True)
+    elif "generate" in act:
+        sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True,
+                            logprobs=0 if act.get("logprobs") else None)
+        prompts = [{"prompt_token_ids": p} for p in act["generate"]]
+        if act.get("salt") is not None:  # vLLM's cache_salt: kvbm's salt hash (design §3)
+            for pr in prompts:
+                pr["cache_salt"] = act["salt"]
+        t = time.time()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        rec["secs"] = time.time() - t
+        rec["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        rec["num_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in outs]
+        if act.get("logprobs"):  # each generated token's log-probability, per prompt
+            rec["logprobs"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
+                               for o in outs]
+        ttfts = []
+        for o in outs:
+            m = getattr(o, "metrics", None)
+            ft = getattr(m, "first_token_latency", None) if m is not None else None
+            ttfts.append(ft)
+        rec["ttft_s"] = ttfts
+    elif act.get("purge"):
+        # The operator endpoint of the engine's leader (kvbm.admin), as
+        # `python -m kvbm purge` reaches it.
+        from kvbm import admin
+
+        rec["purge"] = admin.purge(**act["purge"])
+    elif act.get("reset"):
+        # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
+        rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))
+    elif act.get("vllm_metric"):
+        # vLLM's own counters (needs "engine": {"disable_log_stats": false}):
+        # one value per label set, keyed by the label named in "by".
+        by = act.get("by", "")
+        rec["vllm_metric"] = {m.labels.get(by, ""): getattr(m, "value", None)
+                              for m in llm.get_metrics() if m.name == act["vllm_metric"]}
+    elif act.get("corrupt_disk"):
+        rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
+    elif act.get("s3"):
+        from kvbm.testing.s3server import S3Server
+
+        srv = S3Server.load(act["state"])
+        srv.stop() if act["s3"] == "stop" else srv.start()
+        rec["s3"] = act["s3"]
+    elif act.get("wait_metric") and metrics_port:
+        # Background work (G4 uploads) reached a count: a condition, not a sleep.
+        name, lo, hi = act["wait_metric"], act.get("at_least"), act.get("at_most")
+
+        poke = act.get("poke")
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+        def reached() -> bool:
+            if poke:  # workers report their counters with each engine step
+                llm.generate([{"prompt_token_ids": poke}], one, use_tqdm=False)
+            v = scrape(metrics_port).get(name)
+            return v is not None and (lo is None or v >= lo) and (hi is None or v <= hi)
+
+        rec["reached"] = _wait_for(reached, act.get("timeout_s", 60))
+    elif act.get("s3_objects"):
+        from kvbm.testing.s3server import count_objects
+
+        want = act.get("at_least", 1)
+        rec["reached"] = _wait_for(lambda: count_objects(act["s3_objects"], act["bucket"]) >= want,
+                                   act.get("timeout_s", 60))
+        rec["objects"] = count_objects(act["s3_objects"], act["bucket"])
+    elif act.get("quiesce") and metrics_port:
+        # kvbm's background work (G2→G3 moves, events) has finished when
+        # its counters stop changing across consecutive scrapes.
+        last, same = None, 0
+        end = time.time() + act.get("timeout_s", 60)
+        while same < 3 and time.time() < end:
+            cur = {k: v for k, v in scrape(metrics_port).items() if not k.endswith("hit_rate")}
+            same = same + 1 if cur == last else 0
+            last = cur
+            time.sleep(0.2)
+        rec["quiesced"] = same >= 3
+    if metrics_port:
+        rec["metrics"] = scrape(metrics_port)
+    return rec
+
+
+RESULT = "@@kvbm-harness-result "
+
+
+def serve(llm: Any, metrics_port: int | None, inp: Any, out: Any) -> int:
+    """Actions one JSON line at a time from inp, each answered by one line on
+    out: RESULT and the action's record as JSON, or {"error": ...} for an
+    action that raised (the engine stays up). Returns at the end of inp with
+    the number of actions run. The engine stays up between actions, so a
+    caller can interleave requests to several engines (bench/vllm_ttft.py
+    --cost). The first line out, {"ready": true}, says the engine is up."""
+    out.write(RESULT + json.dumps({"ready": True}) + "\n")
+    out.flush()
+    n = 0
+    for line in inp:
+        if not line.strip():
+            continue
+        try:
+            act = json.loads(line)
+            rec = do_action(llm, act, n, metrics_port)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
+            rec = {"error": f"{type(e).__name__}: {e}"}
+        out.write(RESULT + json.dumps(rec) + "\n")
+        out.flush()
+        n += 1
+    return n
+
+
 def run(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -259,7 +398,7 @@ def run(spec: dict) -> dict:
     model_dir = mspec.pop("dir", "/tmp/kvbm-tiny-model")
     model = make_tiny_model(model_dir, **mspec)
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     collectors = {name: FrameCollector(ep) for name, ep in (spec.get("collect") or {}).items()}
     t0 = time.time()
@@ -269,112 +408,12 @@ def run(spec: dict) -> dict:
         if not c.wait_joined(60):
             raise RuntimeError(f"collector {name!r} did not join its publisher in 60 s")
     for i, act in enumerate(spec.get("actions", [])):
-        rec: dict = {"tag": act.get("tag", str(i))}
-        if "conversations" in act:
-            rec.update(_conversations(llm, SamplingParams, act))
-        elif "each" in act:
-            # One request at a time: the wall time of a max_tokens=1 request is
-            # its time to first token on an otherwise idle engine.
-            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 1), ignore_eos=True)
-            rec["secs_each"], rec["tokens"], rec["num_cached_tokens"] = [], [], []
-            rec["prompt_lens"] = [len(p) for p in act["each"]]
-            for j, p in enumerate(act["each"]):
-                t = time.time()
-                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-                rec["secs_each"].append(time.time() - t)
-                rec["tokens"].append(list(o.outputs[0].token_ids))
-                rec["num_cached_tokens"].append(getattr(o, "num_cached_tokens", None))
-                if act.get("check_tokens"):
-                    # The same prompt continued for check_tokens tokens (its
-                    # KV is in G1 now, as computed or loaded): the output
-                    # compared across runs for correctness.
-                    chk = SamplingParams(temperature=0.0, max_tokens=act["check_tokens"], ignore_eos=True)
-                    c = llm.generate([{"prompt_token_ids": p}], chk, use_tqdm=False)[0]
-                    rec.setdefault("check", []).append(list(c.outputs[0].token_ids))
-                if act.get("progress"):
-                    print(f"[{act.get('tag', i)}] request {j + 1}/{len(act['each'])}: {len(p)} prompt tokens, "
-                          f"{rec['secs_each'][-1] * 1000:.0f} ms", flush=True)
-        elif "generate" in act:
-            sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 8), ignore_eos=True,
-                                logprobs=0 if act.get("logprobs") else None)
-            prompts = [{"prompt_token_ids": p} for p in act["generate"]]
-            if act.get("salt") is not None:  # vLLM's cache_salt: kvbm's salt hash (design §3)
-                for pr in prompts:
-                    pr["cache_salt"] = act["salt"]
-            t = time.time()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            rec["secs"] = time.time() - t
-            rec["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-            rec["num_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in outs]
-            if act.get("logprobs"):  # each generated token's log-probability, per prompt
-                rec["logprobs"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
-                                   for o in outs]
-            ttfts = []
-            for o in outs:
-                m = getattr(o, "metrics", None)
-                ft = getattr(m, "first_token_latency", None) if m is not None else None
-                ttfts.append(ft)
-            rec["ttft_s"] = ttfts
-        elif act.get("purge"):
-            # The operator endpoint of the engine's leader (kvbm.admin), as
-            # `python -m kvbm purge` reaches it.
-            from kvbm import admin
-
-            rec["purge"] = admin.purge(**act["purge"])
-        elif act.get("reset"):
-            # reset_connector: kvbm's tiers too (vLLM calls the connector's reset_cache).
-            rec["reset"] = bool(llm.reset_prefix_cache(reset_connector=bool(act.get("reset_connector"))))
-        elif act.get("vllm_metric"):
-            # vLLM's own counters (needs "engine": {"disable_log_stats": false}):
-            # one value per label set, keyed by the label named in "by".
-            by = act.get("by", "")
-            rec["vllm_metric"] = {m.labels.get(by, ""): getattr(m, "value", None)
-                                  for m in llm.get_metrics() if m.name == act["vllm_metric"]}
-        elif act.get("corrupt_disk"):
-            rec["corrupted_files"] = corrupt_disk_files(os.environ.get("DYN_KVBM_DISK_CACHE_DIR", "/tmp/"))
-        elif act.get("s3"):
-            from kvbm.testing.s3server import S3Server
-
-            srv = S3Server.load(act["state"])
-            srv.stop() if act["s3"] == "stop" else srv.start()
-            rec["s3"] = act["s3"]
-        elif act.get("wait_metric") and metrics_port:
-            # Background work (G4 uploads) reached a count: a condition, not a sleep.
-            name, lo, hi = act["wait_metric"], act.get("at_least"), act.get("at_most")
-
-            poke = act.get("poke")
-            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-            def reached() -> bool:
-                if poke:  # workers report their counters with each engine step
-                    llm.generate([{"prompt_token_ids": poke}], one, use_tqdm=False)
-                v = scrape(metrics_port).get(name)
-                return v is not None and (lo is None or v >= lo) and (hi is None or v <= hi)
-
-            rec["reached"] = _wait_for(reached, act.get("timeout_s", 60))
-        elif act.get("s3_objects"):
-            from kvbm.testing.s3server import count_objects
-
-            want = act.get("at_least", 1)
-            rec["reached"] = _wait_for(lambda: count_objects(act["s3_objects"], act["bucket"]) >= want,
-                                       act.get("timeout_s", 60))
-            rec["objects"] = count_objects(act["s3_objects"], act["bucket"])
-        elif act.get("quiesce") and metrics_port:
-            # kvbm's background work (G2→G3 moves, events) has finished when
-            # its counters stop changing across consecutive scrapes.
-            last, same = None, 0
-            end = time.time() + act.get("timeout_s", 60)
-            while same < 3 and time.time() < end:
-                cur = {k: v for k, v in scrape(metrics_port).items() if not k.endswith("hit_rate")}
-                same = same + 1 if cur == last else 0
-                last = cur
-                time.sleep(0.2)
-            rec["quiesced"] = same >= 3
-        if metrics_port:
-            rec["metrics"] = scrape(metrics_port)
+        rec = do_action(llm, act, i, metrics_port)
         result["actions"].append(rec)
         print(f"[harness] {rec['tag']}: " + json.dumps({k: v for k, v in rec.items() if k not in ('tokens',)})[:400],
               flush=True)
+    if spec.get("serve"):
+        serve(llm, metrics_port, sys.stdin, sys.stdout)
     if collectors:
         # The consolidated stream is complete when the collector holds every
         # event the consolidator counted as published.

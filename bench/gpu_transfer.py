@@ -76,6 +76,7 @@ KNOBS = {
     "pct": "KVBM_CUDA_SPLIT_PCT",  # split: share of each batch's blocks sent by cuMemcpyBatchAsync
     "chunk": "KVBM_CUDA_SPLIT_CHUNK_MIB",  # split with no fixed share: MiB the batch share takes at a time
     "bstreams": "KVBM_CUDA_SPLIT_STREAMS",  # split: DMA streams of the batch share
+    "probe": "KVBM_CUDA_SPLIT_PROBE_US",  # split: least µs between staged chunks while the GPU is busy
 }
 
 

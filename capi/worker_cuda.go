@@ -8,6 +8,8 @@ package main
 import "C"
 
 import (
+	"time"
+
 	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/cuda"
 	"github.com/kvbm/kvbm/goext/layout"
@@ -31,7 +33,8 @@ func init() {
 		c, err := cuda.New(eng, cuda.Options{Mode: mode, StagingBytes: k.StagingBytes, PipelineDepth: k.PipelineDepth,
 			StagedCTAs: k.StagedCTAs, StagedThreads: k.StagedThreads, StagedLowPriority: k.StagedLowPriority,
 			DMAStreams: k.DMAStreams, SplitPercent: k.SplitPercent, SplitChunkBytes: k.SplitChunkBytes,
-			SplitStreams: k.SplitStreams, KernelsFile: k.KernelsFile})
+			SplitStreams: k.SplitStreams, SplitProbe: time.Duration(k.SplitProbeMicros) * time.Microsecond,
+			KernelsFile: k.KernelsFile})
 		if err != nil {
 			return nil, err
 		}

@@ -22,6 +22,7 @@ const (
 	EnvCUDASplitPct       = "KVBM_CUDA_SPLIT_PCT"
 	EnvCUDASplitChunkMiB  = "KVBM_CUDA_SPLIT_CHUNK_MIB"
 	EnvCUDASplitStreams   = "KVBM_CUDA_SPLIT_STREAMS"
+	EnvCUDASplitProbeUs   = "KVBM_CUDA_SPLIT_PROBE_US"
 	EnvCUDAKernels        = "KVBM_CUDA_KERNELS"
 	EnvLog                = "DYN_LOG"
 )
@@ -42,6 +43,7 @@ const (
 	CapCUDASplitPct      = 99
 	CapCUDASplitChunkMiB = 1 << 16
 	CapCUDASplitStreams  = 8
+	CapCUDASplitProbeUs  = 1_000_000 // one probe a second
 )
 
 // CUDA is the CUDA build's copier configuration; zero values pick the
@@ -59,6 +61,7 @@ type CUDA struct {
 	SplitPercent      int
 	SplitChunkBytes   int64
 	SplitStreams      int
+	SplitProbeMicros  int
 	KernelsFile       string
 }
 
@@ -118,15 +121,16 @@ func (p *parser) cudaKnob(name string, max int64) int64 {
 
 func (p *parser) cuda() CUDA {
 	c := CUDA{
-		StagingBytes:    p.cudaKnob(EnvCUDAStagingMiB, CapCUDAStagingMiB) << 20,
-		PipelineDepth:   int(p.cudaKnob(EnvCUDAPipelineDepth, CapCUDAPipelineDepth)),
-		StagedCTAs:      int(p.cudaKnob(EnvCUDAStagedCTAs, CapCUDAStagedCTAs)),
-		StagedThreads:   int(p.cudaKnob(EnvCUDAStagedThreads, CapCUDAStagedThreads)),
-		DMAStreams:      int(p.cudaKnob(EnvCUDADMAStreams, CapCUDADMAStreams)),
-		SplitPercent:    int(p.cudaKnob(EnvCUDASplitPct, CapCUDASplitPct)),
-		SplitChunkBytes: p.cudaKnob(EnvCUDASplitChunkMiB, CapCUDASplitChunkMiB) << 20,
-		SplitStreams:    int(p.cudaKnob(EnvCUDASplitStreams, CapCUDASplitStreams)),
-		KernelsFile:     strings.TrimSpace(p.str(EnvCUDAKernels, "")),
+		StagingBytes:     p.cudaKnob(EnvCUDAStagingMiB, CapCUDAStagingMiB) << 20,
+		PipelineDepth:    int(p.cudaKnob(EnvCUDAPipelineDepth, CapCUDAPipelineDepth)),
+		StagedCTAs:       int(p.cudaKnob(EnvCUDAStagedCTAs, CapCUDAStagedCTAs)),
+		StagedThreads:    int(p.cudaKnob(EnvCUDAStagedThreads, CapCUDAStagedThreads)),
+		DMAStreams:       int(p.cudaKnob(EnvCUDADMAStreams, CapCUDADMAStreams)),
+		SplitPercent:     int(p.cudaKnob(EnvCUDASplitPct, CapCUDASplitPct)),
+		SplitChunkBytes:  p.cudaKnob(EnvCUDASplitChunkMiB, CapCUDASplitChunkMiB) << 20,
+		SplitStreams:     int(p.cudaKnob(EnvCUDASplitStreams, CapCUDASplitStreams)),
+		SplitProbeMicros: int(p.cudaKnob(EnvCUDASplitProbeUs, CapCUDASplitProbeUs)),
+		KernelsFile:      strings.TrimSpace(p.str(EnvCUDAKernels, "")),
 	}
 	if t := c.StagedThreads; t != 0 && (t < 32 || t%32 != 0) {
 		raw, _ := p.get(EnvCUDAStagedThreads)

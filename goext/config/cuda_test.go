@@ -43,6 +43,7 @@ func TestCUDAKnobRanges(t *testing.T) {
 		EnvCUDAStagedThreads:  "48",
 		EnvCUDADMAStreams:     "9",
 		EnvCUDASplitStreams:   "9",
+		EnvCUDASplitProbeUs:   "0",
 		EnvCUDASplitPct:       "100",
 		EnvCUDAStagedPriority: "medium",
 		EnvCUDACopy:           "teleport",
@@ -52,10 +53,10 @@ func TestCUDAKnobRanges(t *testing.T) {
 		require.ErrorContains(t, err, value)
 	}
 	c, err := FromEnv(map[string]string{EnvCUDAStagedThreads: "256", EnvCUDADMAStreams: "8", EnvCUDASplitPct: "99",
-		EnvCUDAStagedPriority: " LOW ", EnvCUDACopy: "zero_copy", EnvCUDAKernels: "/k.fatbin"})
+		EnvCUDAStagedPriority: " LOW ", EnvCUDACopy: "zero_copy", EnvCUDAKernels: "/k.fatbin", EnvCUDASplitProbeUs: "500"})
 	require.NoError(t, err)
 	require.Equal(t, CUDA{Copy: "zero_copy", StagedThreads: 256, DMAStreams: 8, SplitPercent: 99, StagedLowPriority: true,
-		KernelsFile: "/k.fatbin"}, c.CUDA)
+		KernelsFile: "/k.fatbin", SplitProbeMicros: 500}, c.CUDA)
 }
 
 // TestLogLevel: DYN_LOG as capi's logger read it; unset leaves the level alone.

@@ -84,6 +84,7 @@ const (
 	DefaultSplitStreams = 4
 	splitInFlight       = 2
 	DefaultSplitChunk   = 32 << 20
+	DefaultSplitProbe   = 2 * time.Millisecond
 )
 
 // Split with no fixed share (runShared): a gather/scatter kernel that
@@ -169,6 +170,12 @@ type Options struct {
 	// SplitStreams is how many DMA streams per direction Split's batch share
 	// uses (default DefaultSplitStreams; KVBM_CUDA_SPLIT_STREAMS, at most 8).
 	SplitStreams int
+	// SplitProbe is the least time between two staged chunks while Split
+	// (no fixed share) finds the GPU busy (default DefaultSplitProbe;
+	// KVBM_CUDA_SPLIT_PROBE_US): each such chunk's gather/scatter kernel
+	// takes the SMs between two of the engine's kernels, and is only there to
+	// see when the GPU is idle again.
+	SplitProbe time.Duration
 	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
@@ -236,6 +243,7 @@ type Copier struct {
 	engineStream atomic.Uintptr // the engine's CUDA stream (0: legacy default stream)
 	// Split with no fixed share: blocks moved, and how many of them by Batch.
 	sharedBlocks, sharedBatch atomic.Int64
+	sharedCalls               atomic.Int64         // runShared calls (tests)
 	testBusy                  func(chunk int) bool // tests: whether runShared treats the GPU as busy before chunk
 	closed                    atomic.Bool
 
@@ -275,6 +283,9 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	if opts.SplitChunkBytes <= 0 {
 		opts.SplitChunkBytes = DefaultSplitChunk
+	}
+	if opts.SplitProbe <= 0 {
+		opts.SplitProbe = DefaultSplitProbe
 	}
 	if t := opts.StagedThreads; t != 0 && (t < 32 || t > 256 || t%32 != 0) {
 		return nil, fmt.Errorf("cuda: KVBM_CUDA_STAGED_THREADS=%d: want a multiple of 32 in [32, 256]", t)

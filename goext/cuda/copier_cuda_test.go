@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
@@ -438,6 +439,19 @@ func TestRoundTrip(t *testing.T) {
 							require.Contains(t, c.String(), "so far")
 						})
 					}
+					t.Run(name+"/busy-paced", func(t *testing.T) {
+						// Busy all along, with a probe interval longer
+						// than the test: each call sends one staged chunk
+						// (1/splitBusyDiv of a slot, here one block) and
+						// the batched copies move the rest.
+						c, err := New(g.eng, Options{Mode: m, StagingBytes: 6 * g.eng.BytesPerBlock(), PipelineDepth: 3, SplitChunkBytes: 2 * g.eng.BytesPerBlock(), MaxBatch: 16, SplitProbe: time.Hour})
+						require.NoError(t, err)
+						c.testBusy = func(int) bool { return true }
+						roundTrip(t, g, c, viaDisk)
+						staged := c.sharedBlocks.Load() - c.sharedBatch.Load()
+						require.Positive(t, c.sharedCalls.Load())
+						require.LessOrEqual(t, staged, c.sharedCalls.Load(), "at most one one-block probe chunk per call")
+					})
 				}
 				if m == Batch || m == Direct || m == Staged || m == Split {
 					for _, ns := range []int{1, 5} {

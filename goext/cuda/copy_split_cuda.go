@@ -31,8 +31,9 @@ func (c *Copier) runSplit(l *lane, toG1 bool, blocks []int, host []uintptr) erro
 // holds fewer than splitInFlight sub-batches, until they meet. Each side
 // thus takes what it can move. The staged side also watches how long its
 // gather/scatter kernels wait for SMs: while they wait (the engine's
-// kernels hold the GPU), it keeps one small chunk in flight, so the
-// engine loses little to kvbm and the copy engines move the rest; once
+// kernels hold the GPU), it sends one small chunk at a time, at most one per
+// SplitProbe, so the engine loses little to kvbm and the copy engines move
+// the rest; once
 // they run at once again (an idle GPU), it fills every slot, and the batch
 // crosses PCIe nearly as fast as with Staged alone. run waits for the
 // queued tail.
@@ -56,6 +57,7 @@ func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) err
 	queued := make([][]int, len(l.bdma)) // per bdma stream: bDone indices in flight, oldest first
 	next := make([]int, len(l.bdma))     // per bdma stream: the bDone event to record next
 	defer func() {
+		c.sharedCalls.Add(1)
 		c.sharedBlocks.Add(int64(len(blocks)))
 		c.sharedBatch.Add(int64(len(blocks) - back))
 	}()
@@ -132,6 +134,9 @@ func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		}
 		if busy {
 			slots, per, streams = 1, small, len(l.bdma)
+			if !lastKernel.IsZero() && now.Sub(lastKernel) < c.opts.SplitProbe {
+				slots = 0 // the last probe's kernel ended too recently
+			}
 		}
 		for front < back && len(inflight) < slots {
 			hi := min(front+per, back)

@@ -69,6 +69,7 @@ SMALL = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab
 SLIDING = dict(SMALL, arch="llama", sliding_window=256)
 STATE = dict(SMALL, arch="lfm2")
 CHECK_TOKENS = 16
+NO_REUSE_BATCHES = 5  # --cost: measured no-reuse batches per round (after one warm-up batch)
 
 
 def faster(ratio):
@@ -115,7 +116,7 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT]
     n = max(a.repeat, 1)
     print(f"vLLM no-reuse cost: {mname} model; per round {len(docs)} first visits of {length}-token documents and "
-          f"2 batches of {n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s), the "
+          f"{NO_REUSE_BATCHES} batches of {n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s), the "
           f"engines of {', '.join(cols)} running side by side, each request sent to every engine in turn",
           flush=True)
     print(compare.engine_threads(), flush=True)
@@ -128,7 +129,7 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
         # document's head would be re-visited from a state computed two ways).
         warm = prompts(900 + k, 1, 256, vocab)[0]
         round_docs = prompts(100 + k, len(docs), length, vocab)
-        batches = [prompts(200 + 10 * k + b, n_unique, unique_len, vocab) for b in range(3)]
+        batches = [prompts(200 + 10 * k + b, n_unique, unique_len, vocab) for b in range(1 + NO_REUSE_BATCHES)]
         live = {}
         try:
             print(f"== round {k + 1}/{n}: starting {len(cols)} engines (vLLM CPU backend) ...", flush=True)
@@ -163,7 +164,8 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
                 c.close()
         per = len(round_docs)
         print(f"round {k + 1}/{n}: " + "; ".join(
-            f"{c}: first visit {statistics.mean(first[c][-per:]):.1f} ms, {statistics.mean(tput[c][-2:]):.1f} tok/s"
+            f"{c}: first visit {statistics.mean(first[c][-per:]):.1f} ms, "
+            f"{statistics.mean(tput[c][-NO_REUSE_BATCHES:]):.1f} tok/s"
             for c in cols), flush=True)
     print()
     compare.print_table([

@@ -40,8 +40,9 @@ visit's prefill step ended. --quick uses 1K-token documents instead of 2K.
 
 3. --cost: only kvbm's cost when nothing is reused (first visits and
    no-reuse throughput of kvbm, of kvbm with its threads left on the
-   model's cores, of the no-op connector and of no connector), paired: the
-   four engines run side by side and every request goes to each in turn;
+   model's cores, of kvbm with G2 only, of the no-op connector and of no
+   connector), paired: the
+   engines run side by side and every request goes to each in turn;
    --repeat rounds (default 3) of fresh engines and prompts; verdicts from
    the paired ratios' 95% interval (met, not met, or not decided).
 
@@ -101,9 +102,10 @@ def spread(xs):
 def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique_len, out_len, vocab):
     """kvbm's cost when nothing is reused: first visits and no-reuse
     throughput of kvbm, kvbm with its threads on the model's cores (before
-    DYN_KVBM_THREAD_AFFINITY), the no-op connector and no connector.
+    DYN_KVBM_THREAD_AFFINITY), kvbm with G2 only (no disk tier: what the
+    G2→G3 moves cost), the no-op connector and no connector.
 
-    Paired and interleaved: every round starts all four engines at once
+    Paired and interleaved: every round starts all five engines at once
     (compare.LiveColumn) and sends each request to each of them in turn
     (order rotated per request), one engine working at a time, so a request
     and its pairs in the other columns run seconds apart on the same machine;
@@ -113,7 +115,7 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     took is printed). Each round has fresh documents and prompts (a first
     visit is one). The verdicts use the paired ratios of all rounds: their
     geometric mean and 95% bootstrap interval (compare.paired_ratio)."""
-    cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT]
+    cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT, compare.KVBM_G2_ONLY]
     n = max(a.repeat, 1)
     print(f"vLLM no-reuse cost: {mname} model; per round {len(docs)} first visits of {length}-token documents and "
           f"{NO_REUSE_BATCHES} batches of {n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s), the "
@@ -175,14 +177,18 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     ], cols)
     print(f"paired ratios, {n} round(s): geometric mean and 95% bootstrap interval; target ≥ 95%")
     verdicts = {}
-    for kv in ("kvbm", compare.KVBM_INHERIT):
-        for base in ("no-op connector", "no kvbm"):
+    for kv, bases in (("kvbm", ("no-op connector", "no kvbm", compare.KVBM_G2_ONLY)),
+                      (compare.KVBM_INHERIT, ("no-op connector", "no kvbm")),
+                      (compare.KVBM_G2_ONLY, ("no-op connector",))):
+        for base in bases:
             f = compare.paired_ratio([first[base][i] / first[kv][i] for i in range(len(first[kv]))])
             t = compare.paired_ratio([tput[kv][i] / tput[base][i] for i in range(len(tput[kv]))])
             for what, (m, lo, hi) in (("first visits (speed)", f), ("no-reuse throughput", t)):
                 v = compare.verdict(lo, hi, 0.95)
                 verdicts[(kv, base, what)] = (m, lo, hi, v)
                 word = {True: "met", False: "NOT met", None: "not decided (the interval spans 95%)"}[v]
+                if base == compare.KVBM_G2_ONLY:  # the disk tier's share of kvbm's cost: no target
+                    word = "the G2→G3 moves' share"
                 print(f"  {kv} against {base}: {what} {100 * m:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}%): {word}")
     for what, short in (("first visits (speed)", "first-visit TTFT"), ("no-reuse throughput", "throughput")):
         m, lo, hi, v = verdicts[("kvbm", "no-op connector", what)]
@@ -213,8 +219,8 @@ def main():
                     help="leave out the peer columns (LMCache, vLLM's OffloadingConnector)")
     ap.add_argument("--cost", action="store_true",
                     help="only kvbm's cost when nothing is reused: first visits and no-reuse throughput of kvbm, "
-                         "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), the "
-                         "no-op connector and no connector, their engines side by side and every request sent to "
+                         "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), kvbm "
+                         "with G2 only, the no-op connector and no connector, their engines side by side and every request sent to "
                          "each in turn; --repeat rounds (default 3), verdicts from the paired ratios' interval")
     ap.add_argument("--lmcache-store-policy", choices=("skip_l1", "default"), default=peers.LMCACHE_STORE_POLICY,
                     help="LMCache's L2 store policy: skip_l1 (every chunk to disk, out of L1; default) or default "

@@ -166,6 +166,14 @@ def test_cost_benchs_before_column_is_kvbm_with_inherited_threads():
     assert "DYN_KVBM_THREAD_AFFINITY" not in k["env"]
 
 
+def test_cost_benchs_g2_only_column_is_kvbm_without_a_disk_tier():
+    s = compare.column_spec(compare.KVBM_G2_ONLY, SMALL, ENGINE, 70, 64, 768, [])
+    k = compare.column_spec("kvbm", SMALL, ENGINE, 70, 64, 768, [])
+    assert s["kvbm"] and s["engine"] == k["engine"]
+    assert s["env"] == dict(k["env"], DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS=0)
+    assert k["env"]["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] == 768
+
+
 def test_lmcache_store_policy_is_the_benchs_choice(monkeypatch):
     monkeypatch.setattr(peers, "LMCACHE_STORE_POLICY", "default")
     argv = _specs()[peers.LMCACHE]["server"]["argv"]

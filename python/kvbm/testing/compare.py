@@ -51,6 +51,9 @@ KVBM_HMA_OFF = "kvbm, hybrid manager off"
 # kvbm with its threads left on the cores the engine's worker thread is bound
 # to (DYN_KVBM_THREAD_AFFINITY=inherit): the cost bench's "before".
 KVBM_INHERIT = "kvbm, threads on the model's cores"
+# kvbm with G2 only (no disk tier): the cost bench's split of kvbm's cost
+# between the G2 path and the G2→G3 moves.
+KVBM_G2_ONLY = "kvbm, G2 only"
 
 # Cores vLLM's CPU backend keeps free of the model's OpenMP threads, the same
 # in every column. vLLM reserves one core per rank for its scheduler, and one
@@ -333,7 +336,7 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
     bytes of host memory and disk blocks' bytes on disk (peers: port and
     http_port for a server's sockets)."""
     eng = dict(engine, num_gpu_blocks_override=g1 + (host if col == ENLARGED else 0))
-    with_kvbm = col in ("kvbm", KVBM_INHERIT, KVBM_HMA_OFF)
+    with_kvbm = col in ("kvbm", KVBM_INHERIT, KVBM_HMA_OFF, KVBM_G2_ONLY)
     if col == KVBM_HMA_OFF:
         eng["disable_hybrid_kv_cache_manager"] = True
     spec: dict[str, Any] = {"model": model, "engine": eng, "kvbm": with_kvbm,
@@ -341,6 +344,8 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
     if with_kvbm:
         spec["env"] = dict({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host,
                             "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": disk}, **KVBM_ENV, **(kv_env or {}))
+        if col == KVBM_G2_ONLY:
+            spec["env"]["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = 0
         if col == KVBM_INHERIT:
             spec["env"]["DYN_KVBM_THREAD_AFFINITY"] = "inherit"
     elif col == peers.LMCACHE:
@@ -357,7 +362,7 @@ def column_spec(col: str, model: dict, engine: dict, g1: int, host: int, disk: i
         spec["kv_transfer_config"] = peers.offloading_transfer_config(host * peers.block_bytes(model, eng))
     elif col not in COLUMNS:
         raise ValueError(f"unknown column {col!r}: one of "
-                         f"{', '.join(COLUMNS + peers.PEERS + (KVBM_INHERIT, KVBM_HMA_OFF))}")
+                         f"{', '.join(COLUMNS + peers.PEERS + (KVBM_INHERIT, KVBM_HMA_OFF, KVBM_G2_ONLY))}")
     return spec
 
 

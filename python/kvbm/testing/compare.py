@@ -185,26 +185,32 @@ class _ColumnFailed(Exception):
         self.tail = list(tail)
 
 
+def _spawn_harness(spec: dict, run_dir: str, **popen: Any) -> subprocess.Popen:
+    """kvbm.testing.vllm_harness on spec (written to run_dir/spec.json), with
+    spec["python"] when given, else this interpreter; output merged into its
+    stdout, a text pipe."""
+    sp, op = os.path.join(run_dir, "spec.json"), os.path.join(run_dir, "out.json")
+    with open(sp, "w") as f:
+        json.dump(spec, f)
+    return subprocess.Popen([spec.get("python") or sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op],
+                            env=harness_env(spec, _root(), run_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
 def run_harness(spec: dict, label: str, may_fail: bool = False) -> dict:
     """One engine run of kvbm.testing.vllm_harness in a subprocess (with
     spec["python"] when given, else this interpreter), after the column's
     server (spec["server"]) when it has one; prints its per-request progress
     lines. may_fail: a run that fails returns {"error": its root cause}
     instead of ending the bench."""
-    root = _root()
     with tempfile.TemporaryDirectory(prefix="kvbm-run-", dir=disk_dir()) as d:
-        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
-        with open(sp, "w") as f:
-            json.dump(spec, f)
-        env = harness_env(spec, root, d)
         print(f"== {label}: starting vLLM (CPU backend) ...", flush=True)
         t0 = time.time()
         server = None
         try:
             if spec.get("server"):
                 server = _start_server(spec["server"], d, label)
-            p = subprocess.Popen([spec.get("python") or sys.executable, "-m", "kvbm.testing.vllm_harness", sp, op],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            p = _spawn_harness(spec, d)
             tail: list[str] = []
             assert p.stdout is not None
             for line in p.stdout:
@@ -223,7 +229,7 @@ def run_harness(spec: dict, label: str, may_fail: bool = False) -> dict:
             if server is not None:
                 _stop_server(*server)
         print(f"== {label}: finished in {time.time() - t0:.0f} s", flush=True)
-        with open(op) as f:
+        with open(os.path.join(d, "out.json")) as f:
             out: dict[str, Any] = json.load(f)
             return out
 
@@ -250,15 +256,9 @@ class LiveColumn:
             self.spec["python"] = python
         self._dir = tempfile.TemporaryDirectory(prefix="kvbm-run-", dir=disk_dir())
         d = self._dir.name
-        sp = os.path.join(d, "spec.json")
-        with open(sp, "w") as f:
-            json.dump(self.spec, f)
         self._server = _start_server(self.spec["server"], d, col) if self.spec.get("server") else None
         self.tail: list[str] = []
-        self.proc = subprocess.Popen([self.spec.get("python") or sys.executable, "-m", "kvbm.testing.vllm_harness",
-                                      sp, os.path.join(d, "out.json")],
-                                     env=harness_env(self.spec, _root(), d), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = _spawn_harness(self.spec, d, stdin=subprocess.PIPE)
 
     def _answer(self) -> dict:
         assert self.proc.stdout is not None

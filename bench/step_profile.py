@@ -42,7 +42,9 @@ class Timer:
     """Wall time of every call of a wrapped function, by name."""
 
     def __init__(self) -> None:
+        self.phase = ""
         self.calls: dict[str, list[float]] = {}
+        self.by_phase: dict[str, dict[str, list[float]]] = {}
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         calls = self.calls.setdefault(name, [])
@@ -52,7 +54,9 @@ class Timer:
             try:
                 return fn(*a, **kw)
             finally:
-                calls.append(time.perf_counter() - t)
+                dt = time.perf_counter() - t
+                calls.append(dt)
+                self.by_phase.setdefault(self.phase, {}).setdefault(name, []).append(dt)
 
         return timed
 
@@ -102,8 +106,14 @@ def main() -> None:
                      "get_kv_connector_stats"):
             setattr(VllmConnectorWorker, name, t_all.wrap(name, getattr(VllmConnectorWorker, name)))
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                     "update_connector_output", "request_finished"):
+                     "update_connector_output", "request_finished", "get_kv_connector_stats"):
             setattr(VllmConnectorLeader, name, t_all.wrap("leader " + name, getattr(VllmConnectorLeader, name)))
+        from kvbm import _core
+
+        # The Go calls inside them (their share of the adapter's time).
+        _core.Leader.step = t_all.wrap("  go: leader step", _core.Leader.step)  # type: ignore[method-assign]
+        _core.Leader.info = t_all.wrap("  go: leader info", _core.Leader.info)  # type: ignore[method-assign]
+        _core.Worker.bind = t_all.wrap("  go: worker bind", _core.Worker.bind)  # type: ignore[method-assign]
         workers: list[Any] = []
         init = VllmConnectorWorker.__init__
 
@@ -123,6 +133,8 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": docs[0][:256]}], one, use_tqdm=False)  # warm-up
         for v in t_all.calls.values():
             v.clear()
+        t_all.by_phase.clear()
+        t_all.phase = "first visits"
         first = []
         t0 = time.perf_counter()
         for p in docs:
@@ -130,6 +142,7 @@ def main() -> None:
             llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
             first.append(time.perf_counter() - t)
         t_first = time.perf_counter() - t0
+        t_all.phase = "no-reuse batch"
         t = time.perf_counter()
         gen = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in batch], gen, use_tqdm=False)
@@ -158,6 +171,11 @@ def main() -> None:
         if xs:
             print(f"{name:26} {len(xs):6d} {1000 * sum(xs):9.1f} {1000 * statistics.mean(xs):8.2f} "
                   f"{1000 * max(xs):8.2f} {100 * sum(xs) / wall:7.1f}%")
+    for phase, calls in t_all.by_phase.items():
+        steps = len(calls.get("execute_model", [])) or 1
+        print(f"{phase}: {steps} engine steps; per step, mean ms")
+        for name, xs in calls.items():
+            print(f"  {name:26} {1000 * sum(xs) / steps:8.3f}")
     for d, tot in sorted(dirs.items()):
         print(f"go worker {d:16} blocks {tot.get('blocks', 0):5} batches {tot.get('batches', 0):4} "
               f"{1000 * tot.get('seconds', 0):8.1f} ms in copies")

@@ -45,6 +45,7 @@ var abiExports = map[string]any{
 	"kvbm_leader_g4_report":          kvbm_leader_g4_report,
 	"kvbm_leader_transfer_timings":   kvbm_leader_transfer_timings,
 	"kvbm_leader_take_events":        kvbm_leader_take_events,
+	"kvbm_leader_figures_addr":       kvbm_leader_figures_addr,
 
 	"kvbm_worker_new":              kvbm_worker_new,
 	"kvbm_worker_free":             kvbm_worker_free,
@@ -57,6 +58,7 @@ var abiExports = map[string]any{
 	"kvbm_worker_recovered":        kvbm_worker_recovered,
 	"kvbm_worker_g4_report":        kvbm_worker_g4_report,
 	"kvbm_worker_stats":            kvbm_worker_stats,
+	"kvbm_worker_figures_addr":     kvbm_worker_figures_addr,
 	"kvbm_worker_transfer_timings": kvbm_worker_transfer_timings,
 
 	"kvbm_consolidator_new":   kvbm_consolidator_new,
@@ -105,6 +107,7 @@ var abiValid = map[string]cCall{
 	"kvbm_leader_g4_report":          {"buf": []byte{0x80}}, // msgpack {}
 	"kvbm_leader_transfer_timings":   {"buf": []byte{0x80}}, // msgpack {}
 	"kvbm_leader_take_events":        {},
+	"kvbm_leader_figures_addr":       {},
 
 	"kvbm_worker_new":              {}, // opts_json: workerOpts
 	"kvbm_worker_info":             {},
@@ -116,6 +119,7 @@ var abiValid = map[string]cCall{
 	"kvbm_worker_recovered":        {},
 	"kvbm_worker_g4_report":        {},
 	"kvbm_worker_stats":            {},
+	"kvbm_worker_figures_addr":     {},
 	"kvbm_worker_transfer_timings": {},
 
 	"kvbm_consolidator_new":   {"opts_json": consolidatorOpts},

@@ -58,6 +58,7 @@ int kvbm_leader_new(char *opts_json, uint64_t *out, char **err);
 int kvbm_leader_wait_ready(uint64_t hd, int64_t timeout_ms, int32_t *out_ready, char **err);
 void kvbm_leader_free(uint64_t hd);
 int kvbm_leader_info(uint64_t hd, uint8_t **out, int64_t *out_len, char **err);
+int kvbm_leader_figures_addr(uint64_t hd, uint64_t *out, int64_t *out_n, char **err); /* figures read without a call: figures.go */
 int kvbm_leader_match(uint64_t hd, char *req_id, uint32_t *tokens, int64_t n, uint64_t salt, int64_t num_computed,
                       int64_t *out_tokens, int32_t *out_async, char **err);
 int kvbm_leader_update_after_alloc(uint64_t hd, char *req_id, int64_t *block_ids, int64_t n, int64_t num_external,
@@ -90,6 +91,7 @@ int kvbm_worker_set_cuda_stream(uint64_t hd, uint64_t stream, char **err); /* CU
 int kvbm_worker_recovered(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* persistent disk tier index */
 int kvbm_worker_g4_report(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* G4: stored hashes, counters */
 int kvbm_worker_stats(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* JSON: transfer totals per direction */
+int kvbm_worker_figures_addr(uint64_t hd, uint64_t *out, int64_t *out_n, char **err); /* figures read without a call: figures.go */
 int kvbm_worker_transfer_timings(uint64_t hd, uint8_t **out, int64_t *out_len, char **err); /* rank 0's timed load batches since the last call */
 
 /* KV event consolidator */

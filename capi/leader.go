@@ -76,6 +76,7 @@ type leaderHandle struct {
 	ready atomic.Bool
 	m     *metrics.Metrics
 	once  sync.Once
+	figs  figureSlots // figures.go
 
 	// With a side channel: the channel, the options the leader is created
 	// with once the handshake completed, and its outcome. startMu orders
@@ -127,7 +128,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	log := kvbmLogger()
 	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })
 
-	h := &leaderHandle{m: metrics.New(), cfg: cfg, opts: o}
+	h := &leaderHandle{m: metrics.New(), cfg: cfg, opts: o, figs: newFigureSlots(leaderFigureSlots)}
 	if o.SideChannel != nil {
 		// The leader's sizes come from the handshake, which may wait for a
 		// long time (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS): only bind
@@ -168,6 +169,7 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		return err
 	}
 	h.n, h.l = n, n.L
+	h.publishFigures()
 	h.ready.Store(true)
 	return nil
 }

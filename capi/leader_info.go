@@ -107,6 +107,7 @@ func kvbm_leader_info(hd C.uint64_t, out **C.uint8_t, outLen *C.int64_t, errOut 
 			ZMQEndpoint: c.ZMQEndpoint(),
 		}
 	}
+	h.publishFigures()
 	b, _ := json.Marshal(info)
 	cBuffer(b, out, outLen)
 	return statusOK

@@ -173,6 +173,7 @@ func kvbm_leader_step(hd C.uint64_t, in unsafe.Pointer, inLen C.int64_t, out **C
 	if err != nil {
 		return finish(err, errOut)
 	}
+	h.publishFigures()
 	cBuffer(b, out, outLen)
 	return statusOK
 }

@@ -73,7 +73,8 @@ func nodeDeps() node.Deps {
 type workerHandle struct {
 	lifetime
 	*node.Worker
-	info workerInfo // kvbm_worker_info's answer but for DiskDegraded
+	info workerInfo  // kvbm_worker_info's answer but for DiskDegraded
+	figs figureSlots // figures.go
 }
 
 //export kvbm_worker_new
@@ -110,7 +111,9 @@ func kvbm_worker_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	if err != nil {
 		return finish(err, errOut)
 	}
-	*out = newHandle(&workerHandle{Worker: n, info: newWorkerInfo(n)})
+	h := &workerHandle{Worker: n, info: newWorkerInfo(n), figs: newFigureSlots(workerFigureSlots)}
+	n.W.PublishTransferSeq(h.figs.word(figTransferSeq))
+	*out = newHandle(h)
 	return statusOK
 }
 

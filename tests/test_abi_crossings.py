@@ -3,7 +3,10 @@ FakeVllm): the measured figures of docs/architecture.md's "Where the
 languages meet". A decode step crosses twice: once on the scheduler side
 (kvbm_leader_step: the plan) and once on the worker side (kvbm_worker_bind,
 whose answer says which of the step's other calls have work); a step that
-saves a block adds kvbm_worker_wait_for_save, a step with loads adds
+saves a block adds kvbm_worker_wait_for_save and, for vLLM's per-step
+connector stats, kvbm_worker_stats (the totals are read only after a batch
+was recorded; the leader's figures are read from memory Go keeps current,
+without a call), a step with loads adds
 kvbm_worker_start_load and, until they finished, kvbm_worker_finished. The
 plan is decoded once, in Go (bind). A request crosses a few more times on
 its own (match, allocation, load sources, finish), and its tokens once. A
@@ -45,6 +48,7 @@ def crossings(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[s
 
 def test_a_decode_step_crosses_the_abi_twice(env, crossings):  # noqa: F811
     eng = fake_vllm(token_budget=256)
+    eng.report_stats = True  # both sides' get_kv_connector_stats every step, as vLLM calls them
     try:
         p = prompt(3, 5 * BS + 1)
         eng.add(vf.FakeRequest("a", p, max_tokens=12))
@@ -57,10 +61,13 @@ def test_a_decode_step_crosses_the_abi_twice(env, crossings):  # noqa: F811
         # tokens 6 * BS and 7 * BS: two steps save a block.
         saving_steps = 2
         assert {k for k, v in crossings.items() if v} <= {
-            "kvbm_leader_step", "kvbm_worker_bind", "kvbm_worker_wait_for_save"}, dict(crossings)
+            "kvbm_leader_step", "kvbm_worker_bind", "kvbm_worker_wait_for_save", "kvbm_worker_stats"}, dict(crossings)
         assert crossings["kvbm_leader_step"] == steps, dict(crossings)
         assert crossings["kvbm_worker_bind"] == steps, dict(crossings)
         assert crossings["kvbm_worker_wait_for_save"] == saving_steps, dict(crossings)
+        assert crossings["kvbm_worker_stats"] == saving_steps, dict(crossings)
+        saved = [s for s in eng.kv_stats[-2 * steps:] if s is not None]
+        assert sum(s.counter("transfer_blocks", "g1_to_g2") for s in saved) == saving_steps, "each saved block reported"
         eng.run()
         crossings.clear()
         eng.add(vf.FakeRequest("b", p))

@@ -80,6 +80,31 @@ def test_offload_then_onboard_into_other_blocks_byte_exact(env):
     leader.close()
 
 
+def test_figures_read_without_a_call_follow_the_steps(env):
+    """The figures an engine reads every step (Leader.figures,
+    Worker.transfer_seq) come from memory Go keeps current: they agree with
+    info() and stats() after each step, move only when something did, and
+    stay readable after the handles closed."""
+    caches = flash_attn_caches()
+    leader, worker = make_pair(caches)
+    assert leader.figures() == {"host_blocks_used": 0, "disk_blocks_used": 0, "degraded": False, "g4": None}
+    assert worker.transfer_seq() == 0
+    prompt = list(range(3 * BS + 1))
+    run_step(leader, worker, [["a", prompt, [1, 2, 3, 4], 0, len(prompt), 0, 0, False]])
+    figs, info = leader.figures(), leader.info()
+    assert figs["host_blocks_used"] == info["host_blocks_used"] == 3
+    seq = worker.transfer_seq()
+    assert seq == sum(d["batches"] for d in worker.stats()["directions"].values()) > 0
+    run_step(leader, worker, [])
+    assert worker.transfer_seq() == seq, "a step without copies records no batch"
+    leader.reset()
+    run_step(leader, worker, [])
+    assert leader.figures()["host_blocks_used"] == 0 == leader.info()["host_blocks_used"]
+    worker.close()
+    leader.close()
+    assert worker.transfer_seq() == seq and leader.figures()["host_blocks_used"] == 0
+
+
 def test_salt_isolates_caches(env):
     caches = flash_attn_caches()
     leader, worker = make_pair(caches)

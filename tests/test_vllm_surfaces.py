@@ -111,6 +111,15 @@ def test_worker_and_scheduler_stats_aggregate_across_ranks(env):
         sched = fake.sched.get_kv_connector_stats()
         assert isinstance(w0, KvbmConnectorStats) and isinstance(sched, KvbmConnectorStats)
         assert fake.worker.get_kv_connector_stats() is None, "a second call reports only what happened since"
+        # Called every step: the Go totals are read only after a batch was recorded.
+        side = fake.worker._worker_side
+        reads = []
+        real_stats = side._worker.stats
+        side._worker.stats = lambda: reads.append(1) or real_stats()
+        assert fake.worker.get_kv_connector_stats() is None and reads == [], "nothing moved: the totals are not read"
+        run_until_loaded(fake, HashedRequest("c", prompt(2, 2 * BS + 1)))
+        again = fake.worker.get_kv_connector_stats()
+        assert reads == [1] and again is not None and again.counter("transfer_blocks", "g1_to_g2") == 2
     finally:
         for f in (fake, fake1):
             f.sched.shutdown()

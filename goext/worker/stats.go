@@ -3,6 +3,7 @@ package worker
 import (
 	"maps"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/policy"
@@ -28,6 +29,10 @@ type transferStats struct {
 	// timings: the last timed load batches (at most maxTimings), for a
 	// leader in another process (TakeTransferTimings).
 	timings []policy.Timing
+	// seq counts the batches recorded; TransferSeq reads it without the
+	// lock, and sink (PublishTransferSeq) receives every new value.
+	seq  atomic.Uint64
+	sink atomic.Pointer[atomic.Int64]
 }
 
 // maxTimings bounds the timed batches kept between two
@@ -60,6 +65,10 @@ func (s *transferStats) record(dir string, blocks, failed int, bytes int64, secs
 		d.Batches++
 	}
 	s.dirs[dir] = d
+	n := s.seq.Add(1)
+	if p := s.sink.Load(); p != nil {
+		p.Store(int64(n))
+	}
 }
 
 // TakeTransferTimings returns the load batches this worker timed since the
@@ -76,6 +85,22 @@ func (w *Worker) TakeTransferTimings() []policy.Timing {
 		return nil
 	}
 	return out
+}
+
+// TransferSeq counts the batches recorded into TransferStats so far: a
+// caller that reports the totals' changes (the engine's per-step connector
+// stats) reads TransferStats only when it moved. Cheap: one atomic load.
+func (w *Worker) TransferSeq() uint64 {
+	return w.xfer.seq.Load()
+}
+
+// PublishTransferSeq keeps *to equal to TransferSeq from now on (the C
+// ABI's figure slots, which the engine reads without a call).
+func (w *Worker) PublishTransferSeq(to *atomic.Int64) {
+	w.xfer.mu.Lock()
+	defer w.xfer.mu.Unlock()
+	w.xfer.sink.Store(to)
+	to.Store(int64(w.xfer.seq.Load()))
 }
 
 // TransferStats returns this worker's totals per direction ("g1_to_g2",

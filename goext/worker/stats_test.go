@@ -23,10 +23,17 @@ func TestTransferStatsPerWorker(t *testing.T) {
 	bpb := uint64(g.e.BytesPerBlock())
 
 	require.Empty(t, w.TransferStats())
+	require.Zero(t, w.TransferSeq())
 	_, failed := run(t, w, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{1, 2, 3}, plan.G2, []int64{4, 5, 6})})
 	require.Empty(t, failed)
-	_, failed = run(t, w, &plan.Step{Seq: 2, Moves: copies(plan.G2, []int64{4, 5}, plan.G3, []int64{0, 1})})
+	require.Equal(t, uint64(2), w.TransferSeq(), "one per batch recorded")
+	_, failed = run(t, w, &plan.Step{Seq: 2})
 	require.Empty(t, failed)
+	require.Equal(t, uint64(2), w.TransferSeq(), "a step without copies records nothing")
+	_, failed = run(t, w, &plan.Step{Seq: 3, Moves: copies(plan.G2, []int64{4, 5}, plan.G3, []int64{0, 1})})
+	require.Empty(t, failed)
+	w.WaitMoves()
+	require.Equal(t, uint64(3), w.TransferSeq())
 	_, failed = run(t, other, &plan.Step{Seq: 1, Saves: copies(plan.G1, []int64{7}, plan.G2, []int64{0})})
 	require.Empty(t, failed)
 

@@ -259,6 +259,8 @@ _native.register_signatures(
         "kvbm_leader_g4_report": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
         "kvbm_worker_g4_report": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_worker_stats": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
+        "kvbm_worker_figures_addr": (ctypes.c_int, [c_uint64, _P(c_uint64), _P(c_int64), _ERR]),
+        "kvbm_leader_figures_addr": (ctypes.c_int, [c_uint64, _P(c_uint64), _P(c_int64), _ERR]),
         "kvbm_leader_transfer_timings": (ctypes.c_int, [c_uint64, c_char_p, c_int64, _ERR]),
         "kvbm_worker_transfer_timings": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
         "kvbm_leader_take_events": (ctypes.c_int, [c_uint64, _P(_P(c_uint8)), _P(c_int64), _ERR]),
@@ -285,6 +287,31 @@ def _buffer_call(name: str, *args: object) -> bytes:
     n = c_int64()
     _native.call(name, *args, byref(buf), byref(n))
     return _native.take_buffer(buf, n)
+
+
+def _figure_slots(export: str, h: int) -> Array[c_int64]:
+    """A handle's figure slots (capi/figures.go): int64 words Go keeps
+    current, read here without a call. Go never frees them, so a read after
+    the handle closed sees the last figures."""
+    addr, n = c_uint64(), c_int64()
+    _native.call(export, h, byref(addr), byref(n))
+    return (c_int64 * n.value).from_address(addr.value)
+
+
+class LeaderFigures(TypedDict):
+    """The leader's figures as of its last step (or :meth:`Leader.info`)."""
+
+    host_blocks_used: int
+    disk_blocks_used: int
+    degraded: bool
+    g4: LeaderG4Figures | None
+
+
+class LeaderG4Figures(TypedDict):
+    queue_depth: int
+    breakers_open: int
+    lookup_hits: int
+    lookup_misses: int
 
 
 def _int64_array(values: Sequence[int]) -> tuple[Array[c_int64], int]:
@@ -356,6 +383,20 @@ class Leader(_native.Handle):
         _native.call("kvbm_leader_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
         self.block_size = int(block_size)
+        self._figs = _figure_slots("kvbm_leader_figures_addr", self._h)
+
+    def figures(self) -> LeaderFigures | None:
+        """The figures an engine reports every step (tier use, degraded, G4
+        queue, breakers and lookups), as of the leader's start, its last
+        :meth:`step` or :meth:`info`, read without calling into Go; None
+        before the leader started (a side channel's handshake pending)."""
+        f = self._figs
+        if f[0] == 0:  # capi/figures.go: publications, then the figures in this order
+            return None
+        g4: LeaderG4Figures | None = None
+        if f[4]:
+            g4 = {"queue_depth": f[5], "breakers_open": f[6], "lookup_hits": f[7], "lookup_misses": f[8]}
+        return {"host_blocks_used": f[1], "disk_blocks_used": f[2], "degraded": bool(f[3]), "g4": g4}
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until the side-channel handshake completed and the leader
@@ -555,6 +596,7 @@ class Worker(_native.Handle):
         h = c_uint64()
         _native.call("kvbm_worker_new", json.dumps(opts).encode(), byref(h))
         self._h = h.value
+        self._figs = _figure_slots("kvbm_worker_figures_addr", self._h)
 
     def info(self) -> WorkerInfo:
         info: WorkerInfo = json.loads(_buffer_call("kvbm_worker_info", self._h))
@@ -565,6 +607,11 @@ class Worker(_native.Handle):
         stats: WorkerStats = json.loads(_buffer_call("kvbm_worker_stats", self._h))
         stats["directions"] = stats.get("directions") or {}
         return stats
+
+    def transfer_seq(self) -> int:
+        """How many transfer batches this worker has recorded: :meth:`stats`
+        changes only when this does. Read without calling into Go."""
+        return int(self._figs[0])
 
     def bind(self, plan: bytes) -> Bound:
         """Hand the worker a step's plan (:meth:`Leader.step`'s bytes; the

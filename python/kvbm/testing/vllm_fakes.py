@@ -117,7 +117,10 @@ class FakeVllm:
       ``bind_connector_metadata``, ``start_load_kv``, the forward pass (writes
       the scheduled tokens' KV), ``wait_for_save``, ``get_finished``,
       ``get_block_ids_with_load_errors``, ``clear_connector_metadata``; then
-      ``update_connector_output``;
+      ``update_connector_output``; with :attr:`report_stats` set, also both
+      sides' ``get_kv_connector_stats`` every step, as vLLM's model runner
+      (after ``get_finished``) and scheduler (after
+      ``update_connector_output``) do, kept in :attr:`kv_stats`;
     * chunked prefill under a per-step token budget; preemption (the newest
       running request) when G1 has no free block, resumption through the
       connector again; ``request_finished`` when a request finishes or is
@@ -151,6 +154,8 @@ class FakeVllm:
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.free = list(range(self.num_blocks))
         self.budget = token_budget
+        self.report_stats = False
+        self.kv_stats: list[Any] = []
         self.requests: dict[str, FakeRequest] = {}
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
@@ -363,6 +368,8 @@ class FakeVllm:
             self._forward(req, req.num_computed_tokens, n)
         w.wait_for_save()
         sending, recving = w.get_finished(set(so.finished_req_ids))
+        if self.report_stats:
+            self.kv_stats.append(w.get_kv_connector_stats())
         invalid = w.get_block_ids_with_load_errors() or set()
         w.clear_connector_metadata()
         for req, n in scheduled:  # sampling
@@ -375,6 +382,8 @@ class FakeVllm:
         out = SimpleNamespace(finished_recving=recving, finished_sending=sending, invalid_block_ids=invalid,
                               kv_connector_worker_meta=w.build_connector_worker_meta())
         self.sched.update_connector_output(out)
+        if self.report_stats:
+            self.kv_stats.append(self.sched.get_kv_connector_stats())
         # kv_load_failure_policy "recompute": a loading request keeps the
         # valid prefix before its first failed block.
         for req in self.requests.values():

@@ -426,7 +426,9 @@ class VllmConnectorLeader(VllmSide):
     def _leader_figures(self, stats: KvbmConnectorStats) -> None:
         if self._leader is None:
             return
-        info = self._leader.info()
+        # Called every step: the figures of the leader's last step, read
+        # without a call into Go (kvbm_leader_info only before any step).
+        info: Any = self._leader.figures() or self._leader.info()
         g4: dict[str, Any] = dict(info.get("g4") or {})
         now = {"host_blocks_registered": info["host_blocks_used"], "disk_blocks_registered": info["disk_blocks_used"],
                "degraded": int(bool(info["degraded"]))}

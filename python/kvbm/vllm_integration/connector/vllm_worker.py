@@ -70,6 +70,7 @@ class VllmConnectorWorker(VllmSide):
         # totals at the last report, and load errors since it.
         self._rank = 0
         self._xfer_reported: dict[str, dict[str, float]] = {}
+        self._xfer_seq = -1  # the worker's transfer_seq when its totals were last read
         self._stat_load_errors = 0
         # Several KV cache groups: vLLM maps failed block ids to requests
         # only with one group, so a load with any failed block fails its
@@ -333,24 +334,31 @@ class VllmConnectorWorker(VllmSide):
         every rank moves its shard of the same blocks), bytes, batch seconds
         and failed copies per transfer direction, and failed loads. None when
         there is nothing to report."""
+        # Called every step: the Go totals are read (and their changes
+        # reported) only when a batch was recorded since the last read.
+        dirs: dict[str, Any] = {}
+        if self._worker is not None and self._failed is None:
+            try:
+                seq = self._worker.transfer_seq()
+                if seq != self._xfer_seq:
+                    dirs = self._worker.stats()["directions"]
+                self._xfer_seq = seq
+            except Exception as e:  # noqa: BLE001 - the engine must survive
+                self._fail("get_kv_connector_stats", e)
+        if not dirs and not self._stat_load_errors:
+            return None
         stats = KvbmConnectorStats(data={})
         stats.add("load_errors", self._stat_load_errors)
         self._stat_load_errors = 0
-        if self._worker is not None and self._failed is None:
-            try:
-                dirs = self._worker.stats()["directions"]
-            except Exception as e:  # noqa: BLE001 - the engine must survive
-                self._fail("get_kv_connector_stats", e)
-                dirs = {}
-            for d, totals in dirs.items():
-                now: dict[str, float] = {k: float(totals.get(k, 0)) for k in _XFER_FIELDS}  # type: ignore[arg-type]
-                last = self._xfer_reported.get(d, {})
-                delta = {k: now[k] - last.get(k, 0.0) for k in _XFER_FIELDS}
-                self._xfer_reported[d] = now
-                if self._rank == 0:
-                    stats.add("transfer_blocks", delta["blocks"], d)
-                stats.add("transfer_failed_blocks", delta["failed"], d)
-                stats.add("transfer_bytes", delta["bytes"], d)
-                stats.add("transfer_seconds", delta["seconds"], d)
-                stats.add("transfer_batches", delta["batches"], d)
+        for d, totals in dirs.items():
+            now: dict[str, float] = {k: float(totals.get(k, 0)) for k in _XFER_FIELDS}
+            last = self._xfer_reported.get(d, {})
+            delta = {k: now[k] - last.get(k, 0.0) for k in _XFER_FIELDS}
+            self._xfer_reported[d] = now
+            if self._rank == 0:
+                stats.add("transfer_blocks", delta["blocks"], d)
+            stats.add("transfer_failed_blocks", delta["failed"], d)
+            stats.add("transfer_bytes", delta["bytes"], d)
+            stats.add("transfer_seconds", delta["seconds"], d)
+            stats.add("transfer_batches", delta["batches"], d)
         return None if stats.is_empty() else stats

@@ -8,7 +8,9 @@ kvbm). It times every call of the worker-side connector the engine makes
 (bind_connector_metadata, start_load_kv, wait_for_save, get_finished,
 get_kv_connector_stats), the scheduler-side ones (the leader's), and the
 engine's model execution (execute_model, which includes the worker's calls), and prints per call: count, total, mean and
-max, and each one's share of the run; then kvbm's Go worker's own transfer
+max, and each one's share of the run; then per phase (first visits, the no-reuse batch) each call's time per
+engine step, with the calls into Go inside the adapter's ("go: leader step", "go: leader info", "go: worker
+bind": a call into Go right after the forward pass costs far more than back to back); then kvbm's Go worker's own transfer
 totals per direction (blocks, batches, seconds in the copies: G1→G2 saves,
 G2→G3 moves with their XXH3 checksum and disk write) and the Go runtime's
 garbage collections during the run (GODEBUG=gctrace=1, read from this

@@ -84,6 +84,7 @@ bench: export KVBM_BENCH_OUT = $(BENCH_OUT)
 bench: build
 	@rm -rf $(BENCH_OUT) && mkdir -p $(BENCH_OUT)
 	@echo "== hashing and C-ABI call cost"; $(PY) bench/hashing_abi.py $(QUICK_FLAG)
+	@echo "== a call into Go from Python after other work (an engine step) and back to back, against libc"; $(PY) bench/go_call_cost.py $(QUICK_FLAG)
 	@echo "== leader: match of a 32K-token prompt against 100K registered blocks, Go and from Python"; $(PY) bench/match_path.py $(QUICK_FLAG)
 	@echo "== G2/G3 transfers"; $(GO) run ./bench/transfer $(QUICK_FLAG)
 	@echo "== KV event consolidator"; $(GO) run ./bench/consolidator $(QUICK_FLAG)

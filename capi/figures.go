@@ -58,6 +58,7 @@ const (
 	figG4BreakersOpen
 	figG4LookupHits
 	figG4LookupMisses
+	figStepNeeded // 1 while the leader waits for a step (leader.StepNeeded); kept current by the leader itself
 	leaderFigureSlots
 )
 

@@ -129,6 +129,7 @@ func kvbm_leader_new(optsJSON *C.char, out *C.uint64_t, errOut **C.char) (rc C.i
 	cfg.LogOnce(func(format string, args ...any) { log.Info(fmt.Sprintf(format, args...)) })
 
 	h := &leaderHandle{m: metrics.New(), cfg: cfg, opts: o, figs: newFigureSlots(leaderFigureSlots)}
+	h.figs.word(figStepNeeded).Store(1) // until the leader runs: every step goes to it
 	if o.SideChannel != nil {
 		// The leader's sizes come from the handshake, which may wait for a
 		// long time (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS): only bind
@@ -169,6 +170,9 @@ func (h *leaderHandle) start(o leaderOptions, cfg *config.Config, bc leader.Broa
 		return err
 	}
 	h.n, h.l = n, n.L
+	if h.figs.p != nil {
+		h.l.PublishStepNeeded(h.figs.word(figStepNeeded))
+	}
 	h.publishFigures()
 	h.ready.Store(true)
 	return nil

@@ -89,16 +89,20 @@ def test_figures_read_without_a_call_follow_the_steps(env):
     leader, worker = make_pair(caches)
     assert leader.figures() == {"host_blocks_used": 0, "disk_blocks_used": 0, "degraded": False, "g4": None}
     assert worker.transfer_seq() == 0
+    assert not leader.step_needed(), "a fresh leader waits for no step"
     prompt = list(range(3 * BS + 1))
     run_step(leader, worker, [["a", prompt, [1, 2, 3, 4], 0, len(prompt), 0, 0, False]])
     figs, info = leader.figures(), leader.info()
+    assert not leader.step_needed(), "no disk tier: nothing queued after the saves"
     assert figs["host_blocks_used"] == info["host_blocks_used"] == 3
     seq = worker.transfer_seq()
     assert seq == sum(d["batches"] for d in worker.stats()["directions"].values()) > 0
     run_step(leader, worker, [])
     assert worker.transfer_seq() == seq, "a step without copies records no batch"
     leader.reset()
+    assert leader.step_needed(), "the reset's drops wait for a step (read without a call)"
     run_step(leader, worker, [])
+    assert not leader.step_needed()
     assert leader.figures()["host_blocks_used"] == 0 == leader.info()["host_blocks_used"]
     worker.close()
     leader.close()

@@ -66,7 +66,7 @@ type bgOp struct {
 // in background mode, degraded, no host or disk tier, or an empty queue.
 func (l *Leader) PlanBackground() (step []byte, ticket uint64, err error) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if !l.bgMode || l.degraded || l.host == nil || l.disk == nil {
 		return nil, 0, nil
 	}
@@ -121,7 +121,7 @@ func (l *Leader) PlanBackground() (step []byte, ticket uint64, err error) {
 // already committed ticket is an error.
 func (l *Leader) CommitBackground(ticket uint64, ok bool) error {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if _, found := l.bgOps[ticket]; !found {
 		return fmt.Errorf("leader: commit of unknown background ticket %d (never planned or already committed)", ticket)
 	}
@@ -159,7 +159,7 @@ func (l *Leader) commitLocked(ticket uint64, ok bool) {
 // BackgroundInFlight is the number of planned, not yet committed tickets.
 func (l *Leader) BackgroundInFlight() int {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	return len(l.bgOps)
 }
 
@@ -179,7 +179,7 @@ func (l *Leader) SetDegraded(deadRanks []int) {
 	slices.Sort(ranks)
 	ranks = slices.Compact(ranks)
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.degraded && slices.Equal(ranks, l.deadRanks) {
 		return
 	}
@@ -193,14 +193,14 @@ func (l *Leader) SetDegraded(deadRanks []int) {
 // Degraded reports whether SetDegraded was called, and with which ranks.
 func (l *Leader) Degraded() (bool, []int) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	return l.degraded, slices.Clone(l.deadRanks)
 }
 
 // BlocksUsed is the number of registered (findable) G2 and G3 blocks.
 func (l *Leader) BlocksUsed() (host, disk int) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.host != nil {
 		host = l.host.NumRegistered()
 	}

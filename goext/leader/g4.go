@@ -196,7 +196,7 @@ func (g *g4State) unwatchAll() {
 // store is already set.
 func (l *Leader) SetG4Store(s G4Store) bool {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.g4 == nil || l.g4.opts.Store != nil || s == nil {
 		return false
 	}
@@ -211,7 +211,7 @@ func (l *Leader) SetG4Store(s G4Store) bool {
 // (the leader is going away; a shared store's registry lives on).
 func (l *Leader) StopG4Events() {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.g4 != nil && l.g4.unwatch != nil {
 		l.g4.unwatch()
 		l.g4.unwatch = nil
@@ -221,7 +221,7 @@ func (l *Leader) StopG4Events() {
 // G4Store is rank 0's store, nil until known or without G4.
 func (l *Leader) G4Store() G4Store {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.g4 == nil {
 		return nil
 	}
@@ -235,7 +235,7 @@ func (l *Leader) G4Enabled() bool { return l.g4 != nil }
 // and its bucket check succeeded.
 func (l *Leader) G4On() bool {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	return l.g4 != nil && l.g4.opts.Store != nil && l.g4.opts.Store.Ready()
 }
 
@@ -312,7 +312,7 @@ func (l *Leader) g4Lookup(s G4Store, p *g4Probe, salt uint64, hashes []uint64) {
 		}
 		m.ObserveLookup(took, waves)
 	}
-	l.mu.Unlock()
+	l.unlock()
 }
 
 // g4StateLookup asks the bucket for the state keys of a request's
@@ -407,7 +407,7 @@ func (l *Leader) g4ReleaseUploaded() {
 // upload acknowledgements, when it runs in another process).
 func (l *Leader) G4Stored(hashes []uint64) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.g4 == nil {
 		return
 	}

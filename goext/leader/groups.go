@@ -76,7 +76,7 @@ func (g *Groups) skipped(group, computed, bs int) int {
 // without Options.Groups or for a request the leader does not know.
 func (l *Leader) NoteAllocGroups(reqID string, blocks [][]int64) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	if l.groups == nil {
 		return
 	}

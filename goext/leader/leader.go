@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvbm/kvbm/goext/config"
@@ -138,6 +139,8 @@ type Leader struct {
 	moves     moveQueue
 	moveSeq   uint64                 // FIFO order within a priority
 	drops     map[tierBlock]struct{} // invalid blocks to announce in the next Step
+	saveRetry bool                   // a save found its tier full of pinned blocks: retried next Step
+	stepWord  *atomic.Int64          // follows StepNeeded (quiet.go); nil: none
 
 	seq uint64 // last emitted plan.Step.Seq
 
@@ -294,7 +297,7 @@ func (l *Leader) BlockSize() int { return l.bs }
 // behind them, over the last CacheStatsMaxRequests finished requests.
 func (l *Leader) HitRates() (host, disk float64, hostBlocks, diskBlocks, queried int) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	host, disk = l.hits.rates()
 	return host, disk, l.hits.host, l.hits.disk, l.hits.queried
 }
@@ -315,7 +318,7 @@ func (l *Leader) poolOf(t plan.Tier) *pool.Pool {
 // bytes until the load lets go, but are no longer findable.
 func (l *Leader) ResetCache() {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	for _, p := range []*pool.Pool{l.host, l.disk} {
 		if p == nil {
 			continue

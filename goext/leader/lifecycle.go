@@ -110,7 +110,7 @@ func (l *Leader) SweepDisk() int {
 		return 0
 	}
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	cutoff := l.now().Add(-l.life.diskTTL).UnixNano()
 	var expired []int
 	expired, l.life.diskCursor = l.disk.Expired(cutoff, l.life.diskCursor, DiskSweepSlots, l.idxBuf[:0])
@@ -137,7 +137,7 @@ func (l *Leader) SweepObjects(ctx context.Context) object.PurgeResult {
 	}
 	l.mu.Lock()
 	store := l.g4.opts.Store
-	l.mu.Unlock()
+	l.unlock()
 	if store == nil || !store.Ready() || !store.Available() {
 		return object.PurgeResult{}
 	}
@@ -228,7 +228,7 @@ type Stats struct {
 // Stats returns a snapshot.
 func (l *Leader) Stats() Stats {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	s := Stats{BlockSize: l.bs, DiskPersistent: l.tagSteps(), Requests: len(l.slots), G4: l.g4 != nil,
 		G4Purged: object.Purged()}
 	if l.host != nil {

@@ -53,7 +53,7 @@ func (l *Leader) slotFor(reqID string, salt uint64, now time.Time) (s *slot, cre
 // while a load for the request is already with the workers.
 func (l *Leader) GetNumNewMatchedTokens(reqID string, tokens []uint32, salt uint64, numComputed int) (int, bool) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	bs := l.bs
 	// Whatever the answer, the slot keeps the tokens: the request's step
 	// updates then carry only the tokens after them (RequestUpdate.KnownTokens).
@@ -257,7 +257,7 @@ func (l *Leader) unstage(s *slot) {
 // are counted here, when the load is planned.
 func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExternalTokens int) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	s, ok := l.slots[reqID]
 	if ok {
 		l.touch(s, l.now())
@@ -331,7 +331,7 @@ func (l *Leader) UpdateStateAfterAlloc(reqID string, g1BlockIDs []int64, numExte
 // in none of them.
 func (l *Leader) LoadSources(reqID string, numTokens int) (host, disk, remote int) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	s, ok := l.slots[reqID]
 	if !ok || s.load != loadPlanned {
 		return 0, 0, 0
@@ -361,7 +361,7 @@ func (l *Leader) LoadSources(reqID string, numTokens int) (host, disk, remote in
 // G1 block). Unknown ids are ignored.
 func (l *Leader) LoadsFinished(reqIDs []string) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	for _, id := range reqIDs {
 		il, ok := l.inflight[id]
 		if !ok {
@@ -388,7 +388,7 @@ func (l *Leader) LoadsFinished(reqIDs []string) {
 // fresh copies. Ids that were not loaded by kvbm are ignored.
 func (l *Leader) LoadErrors(g1BlockIDs []int64) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	for _, g1 := range g1BlockIDs {
 		ref, ok := l.loadsByG1[g1]
 		if !ok {
@@ -423,7 +423,7 @@ func (l *Leader) LoadErrors(g1BlockIDs []int64) {
 // workers keeps its sources pinned until LoadsFinished.
 func (l *Leader) RequestFinished(reqID string) bool {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	s, ok := l.slots[reqID]
 	if !ok {
 		return false

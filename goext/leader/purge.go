@@ -142,7 +142,7 @@ func (l *Leader) Purge(ctx context.Context, req PurgeRequest) (PurgeResult, erro
 			}
 		}
 	}
-	l.mu.Unlock()
+	l.unlock()
 	l.life.purges.Add(1)
 	l.m.Purges.Inc()
 	l.m.PurgedBlocks.WithLabelValues("g2").Add(float64(res.HostBlocks))

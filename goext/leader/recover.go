@@ -124,7 +124,7 @@ func (l *Leader) tagBackground(st *plan.Step, op *bgOp) {
 // time, oldest first. Call it before the first Step; later calls do nothing.
 func (l *Leader) RestoreDisk(perRank [][]RecoveredBlock) (RestoreStats, error) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	st := RestoreStats{Skipped: map[string]int{}}
 	if l.disk == nil || len(perRank) == 0 || l.restored {
 		return st, nil // restored once already (in process, then through the engine)

@@ -74,8 +74,9 @@ type RequestUpdate struct {
 func (l *Leader) Step(updates []RequestUpdate) ([]byte, error) {
 	defer l.wakeSideChannel() // background loop: new saves may be ready to move
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.unlock()
 	l.seq++
+	l.saveRetry = false
 	st := plan.Step{Seq: l.seq}
 	now := l.now()
 
@@ -274,6 +275,7 @@ func (l *Leader) planSaves(s *slot, u *RequestUpdate, st *plan.Step) {
 			parent = s.hashes[i-1]
 		}
 		if !l.saveBlock(s, i, s.hashes[i], parent, i > 0, prio, st) {
+			l.saveRetry = true
 			return // the tier is full of pinned blocks; retried next step
 		}
 		if stateEnd := u.NumComputedTokens + u.NumScheduledTokens; (i+1)*bs == stateEnd && l.stateHeld(s, i) {

@@ -398,6 +398,17 @@ class Leader(_native.Handle):
             g4 = {"queue_depth": f[5], "breakers_open": f[6], "lookup_hits": f[7], "lookup_misses": f[8]}
         return {"host_blocks_used": f[1], "disk_blocks_used": f[2], "degraded": bool(f[3]), "g4": g4}
 
+    def step_needed(self) -> bool:
+        """Whether the leader has work for the next step even if no request
+        in it is new, resumed, allocates a block or completes one: G2→G3
+        moves, drops, loads or uploads it queued, a save to retry (Go's
+        leader.StepNeeded, read from memory Go keeps current, without a
+        call). True before the leader started. An engine adapter may leave
+        out a step that needs none (the next step's rows carry the tokens in
+        between)."""
+        f = self._figs
+        return len(f) <= 9 or f[0] == 0 or bool(f[9])
+
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until the side-channel handshake completed and the leader
         is created (releases the GIL; returns at once without a side channel).

@@ -14,6 +14,7 @@ before that load is in a plan, the next metadata names it in
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvbm import _native
@@ -292,6 +293,12 @@ class VllmConnectorLeader(VllmSide):
         if self._leader is None:
             return DynamoConnectorMetadata()
         num_sched = scheduler_output.num_scheduled_tokens
+        if self._quiet(scheduler_output, num_sched):
+            # Nothing for the leader (goext/leader/quiet.go): no call
+            # into Go, and the workers bind nothing.
+            for rid in scheduler_output.finished_req_ids or ():
+                self._forget(rid)
+            return DynamoConnectorMetadata()
         # Rows carry no priority: vLLM's request priority orders scheduling,
         # not retention, so the offload filter never applies under vLLM.
         updates: list[StepUpdate] = []
@@ -351,6 +358,34 @@ class VllmConnectorLeader(VllmSide):
         # promised so far are in this plan, and the workers own them now.
         self._promised_loads.clear()
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
+
+    def _quiet(self, scheduler_output: Any, num_sched: Mapping[str, int]) -> bool:
+        """A step the leader has nothing to do in: no request is new or
+        resumed, none is given a block or completes one (its computed tokens
+        stay within a block), kvbm has nothing to report (finished or failed
+        loads, allocations of a load) and the leader waits for no step
+        (Leader.step_needed: moves, drops, loads or uploads it queued). Most
+        decode steps are. The tokens of the steps left out reach the leader
+        with the next step it gets: a row's new tokens are whatever it was
+        not sent."""
+        if self._loaded or self._invalid_blocks or self._alloc_groups or self._promised_loads:
+            return False
+        if any(nr.req_id not in self._bypassed for nr in scheduler_output.scheduled_new_reqs):
+            return False
+        cached = scheduler_output.scheduled_cached_reqs
+        if getattr(cached, "resumed_req_ids", None):
+            return False
+        bs = self._leader.block_size
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._requests:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks and any(new_blocks):
+                return False
+            done = int(cached.num_computed_tokens[i])
+            if (done + int(num_sched.get(rid, 0))) // bs != done // bs:
+                return False
+        return not self._leader.step_needed()
 
     @guarded(None)
     def update_connector_output(self, connector_output: Any) -> None:

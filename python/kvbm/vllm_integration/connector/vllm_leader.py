@@ -293,7 +293,7 @@ class VllmConnectorLeader(VllmSide):
         if self._leader is None:
             return DynamoConnectorMetadata()
         num_sched = scheduler_output.num_scheduled_tokens
-        if self._quiet(scheduler_output, num_sched):
+        if self._quiet(self._leader, scheduler_output, num_sched):
             # Nothing for the leader (goext/leader/quiet.go): no call
             # into Go, and the workers bind nothing.
             for rid in scheduler_output.finished_req_ids or ():
@@ -359,7 +359,7 @@ class VllmConnectorLeader(VllmSide):
         self._promised_loads.clear()
         return DynamoConnectorMetadata(plan=plan, seq=self._seq)
 
-    def _quiet(self, scheduler_output: Any, num_sched: Mapping[str, int]) -> bool:
+    def _quiet(self, leader: Leader, scheduler_output: Any, num_sched: Mapping[str, int]) -> bool:
         """A step the leader has nothing to do in: no request is new or
         resumed, none is given a block or completes one (its computed tokens
         stay within a block), kvbm has nothing to report (finished or failed
@@ -375,7 +375,7 @@ class VllmConnectorLeader(VllmSide):
         cached = scheduler_output.scheduled_cached_reqs
         if getattr(cached, "resumed_req_ids", None):
             return False
-        bs = self._leader.block_size
+        bs = leader.block_size
         for i, rid in enumerate(cached.req_ids):
             if rid not in self._requests:
                 continue
@@ -385,7 +385,7 @@ class VllmConnectorLeader(VllmSide):
             done = int(cached.num_computed_tokens[i])
             if (done + int(num_sched.get(rid, 0))) // bs != done // bs:
                 return False
-        return not self._leader.step_needed()
+        return not leader.step_needed()
 
     @guarded(None)
     def update_connector_output(self, connector_output: Any) -> None:

@@ -56,6 +56,7 @@ class VllmConnectorLeader(VllmSide):
         self._promised_loads: dict[str, list[int]] = {}
         self._requests: dict[str, Any] = {}
         self._sent_tokens: dict[str, int] = {}
+        self._sent_end: dict[str, int] = {}  # request → its full blocks computed, as of the last step sent
         # Tokens the leader got at matching (request id → how many): the
         # request's next new or resumed row carries only those after them.
         self._matched_tokens: dict[str, int] = {}
@@ -309,6 +310,7 @@ class VllmConnectorLeader(VllmSide):
             req = self._requests.get(rid)
             tokens = req.all_token_ids if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
+            self._sent_end[rid] = self._computed_blocks(len(tokens), nr.num_computed_tokens, num_sched.get(rid, 0))
             known = self._known_tokens(rid, len(tokens))
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=list(tokens[known:]),
@@ -333,6 +335,8 @@ class VllmConnectorLeader(VllmSide):
             else:
                 tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
             self._sent_tokens[rid] = len(all_tokens)
+            self._sent_end[rid] = self._computed_blocks(len(all_tokens), cached.num_computed_tokens[i],
+                                                        num_sched.get(rid, 0))
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=tokens,
                 new_block_ids=list(new_blocks[self._primary]) if new_blocks else [],
@@ -375,17 +379,27 @@ class VllmConnectorLeader(VllmSide):
         cached = scheduler_output.scheduled_cached_reqs
         if getattr(cached, "resumed_req_ids", None):
             return False
-        bs = leader.block_size
         for i, rid in enumerate(cached.req_ids):
-            if rid not in self._requests:
+            req = self._requests.get(rid)
+            if req is None:
                 continue
             new_blocks = cached.new_block_ids[i]
             if new_blocks and any(new_blocks):
                 return False
-            done = int(cached.num_computed_tokens[i])
-            if (done + int(num_sched.get(rid, 0))) // bs != done // bs:
+            # The blocks whose tokens are known and computed by the end of
+            # the step, as the leader's save planning counts them: the same
+            # as at the last step it was sent (with speculative decoding
+            # the drafts are scheduled but not yet tokens).
+            end = self._computed_blocks(len(req.all_token_ids), cached.num_computed_tokens[i], num_sched.get(rid, 0))
+            if end != self._sent_end.get(rid):
                 return False
         return not leader.step_needed()
+
+    def _computed_blocks(self, num_tokens: int, num_computed: int, num_scheduled: int) -> int:
+        """Full blocks of a request's tokens computed by the end of a step
+        (goext/leader/step.go planSaves)."""
+        assert self._leader is not None
+        return min(int(num_computed) + int(num_scheduled), num_tokens) // self._leader.block_size
 
     @guarded(None)
     def update_connector_output(self, connector_output: Any) -> None:
@@ -418,6 +432,7 @@ class VllmConnectorLeader(VllmSide):
         self._async_matches.pop(rid, None)
         self._requests.pop(rid, None)
         self._sent_tokens.pop(rid, None)
+        self._sent_end.pop(rid, None)
         self._matched_tokens.pop(rid, None)
         self._salts.pop(rid, None)
         self._bypassed.discard(rid)

@@ -310,7 +310,8 @@ class VllmConnectorLeader(VllmSide):
             req = self._requests.get(rid)
             tokens = req.all_token_ids if req is not None else list(nr.prompt_token_ids or [])
             self._sent_tokens[rid] = len(tokens)
-            self._sent_end[rid] = self._computed_blocks(len(tokens), nr.num_computed_tokens, num_sched.get(rid, 0))
+            self._sent_end[rid] = _computed_blocks(len(tokens), nr.num_computed_tokens, num_sched.get(rid, 0),
+                                                   self._leader.block_size)
             known = self._known_tokens(rid, len(tokens))
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=list(tokens[known:]),
@@ -335,8 +336,8 @@ class VllmConnectorLeader(VllmSide):
             else:
                 tokens = list(all_tokens[self._sent_tokens.get(rid, 0):])
             self._sent_tokens[rid] = len(all_tokens)
-            self._sent_end[rid] = self._computed_blocks(len(all_tokens), cached.num_computed_tokens[i],
-                                                        num_sched.get(rid, 0))
+            self._sent_end[rid] = _computed_blocks(len(all_tokens), cached.num_computed_tokens[i],
+                                                  num_sched.get(rid, 0), self._leader.block_size)
             updates.append(StepUpdate(
                 req_id=rid, new_tokens=tokens,
                 new_block_ids=list(new_blocks[self._primary]) if new_blocks else [],
@@ -365,8 +366,8 @@ class VllmConnectorLeader(VllmSide):
 
     def _quiet(self, leader: Leader, scheduler_output: Any, num_sched: Mapping[str, int]) -> bool:
         """A step the leader has nothing to do in: no request is new or
-        resumed, none is given a block or completes one (its computed tokens
-        stay within a block), kvbm has nothing to report (finished or failed
+        resumed, none is given a block or completes one (its full blocks
+        computed stay those of the last step sent), kvbm has nothing to report (finished or failed
         loads, allocations of a load) and the leader waits for no step
         (Leader.step_needed: moves, drops, loads or uploads it queued). Most
         decode steps are. The tokens of the steps left out reach the leader
@@ -390,16 +391,11 @@ class VllmConnectorLeader(VllmSide):
             # the step, as the leader's save planning counts them: the same
             # as at the last step it was sent (with speculative decoding
             # the drafts are scheduled but not yet tokens).
-            end = self._computed_blocks(len(req.all_token_ids), cached.num_computed_tokens[i], num_sched.get(rid, 0))
+            end = _computed_blocks(len(req.all_token_ids), cached.num_computed_tokens[i], num_sched.get(rid, 0),
+                                   leader.block_size)
             if end != self._sent_end.get(rid):
                 return False
         return not leader.step_needed()
-
-    def _computed_blocks(self, num_tokens: int, num_computed: int, num_scheduled: int) -> int:
-        """Full blocks of a request's tokens computed by the end of a step
-        (goext/leader/step.go planSaves)."""
-        assert self._leader is not None
-        return min(int(num_computed) + int(num_scheduled), num_tokens) // self._leader.block_size
 
     @guarded(None)
     def update_connector_output(self, connector_output: Any) -> None:
@@ -532,3 +528,9 @@ class VllmConnectorLeader(VllmSide):
             log.info("kvbm: %d disk tier blocks recovered from the persistent tier of %d rank(s)", n, tp_size)
         except Exception as e:  # noqa: BLE001 - a cache that starts empty still serves
             log.warning("kvbm: persistent disk tier not restored (starting with an empty disk tier index): %s", e)
+
+
+def _computed_blocks(num_tokens: int, num_computed: int, num_scheduled: int, block_size: int) -> int:
+    """Full blocks of a request's tokens computed by the end of a step, as
+    the leader's save planning counts them (goext/leader/step.go planSaves)."""
+    return min(int(num_computed) + int(num_scheduled), num_tokens) // block_size

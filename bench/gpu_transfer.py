@@ -18,7 +18,11 @@ worker (C ABI → Go → CUDA), for each layout and copy mode, and checking byte
    copies do not wait for the queued matmuls; the movers wait by polling, so
    no thread holds the GIL while waiting. Windows alternate alone / with the
    mover (--mm-windows with it, each between two alone); the slowdown is the
-   median of each with-window against the two around it.
+   median of each with-window against the two around it. For the kvbm rows
+   the windows with kvbm's mover take turns with windows with torch's
+   contiguous copy (alone, kvbm, alone, torch, alone, …), so each cycle gives
+   a difference measured seconds apart; the targets line gives their mean and
+   95% bootstrap interval (--unpaired: against row (a) only).
 
 Baselines in the same run: (a) torch's pinned contiguous copy of the same
 number of bytes, each way and both ways at once; (b) naive per-block,
@@ -26,7 +30,7 @@ per-layer torch copies; (c) with the trtllm layout, torch's per-block copies
 of the same scattered blocks (kvbm's `direct` work, issued by torch), both
 ways, and the matmul while it moves them. GB/s = 10^9 bytes per second of moved payload
 (2,048 × 2 MiB = 4.29 GB each way). The table's "vs torch" column is kvbm's
-matmul slowdown minus torch's own DMA slowdown (points, same run); the lines
+matmul slowdown minus torch's own DMA slowdown (points, paired windows); the lines
 after it check each kvbm row against the targets (TARGET_SLOW_PT,
 TARGET_BOTH_PCT: both ways as % of torch's both-ways copy).
 
@@ -62,6 +66,7 @@ if not torch.cuda.is_available():
 from kvbm import _native  # noqa: E402
 from kvbm._core import Worker  # noqa: E402
 from kvbm import _plan  # noqa: E402
+from kvbm.testing import compare  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
 
@@ -217,6 +222,30 @@ def slowdown(movers, k):
     return statistics.mean(alone), statistics.mean(withm), slow, res
 
 
+def paired_slowdown(mine, torch_movers, k):
+    """kvbm's mover and torch's pinned contiguous copy taking turns on the
+    same engine stream: alone, mine, alone, torch's, alone, … for
+    MM_WINDOWS cycles (the order within a cycle alternating), each
+    with-window against the alone-windows on either side of it. Returns
+    (alone TFLOP/s, mine TFLOP/s, my median slowdown, torch's median
+    slowdown, [my slowdown − torch's, per cycle], my last window's mover
+    result): the difference decided against windows seconds apart, so the
+    GPU's and the host's drift between rows of the table cancel."""
+    alone, with_mine, slow = [matmul_window([], k)[0]], [], {"mine": [], "torch": []}
+    res = None
+    for c in range(MM_WINDOWS):
+        for who in (("mine", "torch") if c % 2 == 0 else ("torch", "mine")):
+            t, r = matmul_window(mine if who == "mine" else torch_movers, k)
+            alone.append(matmul_window([], k)[0])
+            slow[who].append(1 - t / ((alone[-2] + alone[-1]) / 2))
+            if who == "mine":
+                with_mine.append(t)
+                res = r
+    diffs = [m - t for m, t in zip(slow["mine"], slow["torch"])]
+    return (statistics.mean(alone), statistics.mean(with_mine), statistics.median(slow["mine"]),
+            statistics.median(slow["torch"]), diffs, res)
+
+
 def poll(ev):
     while not ev.query():
         time.sleep(0.0002)
@@ -336,9 +365,11 @@ def check(kind, mode, tensors, src, dst, what):
             f"{kind}/{mode} {what}: block {dst[k]} differs from {src[k]}"
 
 
-def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
+def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k, torch_movers=None):
     """One way, both ways at once, and the matmul while moving, for one mode.
-    G2 blocks [0, n) receive the saves, [n, 2n) feed the duplex loads."""
+    G2 blocks [0, n) receive the saves, [n, 2n) feed the duplex loads.
+    torch_movers: torch's contiguous copy both ways, whose windows then take
+    turns with kvbm's (paired_slowdown)."""
     n = len(src)
     refill(tensors)  # no destination may already hold the expected bytes
     os.environ.update({
@@ -434,7 +465,11 @@ def bench_kvbm(kind, tensors, nblocks, src, dst, mode, repeat, mm_k):
                     moved += 2 * nbytes
                 return moved, time.perf_counter() - t0
 
-            alone, tflops, slow, res = slowdown([mover], mm_k)
+            if torch_movers:
+                alone, tflops, slow, tslow, diffs, res = paired_slowdown([mover], torch_movers, mm_k)
+                r.update(torch_slow=tslow, paired=diffs)
+            else:
+                alone, tflops, slow, res = slowdown([mover], mm_k)
             moved, secs = res[0]
             r.update(mm_alone=alone, mm=tflops, mm_slow=slow, mm_gbps=moved / 1e9 / secs)
         if "so far" in (end := w.info()["g1"]):  # split: how the batches were shared
@@ -454,6 +489,10 @@ def main():
     ap.add_argument("--matmuls", type=int, default=200, help="bf16 8192³ matmuls per engine window (0: skip)")
     ap.add_argument("--mm-windows", type=int, default=5, help="matmul windows with the mover (each between two alone)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive per-block torch copies")
+    ap.add_argument("--unpaired", action="store_true",
+                    help="measure each kvbm row's matmul slowdown on its own, not in windows taking turns with "
+                         "torch's contiguous copy (which keeps torch's 2 × --moved blocks of buffers on the GPU "
+                         "and pinned)")
     ap.add_argument("--ranks", type=int, default=1,
                     help="tensor-parallel ranks, one process each on cuda:rank (all on cuda:0 with one GPU), "
                          "moving at the same time; per-rank GB/s against that rank's torch pinned copy, no matmul")
@@ -483,14 +522,17 @@ def main():
     nbytes = args.moved * bpb
     rows = []
     a_off, a_on, a_both, bufs = bench_pinned(nbytes, args.repeat)
-    mm_alone = mm_torch = torch_gbps = torch_slow = None
+    mm_alone = mm_torch = torch_gbps = torch_slow = torch_movers = None
     if args.matmuls:
         dev, dev2, host, host2 = bufs
-        mm_alone, mm_torch, torch_slow, res = slowdown([torch_mover(dev, host, False), torch_mover(dev2, host2, True)], args.matmuls)
+        movers = [torch_mover(dev, host, False), torch_mover(dev2, host2, True)]
+        mm_alone, mm_torch, torch_slow, res = slowdown(movers, args.matmuls)
         torch_gbps = sum(m for m, _ in res) / 1e9 / max(s for _, s in res)
         print(f"  matmul alone {mm_alone:.0f} TFLOP/s, with torch pinned DMA both ways {mm_torch:.0f} TFLOP/s, "
               f"torch moved {torch_gbps:.1f} GB/s", flush=True)
-        del dev, dev2, host, host2
+        # Kept (with their buffers) for the kvbm rows' paired windows.
+        torch_movers = None if args.unpaired else movers
+        del dev, dev2, host, host2, movers
     del bufs
     torch.cuda.empty_cache()
     rows.append(dict(name="(a) torch pinned contiguous", mode="-", off=a_off, on=a_on, both=a_both,
@@ -524,7 +566,7 @@ def main():
             name, knobs = parse_mode(mode)
             os.environ.update(knobs)
             try:
-                r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, args.matmuls)
+                r = bench_kvbm(kind, tensors, args.blocks, src, dst, name, args.repeat, args.matmuls, torch_movers)
             finally:
                 for k in knobs:
                     os.environ.pop(k)
@@ -547,6 +589,10 @@ def main():
           "the alone-windows on either side of it")
     hdr = ["path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "e2e off/on GB/s", "both ways GB/s",
            "%(a)", "matmul TFLOP/s", "slowdown", "vs torch", "GB/s during matmul"]
+    if torch_movers:
+        print(f"kvbm rows: windows with kvbm's mover take turns with windows with torch's contiguous copy "
+              f"({MM_WINDOWS} of each, each against the alone-windows on either side); *vs torch* is the mean of "
+              "the per-cycle differences")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "|".join("---" for _ in hdr) + "|")
 
@@ -560,10 +606,18 @@ def main():
                  f"{r['off_e2e']:.1f} / {r['on_e2e']:.1f}" if "off_e2e" in r else "-",
                  f(r.get("both")), f(100 * r["both"] / a_both, "{:.0f}%") if r.get("both") else "-",
                  f(mm, "{:.0f}"), f(100 * r["mm_slow"], "{:.1f}%") if mm else "-",
-                 f"{100 * (r['mm_slow'] - torch_slow):+.1f} pt" if mm and not r["name"].startswith("(a)") else "-",
+                 vs_torch(r, torch_slow) if mm and not r["name"].startswith("(a)") else "-",
                  f(r.get("mm_gbps"))]
         print("| " + " | ".join(cells) + " |")
     print_targets(rows, a_both, torch_slow)
+
+
+def vs_torch(r, torch_slow):
+    """A row's slowdown minus torch's, points: the mean of its paired
+    cycles' differences when it has them, else against row (a)."""
+    if r.get("paired"):
+        return f"{100 * statistics.fmean(r['paired']):+.1f} pt"
+    return f"{100 * (r['mm_slow'] - torch_slow):+.1f} pt"
 
 
 # Targets for kvbm against torch's own pinned contiguous copy, same run:
@@ -590,7 +644,13 @@ def print_targets(rows, a_both, torch_slow):
     for r in kv:
         both = 100 * r["both"] / a_both
         parts = [f"both ways {both:.0f}% ({'met' if both >= TARGET_BOTH_PCT else 'NOT met'})"]
-        if torch_slow is not None and r.get("mm") is not None:
+        if r.get("paired"):
+            m, lo, hi = compare.mean_interval([100 * d for d in r["paired"]])
+            word = "met" if hi <= TARGET_SLOW_PT else "NOT met" if lo > TARGET_SLOW_PT else "not decided"
+            parts.insert(0, f"slowdown {100 * r['mm_slow']:.1f}% against torch's {100 * r['torch_slow']:.1f}% in the "
+                            f"windows between, {m:+.1f} pt (95% interval {lo:+.1f} to {hi:+.1f}, "
+                            f"{len(r['paired'])} cycles): {word}")
+        elif torch_slow is not None and r.get("mm") is not None:
             d = 100 * (r["mm_slow"] - torch_slow)
             parts.insert(0, f"slowdown {100 * r['mm_slow']:.1f}%, torch {d:+.1f} pt "
                             f"({'met' if d <= TARGET_SLOW_PT else 'NOT met'})")
@@ -663,6 +723,10 @@ def main_ranks(args):
     print(f"\n{args.ranks} ranks moving at the same time, {args.moved} random blocks each way per rank out of "
           f"{args.blocks}; median of {args.repeat}; %(a) against the same rank's torch pinned contiguous copy")
     hdr = ["rank", "device", "path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "both ways GB/s", "%(a)"]
+    if torch_movers:
+        print(f"kvbm rows: windows with kvbm's mover take turns with windows with torch's contiguous copy "
+              f"({MM_WINDOWS} of each, each against the alone-windows on either side); *vs torch* is the mean of "
+              "the per-cycle differences")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "|".join("---" for _ in hdr) + "|")
     totals = {}

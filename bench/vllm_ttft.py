@@ -134,11 +134,8 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
         batches = [prompts(200 + 10 * k + b, n_unique, unique_len, vocab) for b in range(1 + NO_REUSE_BATCHES)]
         live = {}
         try:
-            print(f"== round {k + 1}/{n}: starting {len(cols)} engines (vLLM CPU backend) ...", flush=True)
-            for c in cols:
-                live[c] = compare.LiveColumn(c, model, engine, g1, host, disk)
-            for c in cols:
-                live[c].ready()
+            print(f"== round {k + 1}/{n}", flush=True)
+            live, _ = compare.start_columns(cols, model, engine, g1, host, disk)
 
             def one(c, act):
                 rec = live[c].do(act)

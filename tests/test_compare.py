@@ -280,8 +280,91 @@ def test_paired_ratio_interval():
         compare.paired_ratio([])
 
 
+def test_mean_interval_of_differences():
+    """The arithmetic counterpart (gpu_transfer's paired slowdown points):
+    no spread, no width; a shift moves the interval with it."""
+    assert compare.mean_interval([0.4] * 6) == pytest.approx((0.4, 0.4, 0.4))
+    ds = [0.1, 0.9, -0.3, 0.5, 0.2, 0.6]
+    m, lo, hi = compare.mean_interval(ds)
+    assert m == pytest.approx(sum(ds) / 6) and -0.3 <= lo < m < hi <= 0.9
+    m2, lo2, hi2 = compare.mean_interval([d + 1 for d in ds])
+    assert (m2, lo2, hi2) == pytest.approx((m + 1, lo + 1, hi + 1))
+    with pytest.raises(ValueError):
+        compare.mean_interval([])
+
+
 def test_verdict_decides_only_when_the_interval_does():
     assert compare.verdict(0.96, 1.02, 0.95) is True
     assert compare.verdict(0.90, 0.94, 0.95) is False
     assert compare.verdict(0.93, 0.97, 0.95) is None
     assert compare.verdict(0.95, 0.99, 0.95) is True
+
+
+def test_start_columns_leaves_out_a_peer_that_cannot_start(tmp_path):
+    """The engines start side by side; a peer whose engine fails at start is
+    left out with its root cause and the others run; a baseline that fails
+    ends the caller with its root cause, the engines already up closed."""
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    bad = dead / "python"
+    bad.write_text("#!/bin/sh\necho '(EngineCore_DP0 pid=1) NotImplementedError: no CPU path'\nexit 1\n")
+    bad.chmod(0o755)
+    good = _fake_python(tmp_path)
+    live, failed = compare.start_columns(["no-op connector", peers.OFFLOADING], SMALL, ENGINE, 70, 64, 768,
+                                         python={"no-op connector": good, peers.OFFLOADING: str(bad)})
+    try:
+        assert list(live) == ["no-op connector"]
+        assert failed == {peers.OFFLOADING: "NotImplementedError: no CPU path"}
+        assert live["no-op connector"].do({"each": [[1]], "tag": "t"})["tag"] == "t"
+    finally:
+        for c in live.values():
+            c.close()
+    with pytest.raises(SystemExit, match="no kvbm: engine exited.*NotImplementedError: no CPU path"):
+        compare.start_columns(["no-op connector", "no kvbm"], SMALL, ENGINE, 70, 64, 768,
+                              python={"no-op connector": good, "no kvbm": str(bad)})
+
+
+class _Chat:
+    """A column's engine for kvbm.demo.converse: replies derived from the
+    prompt (so a column's history shows in its next prompt), the calls
+    logged in one list shared by every column."""
+
+    def __init__(self, name, log, kvbm=False, offset=0):
+        self.name, self.log, self.offset = name, log, offset
+        self.spec = {"kvbm": kvbm}
+
+    def do(self, act):
+        self.log.append((self.name, act["tag"]))
+        if act["tag"] == "quiesce":
+            return {"tag": "quiesce", "metrics": {"kvbm_onboard_blocks_h2d": len(self.log)}}
+        p = act.get("each", act.get("generate"))[0]
+        if "each" in act:
+            return {"secs_each": [len(p) / 1000], "num_cached_tokens": [len(p) // 2], "tokens": [[0]]}
+        return {"tokens": [[(len(p) + self.offset) % 97] * act["max_tokens"]]}
+
+
+def test_demo_sends_each_request_to_every_column_in_turn():
+    """kvbm.demo's chat is paired: every request (TTFT, then the reply) goes to
+    each column before the next request, in an order rotated per request;
+    kvbm's column waits for its background work after each; each column's
+    history carries its own replies."""
+    from kvbm import demo
+
+    log = []
+    cols = ["no kvbm", "kvbm", "odd"]
+    live = {"no kvbm": _Chat("no kvbm", log), "kvbm": _Chat("kvbm", log, kvbm=True), "odd": _Chat("odd", log, offset=1)}
+    chat = {"conversations": 2, "turns": 2, "prefix_len": 8, "user_len": 4, "reply_len": 3, "vocab": 50}
+    out = demo.converse(live, cols, chat)
+    firsts = [name for name, tag in log if tag == "ttft"]
+    assert firsts == ["no kvbm", "kvbm", "odd", "kvbm", "odd", "no kvbm", "odd", "no kvbm", "kvbm",
+                      "no kvbm", "kvbm", "odd"]
+    for i, (name, tag) in enumerate(log):  # a request is whole before the next column's starts
+        if tag == "ttft":
+            want = ["reply", "quiesce"] if name == "kvbm" else ["reply"]
+            assert [t for _, t in log[i + 1:i + 1 + len(want)]] == want
+    assert out["no kvbm"]["prompt_lens"] == [12, 12, 19, 19]  # prefix + user, then + reply + user
+    assert out["no kvbm"]["ttft_each"] == [0.012, 0.012, 0.019, 0.019]
+    assert out["no kvbm"]["num_cached_tokens"] == [6, 6, 9, 9]
+    assert out["no kvbm"]["tokens"] == out["kvbm"]["tokens"] != out["odd"]["tokens"]
+    assert out["kvbm"]["metrics"]["kvbm_onboard_blocks_h2d"] == len(log) - 2  # from its last quiesce
+    assert out["no kvbm"]["metrics"] == {}

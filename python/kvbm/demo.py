@@ -1,5 +1,6 @@
 """kvbm's main job, end to end: vLLM (CPU backend) serving multi-turn chat
-traffic with kvbm and without it, same prompts, one run per column:
+traffic with kvbm and without it, same prompts, every column's engine
+running side by side and each request sent to every engine in turn:
 
 * no kvbm (G1 of --g1-blocks);
 * no kvbm with G1 enlarged by exactly kvbm's G2 bytes (on the CPU backend G1
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -73,6 +75,51 @@ def chart(path: str, runs: dict, turns_at: list[int], title: str) -> str | None:
     return os.path.abspath(path)
 
 
+def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Multi-turn chat on every column's engine, paired: each request goes to
+    every engine in turn (the order rotated per request), one engine working
+    at a time, so a request and its pairs in the other columns run seconds
+    apart on the same machine. Every conversation shares a system prefix; each
+    turn appends a user message and the column's own reply to its history.
+    The conversations take turns, so their KV competes for G1. TTFT is the
+    wall time of a max_tokens=1 request for the turn's prompt; the reply is
+    then generated from the same prompt (a G1 prefix hit). After a request a
+    kvbm column waits until its background work (G2→G3 moves) is done, so
+    none of it runs during another column's request. Returns per column
+    {"ttft_each", "prompt_lens", "tokens" (replies), "num_cached_tokens",
+    "metrics" (kvbm's, at the end)}."""
+    rng = random.Random(chat.get("seed", 0))
+    vocab = chat["vocab"]
+    prefix = [rng.randrange(3, vocab - 1) for _ in range(chat["prefix_len"])]
+    n, turns = chat["conversations"], chat["turns"]
+    history: dict[str, list[list[int]]] = {c: [[] for _ in range(n)] for c in columns}
+    out: dict[str, dict[str, Any]] = {
+        c: {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": [], "metrics": {}}
+        for c in columns}
+    for t in range(turns):
+        for i in range(n):
+            k = t * n + i
+            user = [rng.randrange(3, vocab - 1) for _ in range(chat["user_len"])]
+            m = k % len(columns)
+            for c in columns[m:] + columns[:m]:
+                p = prefix + history[c][i] + user
+                first = live[c].do({"each": [p], "max_tokens": 1, "tag": "ttft"})
+                reply = live[c].do({"generate": [p], "max_tokens": chat["reply_len"], "tag": "reply"})
+                last = live[c].do({"quiesce": True, "tag": "quiesce"}) if live[c].spec.get("kvbm") else reply
+                toks = reply["tokens"][0]
+                history[c][i] += user + toks
+                o = out[c]
+                o["ttft_each"].append(first["secs_each"][0])
+                o["prompt_lens"].append(len(p))
+                o["tokens"].append(toks)
+                o["num_cached_tokens"].append(first["num_cached_tokens"][0])
+                o["metrics"] = last.get("metrics") or {}
+            print(f"[chat] request {k + 1}/{n * turns}: conversation {i + 1} turn {t + 1}, "
+                  f"{len(prefix) + len(history[columns[0]][i])} tokens after the reply; TTFT " +
+                  ", ".join(f"{c} {1000 * out[c]['ttft_each'][-1]:.0f} ms" for c in columns), flush=True)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -116,16 +163,20 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"on disk", flush=True)
     print(compare.engine_threads(), flush=True)
     warm = {"each": [[5 + (i % 200) for i in range(96)]], "max_tokens": 1, "tag": "warmup"}
-    runs = compare.run_columns(model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks, [warm, chat], asked,
-                               kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})
-    failed = {c: runs[c]["error"] for c in asked if "error" in runs[c]}
-    columns = [c for c in asked if c not in failed]
-    chats = {c: runs[c]["chat"] for c in columns}
+    live, failed = compare.start_columns(asked, model, engine, a.g1_blocks, a.host_blocks, a.disk_blocks,
+                                         kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})
+    columns = [c for c in asked if c in live]
+    try:
+        before = {c: live[c].do(warm).get("metrics") for c in columns}
+        chats = converse(live, columns, chat)
+    finally:
+        for col in live.values():
+            col.close()
     same = {c: chats[c]["tokens"] == chats["no kvbm"]["tokens"] for c in columns}
     ttft = {c: chats[c]["ttft_each"] for c in columns}
     first = {c: ttft[c][:a.conversations] for c in columns}  # turn 1: nothing to reuse but the system prompt
     later = {c: ttft[c][a.conversations:] for c in columns}  # turns 2..
-    split = {c: compare.tier_split([chats[c]], runs[c]["warmup"].get("metrics") if c == "kvbm" else None,
+    split = {c: compare.tier_split([chats[c]], before[c] if c == "kvbm" else None,
                                    peer=c if c in peers.PEERS else None)
              for c in columns}
     ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
@@ -148,15 +199,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         r = b / k
         return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
 
-    print(f"\nkvbm against the strongest other column: TTFT mean {vs(means[best], means['kvbm'])} ({best}); "
-          f"turns 2–{a.turns}, where there is history to reuse: "
-          f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}).")
+    def paired(base: list[float], mine: list[float]) -> str:
+        """kvbm's speed against base over the paired requests: geometric
+        mean and 95% bootstrap interval."""
+        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(base, mine)])
+        return f"{m:.2f}× per request, 95% interval {lo:.2f}–{hi:.2f}×"
+
+    print(f"\nkvbm against the strongest other column: TTFT mean {vs(means[best], means['kvbm'])} ({best}; "
+          f"{paired(ttft[best], ttft['kvbm'])}); turns 2–{a.turns}, where there is history to reuse: "
+          f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}; "
+          f"{paired(later[lbest], later['kvbm'])}).")
     if "no-op connector" in columns:
         # Turn 1 reuses nothing but the system prompt, which stays in G1: what kvbm's write-through costs.
-        r = statistics.mean(first["no-op connector"]) / statistics.mean(first["kvbm"])
-        print(f"Turn 1 (nothing to reuse but the system prompt): kvbm at {100 * r:.0f}% of the no-op connector's "
-              f"speed; the columns run one after the other here, so a drift of the machine shows in this figure "
-              f"(bench/vllm_ttft.py --cost measures the same cost in paired requests).")
+        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(first["no-op connector"], first["kvbm"])])
+        word = {True: "met", False: "NOT met", None: "not decided: the interval spans 95%"}[
+            compare.verdict(lo, hi, 0.95)]
+        print(f"Turn 1 (nothing to reuse but the system prompt): kvbm at {100 * m:.1f}% of the no-op connector's "
+              f"speed (geometric mean of {len(first['kvbm'])} paired requests, 95% interval "
+              f"{100 * lo:.1f}–{100 * hi:.1f}%; target ≥ 95%: {word}).")
     print("The enlarged-G1 column has kvbm's host memory given to vLLM; what it cannot hold, kvbm keeps on disk.")
     path = chart(a.chart, chats, list(range(1, len(ttft["kvbm"]) + 1, a.conversations)),
                  f"vLLM CPU backend, {a.model} model: {a.conversations} conversations × {a.turns} turns, "

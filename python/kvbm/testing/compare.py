@@ -305,17 +305,68 @@ class LiveColumn:
             self._dir.cleanup()
 
 
+def start_columns(columns: Sequence[str], model: dict, engine: dict, g1: int, host: int, disk: int,
+                  kv_env: dict | None = None, python: dict[str, str] | None = None
+                  ) -> tuple[dict[str, LiveColumn], dict[str, str]]:
+    """Every column's engine started at once and waited for: ({column: live
+    engine}, {peer column: why it could not start}). A peer that cannot run
+    (no LMCache environment, a start-up error) is left out with its reason;
+    any other column that fails ends the caller (SystemExit with the
+    engine's root cause), after the engines already started are closed.
+    python: an interpreter per column, in place of the column's own."""
+    live: dict[str, LiveColumn] = {}
+    failed: dict[str, str] = {}
+    t0 = time.time()
+    print(f"== starting {len(columns)} engines side by side (vLLM CPU backend): {', '.join(columns)} ...", flush=True)
+    try:
+        for col in columns:
+            if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
+                failed[col] = (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
+                               "(scripts/lmcache-env.sh creates it)")
+                continue
+            try:
+                live[col] = LiveColumn(col, model, engine, g1, host, disk, kv_env, (python or {}).get(col))
+            except (OSError, _ColumnFailed) as e:
+                if col not in peers.PEERS:
+                    raise
+                failed[col] = str(e)
+        for col in list(live):
+            try:
+                live[col].ready()
+            except RuntimeError as e:
+                if col not in peers.PEERS:
+                    raise SystemExit(str(e)) from None
+                failed[col] = startup_error(live[col].tail)
+                live.pop(col).close()
+        for col, why in failed.items():
+            print(f"== {col}: not run: {why}", flush=True)
+        print(f"== {len(live)} engines up in {time.time() - t0:.0f} s", flush=True)
+        return live, failed
+    except BaseException:
+        for c in live.values():
+            c.close()
+        raise
+
+
+def mean_interval(xs: Sequence[float], seed: int = 0, resamples: int = 2000) -> tuple[float, float, float]:
+    """Mean of paired differences (one per request or window, each measured
+    against its pair moments apart) and its 95% bootstrap interval:
+    (mean, low, high)."""
+    if not xs:
+        raise ValueError("mean_interval: no values")
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    return statistics.fmean(xs), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 def paired_ratio(ratios: Sequence[float], seed: int = 0, resamples: int = 2000) -> tuple[float, float, float]:
     """Geometric mean of paired ratios (one per request or batch, each
     measured against its pair moments apart) and its 95% bootstrap interval:
     (mean, low, high)."""
     if not ratios or min(ratios) <= 0:
         raise ValueError(f"paired_ratio: want positive ratios, got {list(ratios)!r}")
-    logs = [math.log(r) for r in ratios]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
-    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
+    m, lo, hi = mean_interval([math.log(r) for r in ratios], seed, resamples)
+    return math.exp(m), math.exp(lo), math.exp(hi)
 
 
 def verdict(low: float, high: float, target: float) -> bool | None:

@@ -205,51 +205,12 @@ def corrupt_disk_files(directory: str) -> int:
     return n
 
 
-def _conversations(llm: Any, SamplingParams: Any, act: dict[str, Any]) -> dict[str, Any]:
-    """Multi-turn chat: every conversation shares a system prefix; each turn
-    appends a user message and the model's reply to its history. Turns are
-    interleaved across conversations, so their KV competes for G1. TTFT is the
-    wall time of a max_tokens=1 request for the turn's prompt; the reply is
-    then generated from the same prompt (a G1 prefix hit)."""
-    import random
-
-    rng = random.Random(act.get("seed", 0))
-    vocab = act.get("vocab", 500)
-    prefix = [rng.randrange(3, vocab - 1) for _ in range(act.get("prefix_len", 256))]
-    n, turns = act["conversations"], act.get("turns", 3)
-    history: list[list[int]] = [[] for _ in range(n)]
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    reply = SamplingParams(temperature=0.0, max_tokens=act.get("reply_len", 32), ignore_eos=True)
-    out: dict[str, list[Any]] = {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": []}
-    total = n * turns
-    for t in range(turns):
-        for c in range(n):
-            user = [rng.randrange(3, vocab - 1) for _ in range(act.get("user_len", 64))]
-            p = prefix + history[c] + user
-            t0 = time.time()
-            first = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
-            ttft = time.time() - t0
-            r = llm.generate([{"prompt_token_ids": p}], reply, use_tqdm=False)[0]
-            toks = list(r.outputs[0].token_ids)
-            history[c] += user + toks
-            out["ttft_each"].append(ttft)
-            out["prompt_lens"].append(len(p))
-            out["tokens"].append(toks)
-            out["num_cached_tokens"].append(getattr(first, "num_cached_tokens", None))
-            k = len(out["ttft_each"])
-            print(f"[{act.get('tag', 'chat')}] request {k}/{total}: conversation {c + 1} turn {t + 1}, "
-                  f"{len(p)} prompt tokens, TTFT {ttft * 1000:.0f} ms", flush=True)
-    return out
-
-
 def do_action(llm: Any, act: dict, i: int, metrics_port: int | None) -> dict:
     """One action of a spec on the running engine; its record."""
     from vllm import SamplingParams
 
     rec: dict = {"tag": act.get("tag", str(i))}
-    if "conversations" in act:
-        rec.update(_conversations(llm, SamplingParams, act))
-    elif "each" in act:
+    if "each" in act:
         # One request at a time: the wall time of a max_tokens=1 request is
         # its time to first token on an otherwise idle engine.
         sp = SamplingParams(temperature=0.0, max_tokens=act.get("max_tokens", 1), ignore_eos=True)

@@ -192,6 +192,15 @@ func TestNATSRestart(t *testing.T) {
 	}
 	store(0)
 	require.Equal(t, uint64(0), eventID(t, nextMsg(t, msgs)))
+	// Event 0 stays buffered until the server confirms it, which can be
+	// after the subscriber has it: a shutdown before that keeps it
+	// buffered (to resend), and the buffer would hold one event less below.
+	checkFor(t, 10*time.Second, 5*time.Millisecond, func() error {
+		if st := c.Stats(); st.NATSBuffered != 0 || st.NATSEvents != 1 {
+			return fmt.Errorf("buffered %d confirmed %d", st.NATSBuffered, st.NATSEvents)
+		}
+		return nil
+	})
 
 	// The server goes down; the consolidator may not come back until the
 	// test's subscriber has.

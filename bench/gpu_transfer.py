@@ -723,10 +723,6 @@ def main_ranks(args):
     print(f"\n{args.ranks} ranks moving at the same time, {args.moved} random blocks each way per rank out of "
           f"{args.blocks}; median of {args.repeat}; %(a) against the same rank's torch pinned contiguous copy")
     hdr = ["rank", "device", "path", "mode", "offload GB/s", "%(a)", "onboard GB/s", "%(a)", "both ways GB/s", "%(a)"]
-    if torch_movers:
-        print(f"kvbm rows: windows with kvbm's mover take turns with windows with torch's contiguous copy "
-              f"({MM_WINDOWS} of each, each against the alone-windows on either side); *vs torch* is the mean of "
-              "the per-cycle differences")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "|".join("---" for _ in hdr) + "|")
     totals = {}

@@ -368,3 +368,10 @@ def test_demo_sends_each_request_to_every_column_in_turn():
     assert out["no kvbm"]["tokens"] == out["kvbm"]["tokens"] != out["odd"]["tokens"]
     assert out["kvbm"]["metrics"]["kvbm_onboard_blocks_h2d"] == len(log) - 2  # from its last quiesce
     assert out["no kvbm"]["metrics"] == {}
+
+
+def test_start_columns_says_why_lmcache_cannot_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBM_LMCACHE_ENV", str(tmp_path / "absent"))
+    live, failed = compare.start_columns([peers.LMCACHE], SMALL, ENGINE, 70, 64, 768)
+    assert live == {}
+    assert "no LMCache environment" in failed[peers.LMCACHE] and "scripts/lmcache-env.sh" in failed[peers.LMCACHE]

@@ -305,6 +305,15 @@ class LiveColumn:
             self._dir.cleanup()
 
 
+def _cannot_run(col: str) -> str | None:
+    """Why a column cannot run on this machine before its engine starts (a
+    peer without its environment), or None."""
+    if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
+        return (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
+                "(scripts/lmcache-env.sh creates it)")
+    return None
+
+
 def start_columns(columns: Sequence[str], model: dict, engine: dict, g1: int, host: int, disk: int,
                   kv_env: dict | None = None, python: dict[str, str] | None = None
                   ) -> tuple[dict[str, LiveColumn], dict[str, str]]:
@@ -320,9 +329,9 @@ def start_columns(columns: Sequence[str], model: dict, engine: dict, g1: int, ho
     print(f"== starting {len(columns)} engines side by side (vLLM CPU backend): {', '.join(columns)} ...", flush=True)
     try:
         for col in columns:
-            if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
-                failed[col] = (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
-                               "(scripts/lmcache-env.sh creates it)")
+            why = _cannot_run(col)
+            if why:
+                failed[col] = why
                 continue
             try:
                 live[col] = LiveColumn(col, model, engine, g1, host, disk, kv_env, (python or {}).get(col))
@@ -424,9 +433,8 @@ def run_columns(model: dict, engine: dict, g1: int, host: int, disk: int, action
     on (LMCache without its environment: scripts/lmcache-env.sh)."""
     out: dict[str, dict[str, Any]] = {}
     for i, col in enumerate(columns):
-        if col == peers.LMCACHE and peers.lmcache_python(_checkout()) is None:
-            why = (f"no LMCache environment at {peers.lmcache_env_dir(_checkout())} "
-                   "(scripts/lmcache-env.sh creates it)")
+        why = _cannot_run(col)
+        if why:
             print(f"== run {i + 1}/{len(columns)}: {col}: skipped, {why}", flush=True)
             out[col] = {"error": why}
             continue

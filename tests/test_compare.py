@@ -329,8 +329,8 @@ class _Chat:
     prompt (so a column's history shows in its next prompt), the calls
     logged in one list shared by every column."""
 
-    def __init__(self, name, log, kvbm=False, offset=0):
-        self.name, self.log, self.offset = name, log, offset
+    def __init__(self, name, log, kvbm=False, offset=0, secs_per_token=0.001):
+        self.name, self.log, self.offset, self.secs = name, log, offset, secs_per_token
         self.spec = {"kvbm": kvbm}
 
     def do(self, act):
@@ -339,7 +339,7 @@ class _Chat:
             return {"tag": "quiesce", "metrics": {"kvbm_onboard_blocks_h2d": len(self.log)}}
         p = act.get("each", act.get("generate"))[0]
         if "each" in act:
-            return {"secs_each": [len(p) / 1000], "num_cached_tokens": [len(p) // 2], "tokens": [[0]]}
+            return {"secs_each": [len(p) * self.secs], "num_cached_tokens": [len(p) // 2], "tokens": [[0]]}
         return {"tokens": [[(len(p) + self.offset) % 97] * act["max_tokens"]]}
 
 
@@ -368,6 +368,60 @@ def test_demo_sends_each_request_to_every_column_in_turn():
     assert out["no kvbm"]["tokens"] == out["kvbm"]["tokens"] != out["odd"]["tokens"]
     assert out["kvbm"]["metrics"]["kvbm_onboard_blocks_h2d"] == len(log) - 2  # from its last quiesce
     assert out["no kvbm"]["metrics"] == {}
+
+
+def test_demo_columns():
+    """--columns picks columns in the table's order; unknown names, or a set
+    without kvbm and another column, end the demo naming the problem."""
+    from kvbm.demo import pick_columns
+
+    assert pick_columns("") == list(compare.COLUMNS)
+    assert "no-op connector" not in pick_columns("", skip_noop=True)
+    assert pick_columns("", with_peers=True) == list(compare.COLUMNS) + list(peers.PEERS)
+    assert pick_columns(" kvbm , no-op connector") == ["no-op connector", "kvbm"]
+    with pytest.raises(SystemExit, match="unknown column.*'no-op'.*known: no kvbm"):
+        pick_columns("no-op,kvbm")
+    with pytest.raises(SystemExit, match="must name kvbm and at least one other"):
+        pick_columns("no kvbm,no-op connector")
+    with pytest.raises(SystemExit, match="must name kvbm and at least one other"):
+        pick_columns("kvbm,kvbm")
+
+
+@pytest.mark.parametrize("kvbm_secs, verdict", [(0.001, "met"), (0.00125, "NOT met")])
+def test_demo_report_of_one_turn(capsys, kvbm_secs, verdict):
+    """A one-turn chat on two columns (the demo's turn-1 cost, measured with
+    two engines): the report gives turn 1's paired ratio against the no-op
+    connector with its verdict, no turns-2-on figures, and checks the replies
+    against the no-op connector's (no "no kvbm" column to compare with)."""
+    from kvbm import demo
+
+    log = []
+    cols = ["no-op connector", "kvbm"]
+    live = {"no-op connector": _Chat("no-op connector", log),
+            "kvbm": _Chat("kvbm", log, kvbm=True, secs_per_token=kvbm_secs)}
+    chat = {"conversations": 40, "turns": 1, "prefix_len": 8, "user_len": 4, "reply_len": 3, "vocab": 50}
+    chats = demo.converse(live, cols, chat)
+    same = demo.report(chats, cols, cols, {}, 40, 3, {"kvbm": {}})
+    out = capsys.readouterr().out
+    assert same == {"no-op connector": True, "kvbm": True}
+    assert "identical to no-op connector" in out
+    assert "turns 2–" not in out and "enlarged-G1" not in out
+    speed = 100 * 0.001 / kvbm_secs
+    assert f"kvbm at {speed:.1f}% of the no-op connector's speed (geometric mean of 40 paired requests" in out
+    assert f"target ≥ 95%: {verdict})" in out
+
+
+def test_demo_report_flags_different_replies():
+    from kvbm import demo
+
+    log = []
+    cols = ["no kvbm", "no-op connector", "kvbm"]
+    live = {"no kvbm": _Chat("no kvbm", log), "no-op connector": _Chat("no-op connector", log, offset=1),
+            "kvbm": _Chat("kvbm", log, kvbm=True)}
+    chat = {"conversations": 3, "turns": 2, "prefix_len": 8, "user_len": 4, "reply_len": 3, "vocab": 50}
+    chats = demo.converse(live, cols, chat)
+    assert demo.report(chats, cols, cols, {}, 3, 3, {"kvbm": {}}) == {
+        "no kvbm": True, "no-op connector": False, "kvbm": True}
 
 
 def test_start_columns_says_why_lmcache_cannot_run(monkeypatch, tmp_path):

@@ -120,6 +120,69 @@ def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, 
     return out
 
 
+def report(chats: dict[str, dict[str, Any]], columns: list[str], asked: list[str], failed: dict[str, str],
+           conversations: int, reply_len: int, before: dict[str, Any], peers_shown: bool = False) -> dict[str, bool]:
+    """Prints the demo's table and its paired figures from converse's
+    results (per column; before: kvbm's metrics before the chat, for the
+    tier split) and returns, per column, whether its replies match the
+    reference column's (no kvbm, or the first column that is not kvbm).
+    The figures for turns 2 on are left out when the chat had one turn."""
+    from kvbm.testing import compare, peers
+
+    ref = "no kvbm" if "no kvbm" in columns else next(c for c in columns if c != "kvbm")
+    same = {c: chats[c]["tokens"] == chats[ref]["tokens"] for c in columns}
+    ttft = {c: chats[c]["ttft_each"] for c in columns}
+    turns = len(ttft["kvbm"]) // conversations
+    first = {c: ttft[c][:conversations] for c in columns}  # turn 1: nothing to reuse but the system prompt
+    later = {c: ttft[c][conversations:] for c in columns}  # turns 2..
+    split = {c: compare.tier_split([chats[c]], before.get(c), peer=c if c in peers.PEERS else None)
+             for c in columns}
+    ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
+    print()
+    compare.print_table(([("engine started", {c: failed.get(c, "yes") for c in asked}, str)] if peers_shown else []) + [
+        ("requests", {c: len(ttft[c]) for c in columns}, str),
+        ("TTFT mean", {c: statistics.mean(ttft[c]) for c in columns}, ms),
+        ("TTFT p50", {c: compare.pct(ttft[c], 0.5) for c in columns}, ms),
+        ("TTFT p90", {c: compare.pct(ttft[c], 0.9) for c in columns}, ms),
+        ("TTFT mean, turn 1", {c: statistics.mean(first[c]) for c in columns}, ms),
+    ] + ([(f"TTFT mean, turns 2–{turns}", {c: statistics.mean(later[c]) for c in columns}, ms)] if turns > 1 else []) + [
+        ("prompt tokens served by", split, compare.fmt_split),
+        (f"replies ({reply_len} tokens) identical to {ref}", same, lambda v: "yes" if v else "NO"),
+    ], asked)
+    means = {c: statistics.mean(ttft[c]) for c in columns}
+    best = compare.strongest(means)
+
+    def vs(b: float, k: float) -> str:
+        r = b / k
+        return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
+
+    def paired(base: list[float], mine: list[float]) -> str:
+        """kvbm's speed against base over the paired requests: geometric
+        mean and 95% bootstrap interval."""
+        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(base, mine)])
+        return f"{m:.2f}× per request, 95% interval {lo:.2f}–{hi:.2f}×"
+
+    line = (f"\nkvbm against the strongest other column: TTFT mean {vs(means[best], means['kvbm'])} ({best}; "
+            f"{paired(ttft[best], ttft['kvbm'])})")
+    if turns > 1:
+        lbest = compare.strongest({c: statistics.mean(later[c]) for c in columns})
+        line += (f"; turns 2–{turns}, where there is history to reuse: "
+                 f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}; "
+                 f"{paired(later[lbest], later['kvbm'])})")
+    print(line + ".")
+    if "no-op connector" in columns:
+        # Turn 1 reuses nothing but the system prompt, which stays in G1: what kvbm's write-through costs.
+        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(first["no-op connector"], first["kvbm"])])
+        word = {True: "met", False: "NOT met", None: "not decided: the interval spans 95%"}[
+            compare.verdict(lo, hi, 0.95)]
+        print(f"Turn 1 (nothing to reuse but the system prompt): kvbm at {100 * m:.1f}% of the no-op connector's "
+              f"speed (geometric mean of {len(first['kvbm'])} paired requests, 95% interval "
+              f"{100 * lo:.1f}–{100 * hi:.1f}%; target ≥ 95%: {word}).")
+    if compare.ENLARGED in columns:
+        print("The enlarged-G1 column has kvbm's host memory given to vLLM; what it cannot hold, kvbm keeps on disk.")
+    return same
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -133,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--host-blocks", type=int, default=64, help="kvbm G2 (host memory) blocks")
     ap.add_argument("--disk-blocks", type=int, default=1024, help="kvbm G3 (disk) blocks")
     ap.add_argument("--skip-noop", action="store_true", help="leave out the no-op connector column")
+    ap.add_argument("--columns", default="",
+                    help="comma-separated columns to run (kvbm and at least one other; default all): e.g. "
+                         "'no-op connector,kvbm' with --turns 1 --conversations 100 measures turn 1's cost with "
+                         "two engines sharing the machine instead of four")
     ap.add_argument("--peers", action="store_true",
                     help="add the peer columns: LMCache (from .venv-lmcache, scripts/lmcache-env.sh) and vLLM's "
                          "OffloadingConnector, with kvbm's G2 and G3 bytes; a peer that cannot run says why")
@@ -154,8 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = {"max_model_len": min(max_len, (a.g1_blocks - 1) * bs), "max_num_batched_tokens": 1024}
     if a.model == "0.5b":
         engine["dtype"] = model["dtype"] = "bfloat16"
-    asked = [c for c in compare.COLUMNS if not (a.skip_noop and c == "no-op connector")]
-    asked += list(peers.PEERS) if a.peers else []
+    asked = pick_columns(a.columns, a.skip_noop, a.peers)
     print(f"kvbm demo: {a.conversations} chat conversations × {a.turns} turns, interleaved; shared system prompt "
           f"{a.system_len} tokens, user messages {a.user_len}, replies {a.reply_len} tokens. Their KV by the last "
           f"turn: ~{need} blocks of {bs} tokens; vLLM's G1 {a.g1_blocks} blocks; kvbm G2 {a.host_blocks} blocks "
@@ -172,52 +238,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         for col in live.values():
             col.close()
-    same = {c: chats[c]["tokens"] == chats["no kvbm"]["tokens"] for c in columns}
+    same = report(chats, columns, asked, failed, a.conversations, a.reply_len,
+                  {c: before[c] if c == "kvbm" else None for c in columns},
+                  peers_shown=any(c in peers.PEERS for c in asked))
     ttft = {c: chats[c]["ttft_each"] for c in columns}
-    first = {c: ttft[c][:a.conversations] for c in columns}  # turn 1: nothing to reuse but the system prompt
-    later = {c: ttft[c][a.conversations:] for c in columns}  # turns 2..
-    split = {c: compare.tier_split([chats[c]], before[c] if c == "kvbm" else None,
-                                   peer=c if c in peers.PEERS else None)
-             for c in columns}
-    ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
-    print()
-    compare.print_table(([("engine started", {c: failed.get(c, "yes") for c in asked}, str)] if a.peers else []) + [
-        ("requests", {c: len(ttft[c]) for c in columns}, str),
-        ("TTFT mean", {c: statistics.mean(ttft[c]) for c in columns}, ms),
-        ("TTFT p50", {c: compare.pct(ttft[c], 0.5) for c in columns}, ms),
-        ("TTFT p90", {c: compare.pct(ttft[c], 0.9) for c in columns}, ms),
-        ("TTFT mean, turn 1", {c: statistics.mean(first[c]) for c in columns}, ms),
-        (f"TTFT mean, turns 2–{a.turns}", {c: statistics.mean(later[c]) for c in columns}, ms),
-        ("prompt tokens served by", split, compare.fmt_split),
-        (f"replies ({a.reply_len} tokens) identical to no kvbm", same, lambda v: "yes" if v else "NO"),
-    ], asked)
-    means = {c: statistics.mean(ttft[c]) for c in columns}
-    best = compare.strongest(means)
-    lbest = compare.strongest({c: statistics.mean(later[c]) for c in columns})
-
-    def vs(b: float, k: float) -> str:
-        r = b / k
-        return f"{r:.2f}× faster" if r >= 1 else f"{1 / r:.2f}× slower"
-
-    def paired(base: list[float], mine: list[float]) -> str:
-        """kvbm's speed against base over the paired requests: geometric
-        mean and 95% bootstrap interval."""
-        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(base, mine)])
-        return f"{m:.2f}× per request, 95% interval {lo:.2f}–{hi:.2f}×"
-
-    print(f"\nkvbm against the strongest other column: TTFT mean {vs(means[best], means['kvbm'])} ({best}; "
-          f"{paired(ttft[best], ttft['kvbm'])}); turns 2–{a.turns}, where there is history to reuse: "
-          f"{vs(statistics.mean(later[lbest]), statistics.mean(later['kvbm']))} ({lbest}; "
-          f"{paired(later[lbest], later['kvbm'])}).")
-    if "no-op connector" in columns:
-        # Turn 1 reuses nothing but the system prompt, which stays in G1: what kvbm's write-through costs.
-        m, lo, hi = compare.paired_ratio([b / k for b, k in zip(first["no-op connector"], first["kvbm"])])
-        word = {True: "met", False: "NOT met", None: "not decided: the interval spans 95%"}[
-            compare.verdict(lo, hi, 0.95)]
-        print(f"Turn 1 (nothing to reuse but the system prompt): kvbm at {100 * m:.1f}% of the no-op connector's "
-              f"speed (geometric mean of {len(first['kvbm'])} paired requests, 95% interval "
-              f"{100 * lo:.1f}–{100 * hi:.1f}%; target ≥ 95%: {word}).")
-    print("The enlarged-G1 column has kvbm's host memory given to vLLM; what it cannot hold, kvbm keeps on disk.")
     path = chart(a.chart, chats, list(range(1, len(ttft["kvbm"]) + 1, a.conversations)),
                  f"vLLM CPU backend, {a.model} model: {a.conversations} conversations × {a.turns} turns, "
                  f"G1 {a.g1_blocks} blocks, kvbm G2 {a.host_blocks} + G3 {a.disk_blocks} blocks")
@@ -225,6 +249,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"chart: {path}")
     if not all(same.values()):
         raise SystemExit("replies differ across the columns: " + ", ".join(c for c in columns if not same[c]))
+
+
+def pick_columns(spec: str, skip_noop: bool = False, with_peers: bool = False) -> list[str]:
+    """The columns to run, in the table's order: every baseline and kvbm
+    (less the no-op connector with skip_noop; plus the peers with
+    with_peers), or those named in spec (comma-separated), which must be
+    known and include kvbm and one other."""
+    from kvbm.testing import compare, peers
+
+    known = list(compare.COLUMNS) + list(peers.PEERS)
+    if not spec:
+        return [c for c in compare.COLUMNS if not (skip_noop and c == "no-op connector")] + (
+            list(peers.PEERS) if with_peers else [])
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"kvbm demo: --columns: unknown column(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(known)}")
+    if "kvbm" not in names or len(set(names)) < 2:
+        raise SystemExit("kvbm demo: --columns must name kvbm and at least one other column")
+    return [c for c in known if c in names]
 
 
 if __name__ == "__main__":

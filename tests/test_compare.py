@@ -329,18 +329,24 @@ class _Chat:
     prompt (so a column's history shows in its next prompt), the calls
     logged in one list shared by every column."""
 
-    def __init__(self, name, log, kvbm=False, offset=0, secs_per_token=0.001):
+    def __init__(self, name, log, kvbm=False, offset=0, secs_per_token=0.001, ttft_loads=0, reply_loads=1):
         self.name, self.log, self.offset, self.secs = name, log, offset, secs_per_token
         self.spec = {"kvbm": kvbm}
+        # kvbm: blocks loaded from G2 by each TTFT request and by each reply
+        # (whose prompt is a G1 hit but for its last block).
+        self.loads, self.h2d = {"ttft": ttft_loads, "reply": reply_loads}, 0
 
     def do(self, act):
         self.log.append((self.name, act["tag"]))
+        self.h2d += self.loads.get(act["tag"], 0)
+        rec = {"metrics": {"kvbm_onboard_blocks_h2d": self.h2d, "kvbm_onboard_blocks_d2d": 0}} \
+            if self.spec["kvbm"] else {}
         if act["tag"] == "quiesce":
-            return {"tag": "quiesce", "metrics": {"kvbm_onboard_blocks_h2d": len(self.log)}}
+            return rec
         p = act.get("each", act.get("generate"))[0]
         if "each" in act:
-            return {"secs_each": [len(p) * self.secs], "num_cached_tokens": [len(p) // 2], "tokens": [[0]]}
-        return {"tokens": [[(len(p) + self.offset) % 97] * act["max_tokens"]]}
+            return {**rec, "secs_each": [len(p) * self.secs], "num_cached_tokens": [len(p) // 2], "tokens": [[0]]}
+        return {**rec, "tokens": [[(len(p) + self.offset) % 97] * act["max_tokens"]]}
 
 
 def test_demo_sends_each_request_to_every_column_in_turn():
@@ -366,8 +372,10 @@ def test_demo_sends_each_request_to_every_column_in_turn():
     assert out["no kvbm"]["ttft_each"] == [0.012, 0.012, 0.019, 0.019]
     assert out["no kvbm"]["num_cached_tokens"] == [6, 6, 9, 9]
     assert out["no kvbm"]["tokens"] == out["kvbm"]["tokens"] != out["odd"]["tokens"]
-    assert out["kvbm"]["metrics"]["kvbm_onboard_blocks_h2d"] == len(log) - 2  # from its last quiesce
-    assert out["no kvbm"]["metrics"] == {}
+    assert log[0] == ("kvbm", "quiesce")  # its counters before the first request
+    assert out["kvbm"]["metrics"]["kvbm_onboard_blocks_h2d"] == 4  # from its last quiesce: 4 replies' loads
+    assert out["kvbm"]["ttft_onboard"] == {"kvbm_onboard_blocks_h2d": 0, "kvbm_onboard_blocks_d2d": 0}
+    assert out["no kvbm"]["metrics"] == {} and "ttft_onboard" not in out["no kvbm"]
 
 
 def test_demo_columns():
@@ -401,14 +409,36 @@ def test_demo_report_of_one_turn(capsys, kvbm_secs, verdict):
             "kvbm": _Chat("kvbm", log, kvbm=True, secs_per_token=kvbm_secs)}
     chat = {"conversations": 40, "turns": 1, "prefix_len": 8, "user_len": 4, "reply_len": 3, "vocab": 50}
     chats = demo.converse(live, cols, chat)
-    same = demo.report(chats, cols, cols, {}, 40, 3, {"kvbm": {}})
+    same = demo.report(chats, cols, cols, {}, 40, 3)
     out = capsys.readouterr().out
     assert same == {"no-op connector": True, "kvbm": True}
     assert "identical to no-op connector" in out
+    # The replies' loads of their last block are not counted as TTFT tokens served by G2.
+    assert "| prompt tokens served by | G1 50%, recomputed 50% | G1 50%, recomputed 50% |" in out
     assert "turns 2–" not in out and "enlarged-G1" not in out
     speed = 100 * 0.001 / kvbm_secs
     assert f"kvbm at {speed:.1f}% of the no-op connector's speed (geometric mean of 40 paired requests" in out
     assert f"target ≥ 95%: {verdict})" in out
+
+
+def test_demo_counts_only_the_ttft_requests_loads(capsys):
+    """The tier split charges kvbm's G2 loads to the TTFT requests only when
+    they happen during them: one block of each two-block prompt here, while
+    the replies' loads (one block each) are left out."""
+    from kvbm import demo
+
+    log = []
+    cols = ["no-op connector", "kvbm"]
+    live = {"no-op connector": _Chat("no-op connector", log),
+            "kvbm": _Chat("kvbm", log, kvbm=True, ttft_loads=1, reply_loads=1)}
+    n, prompt = 40, 2 * compare.BS
+    chat = {"conversations": n, "turns": 1, "prefix_len": prompt - 4, "user_len": 4, "reply_len": 3, "vocab": 50}
+    chats = demo.converse(live, cols, chat)
+    assert chats["kvbm"]["ttft_onboard"]["kvbm_onboard_blocks_h2d"] == n
+    split = compare.tier_split([dict(chats["kvbm"], metrics=chats["kvbm"]["ttft_onboard"])], {})
+    assert split == {"prompt": n * prompt, "G1": 0, "G2": n * compare.BS, "G3": 0, "recomputed": n * prompt // 2}
+    demo.report(chats, cols, cols, {}, n, 3)
+    assert "G1 0%, G2 50%, G3 0%, recomputed 50%" in capsys.readouterr().out
 
 
 def test_demo_report_flags_different_replies():
@@ -420,7 +450,7 @@ def test_demo_report_flags_different_replies():
             "kvbm": _Chat("kvbm", log, kvbm=True)}
     chat = {"conversations": 3, "turns": 2, "prefix_len": 8, "user_len": 4, "reply_len": 3, "vocab": 50}
     chats = demo.converse(live, cols, chat)
-    assert demo.report(chats, cols, cols, {}, 3, 3, {"kvbm": {}}) == {
+    assert demo.report(chats, cols, cols, {}, 3, 3) == {
         "no kvbm": True, "no-op connector": False, "kvbm": True}
 
 

@@ -87,7 +87,13 @@ def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, 
     kvbm column waits until its background work (G2→G3 moves) is done, so
     none of it runs during another column's request. Returns per column
     {"ttft_each", "prompt_lens", "tokens" (replies), "num_cached_tokens",
-    "metrics" (kvbm's, at the end)}."""
+    "metrics" (kvbm's, at the end), and for kvbm "ttft_onboard": its onboard
+    counters' growth over the TTFT requests alone}."""
+    onboard = ("kvbm_onboard_blocks_h2d", "kvbm_onboard_blocks_d2d")
+    # kvbm's loads during the TTFT requests only (a reply's prompt, a G1 hit,
+    # may load its last block too): its counters before and after each one.
+    prev = {c: live[c].do({"quiesce": True, "tag": "quiesce"}).get("metrics") or {}
+            for c in columns if live[c].spec.get("kvbm")}
     rng = random.Random(chat.get("seed", 0))
     vocab = chat["vocab"]
     prefix = [rng.randrange(3, vocab - 1) for _ in range(chat["prefix_len"])]
@@ -96,6 +102,8 @@ def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, 
     out: dict[str, dict[str, Any]] = {
         c: {"ttft_each": [], "prompt_lens": [], "tokens": [], "num_cached_tokens": [], "metrics": {}}
         for c in columns}
+    for c in prev:
+        out[c]["ttft_onboard"] = dict.fromkeys(onboard, 0)
     for t in range(turns):
         for i in range(n):
             k = t * n + i
@@ -114,6 +122,11 @@ def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, 
                 o["tokens"].append(toks)
                 o["num_cached_tokens"].append(first["num_cached_tokens"][0])
                 o["metrics"] = last.get("metrics") or {}
+                if c in prev:
+                    after = first.get("metrics") or {}
+                    for name in onboard:
+                        o["ttft_onboard"][name] += after.get(name, 0) - prev[c].get(name, 0)
+                    prev[c] = o["metrics"]
             print(f"[chat] request {k + 1}/{n * turns}: conversation {i + 1} turn {t + 1}, "
                   f"{len(prefix) + len(history[columns[0]][i])} tokens after the reply; TTFT " +
                   ", ".join(f"{c} {1000 * out[c]['ttft_each'][-1]:.0f} ms" for c in columns), flush=True)
@@ -121,10 +134,9 @@ def converse(live: dict, columns: list[str], chat: dict[str, Any]) -> dict[str, 
 
 
 def report(chats: dict[str, dict[str, Any]], columns: list[str], asked: list[str], failed: dict[str, str],
-           conversations: int, reply_len: int, before: dict[str, Any], peers_shown: bool = False) -> dict[str, bool]:
+           conversations: int, reply_len: int, peers_shown: bool = False) -> dict[str, bool]:
     """Prints the demo's table and its paired figures from converse's
-    results (per column; before: kvbm's metrics before the chat, for the
-    tier split) and returns, per column, whether its replies match the
+    results (per column) and returns, per column, whether its replies match the
     reference column's (no kvbm, or the first column that is not kvbm).
     The figures for turns 2 on are left out when the chat had one turn."""
     from kvbm.testing import compare, peers
@@ -135,7 +147,8 @@ def report(chats: dict[str, dict[str, Any]], columns: list[str], asked: list[str
     turns = len(ttft["kvbm"]) // conversations
     first = {c: ttft[c][:conversations] for c in columns}  # turn 1: nothing to reuse but the system prompt
     later = {c: ttft[c][conversations:] for c in columns}  # turns 2..
-    split = {c: compare.tier_split([chats[c]], before.get(c), peer=c if c in peers.PEERS else None)
+    split = {c: compare.tier_split([dict(chats[c], metrics=chats[c]["ttft_onboard"])], {})
+             if "ttft_onboard" in chats[c] else compare.tier_split([chats[c]], None, peer=c if c in peers.PEERS else None)
              for c in columns}
     ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
     print()
@@ -233,13 +246,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                          kv_env={"DYN_KVBM_CACHE_STATS_LOG_INTERVAL_SECS": 60})
     columns = [c for c in asked if c in live]
     try:
-        before = {c: live[c].do(warm).get("metrics") for c in columns}
+        for c in columns:
+            live[c].do(warm)
         chats = converse(live, columns, chat)
     finally:
         for col in live.values():
             col.close()
     same = report(chats, columns, asked, failed, a.conversations, a.reply_len,
-                  {c: before[c] if c == "kvbm" else None for c in columns},
                   peers_shown=any(c in peers.PEERS for c in asked))
     ttft = {c: chats[c]["ttft_each"] for c in columns}
     path = chart(a.chart, chats, list(range(1, len(ttft["kvbm"]) + 1, a.conversations)),

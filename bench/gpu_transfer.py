@@ -82,6 +82,7 @@ KNOBS = {
     "chunk": "KVBM_CUDA_SPLIT_CHUNK_MIB",  # split with no fixed share: MiB the batch share takes at a time
     "bstreams": "KVBM_CUDA_SPLIT_STREAMS",  # split: DMA streams of the batch share
     "probe": "KVBM_CUDA_SPLIT_PROBE_US",  # split: least µs between staged chunks while the GPU is busy
+    "busy": "KVBM_CUDA_SPLIT_BUSY",  # split: blocks (one plain copy per block) or batch while the GPU is busy
 }
 
 

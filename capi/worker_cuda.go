@@ -34,7 +34,7 @@ func init() {
 			StagedCTAs: k.StagedCTAs, StagedThreads: k.StagedThreads, StagedLowPriority: k.StagedLowPriority,
 			DMAStreams: k.DMAStreams, SplitPercent: k.SplitPercent, SplitChunkBytes: k.SplitChunkBytes,
 			SplitStreams: k.SplitStreams, SplitProbe: time.Duration(k.SplitProbeMicros) * time.Microsecond,
-			KernelsFile: k.KernelsFile})
+			SplitBusyBatch: k.SplitBusyBatch, KernelsFile: k.KernelsFile})
 		if err != nil {
 			return nil, err
 		}

@@ -23,6 +23,7 @@ const (
 	EnvCUDASplitChunkMiB  = "KVBM_CUDA_SPLIT_CHUNK_MIB"
 	EnvCUDASplitStreams   = "KVBM_CUDA_SPLIT_STREAMS"
 	EnvCUDASplitProbeUs   = "KVBM_CUDA_SPLIT_PROBE_US"
+	EnvCUDASplitBusy      = "KVBM_CUDA_SPLIT_BUSY"
 	EnvCUDAKernels        = "KVBM_CUDA_KERNELS"
 	EnvLog                = "DYN_LOG"
 )
@@ -62,7 +63,11 @@ type CUDA struct {
 	SplitChunkBytes   int64
 	SplitStreams      int
 	SplitProbeMicros  int
-	KernelsFile       string
+	// SplitBusyBatch: KVBM_CUDA_SPLIT_BUSY=batch (split's copies while the
+	// GPU is busy go by the driver's batched copy; the default, blocks, is
+	// one plain copy per block where the layout allows).
+	SplitBusyBatch bool
+	KernelsFile    string
 }
 
 // LogLevel is DYN_LOG's level (debug, info, warn, error; trace is debug,
@@ -143,6 +148,15 @@ func (p *parser) cuda() CUDA {
 			c.StagedLowPriority = true
 		default:
 			p.fail(EnvCUDAStagedPriority, raw, "want high or low")
+		}
+	}
+	if raw, set := p.get(EnvCUDASplitBusy); set {
+		switch strings.ToLower(strings.TrimSpace(raw)) {
+		case "blocks":
+		case "batch":
+			c.SplitBusyBatch = true
+		default:
+			p.fail(EnvCUDASplitBusy, raw, "want blocks or batch")
 		}
 	}
 	if raw, set := p.get(EnvCUDACopy); set {

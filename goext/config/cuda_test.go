@@ -47,16 +47,21 @@ func TestCUDAKnobRanges(t *testing.T) {
 		EnvCUDASplitPct:       "100",
 		EnvCUDAStagedPriority: "medium",
 		EnvCUDACopy:           "teleport",
+		EnvCUDASplitBusy:      "dma",
 	} {
 		_, err := FromEnv(map[string]string{name: value})
 		require.ErrorContains(t, err, name)
 		require.ErrorContains(t, err, value)
 	}
 	c, err := FromEnv(map[string]string{EnvCUDAStagedThreads: "256", EnvCUDADMAStreams: "8", EnvCUDASplitPct: "99",
-		EnvCUDAStagedPriority: " LOW ", EnvCUDACopy: "zero_copy", EnvCUDAKernels: "/k.fatbin", EnvCUDASplitProbeUs: "500"})
+		EnvCUDAStagedPriority: " LOW ", EnvCUDACopy: "zero_copy", EnvCUDAKernels: "/k.fatbin", EnvCUDASplitProbeUs: "500",
+		EnvCUDASplitBusy: " Batch"})
 	require.NoError(t, err)
 	require.Equal(t, CUDA{Copy: "zero_copy", StagedThreads: 256, DMAStreams: 8, SplitPercent: 99, StagedLowPriority: true,
-		KernelsFile: "/k.fatbin", SplitProbeMicros: 500}, c.CUDA)
+		KernelsFile: "/k.fatbin", SplitProbeMicros: 500, SplitBusyBatch: true}, c.CUDA)
+	c, err = FromEnv(map[string]string{EnvCUDASplitBusy: "blocks"})
+	require.NoError(t, err)
+	require.False(t, c.CUDA.SplitBusyBatch)
 }
 
 // TestLogLevel: DYN_LOG as capi's logger read it; unset leaves the level alone.

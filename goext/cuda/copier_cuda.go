@@ -179,6 +179,17 @@ type Options struct {
 	// takes the SMs between two of the engine's kernels, and is only there to
 	// see when the GPU is idle again.
 	SplitProbe time.Duration
+	// SplitBusyBatch sends Split's batch share (no fixed share: the copies
+	// made while the GPU is busy) through the driver's batched copy for
+	// every layout (KVBM_CUDA_SPLIT_BUSY=batch). By default, where a G1
+	// block is one range (TensorRT-LLM), that share goes as one plain DMA
+	// copy per block, as Direct: on an H100 the batched copies of such
+	// blocks cost the engine's matmuls +0.3 to +2.9 points against torch's
+	// contiguous copy in paired windows, plain copies −1.3 to +0.7, as
+	// torch's own per-block copies do (docs/cuda.md). vLLM's blocks (one
+	// pitched copy each) stay batched: one cuMemcpy3DAsync per block cost
+	// as much as the batched pitched copies.
+	SplitBusyBatch bool
 	// CTAsPerSM sizes the Kernel-mode grid (default 4 thread blocks per SM).
 	CTAsPerSM int
 	// MaxBatch is the most blocks the worker hands over per call (default 8192).
@@ -238,6 +249,7 @@ type Copier struct {
 	bpb          int64
 	batchNote    string   // why Batch fell back to Staged
 	pitched      *pitch   // Batch/Split: one pitched copy per block (pitchOf); nil: one copy per piece
+	contig       bool     // each G1 block is one range in host order (contiguousBlocks)
 	hostOff      []int64  // Batch: host-layout offset of chunk (layer, outer)
 	stagingSlots int      // blocks per staging slot
 	depth        int      // staging slots
@@ -246,6 +258,7 @@ type Copier struct {
 	engineStream atomic.Uintptr // the engine's CUDA stream (0: legacy default stream)
 	// Split with no fixed share: blocks moved, and how many of them by Batch.
 	sharedBlocks, sharedBatch atomic.Int64
+	sharedPlain               atomic.Int64         // of sharedBatch, moved by one plain copy per block (plainWhileBusy)
 	sharedCalls               atomic.Int64         // runShared calls (tests)
 	testBusy                  func(chunk int) bool // tests: whether runShared treats the GPU as busy before chunk
 	closed                    atomic.Bool
@@ -317,8 +330,9 @@ func New(e *layout.Engine, opts Options) (c *Copier, err error) {
 	}
 	c = &Copier{eng: e, opts: opts, dev: dev, ordinal: ord, bpb: e.BytesPerBlock()}
 	c.analyse()
+	c.contig = c.contiguousBlocks()
 	switch {
-	case opts.Mode == Direct && !c.contiguousBlocks():
+	case opts.Mode == Direct && !c.contig:
 		return nil, fmt.Errorf("cuda: DYN_KVBM_CUDA_COPY=direct needs blocks contiguous in G1 (TensorRT-LLM layout); %v is not", e)
 	case opts.Mode == Auto:
 		// Split moves a batch like Staged while the GPU is idle (96–99% of
@@ -620,6 +634,9 @@ func (c *Copier) String() string {
 
 // batchCall names the batched copy and its granularity for String.
 func (c *Copier) batchCall() string {
+	if c.mode == Split && c.plainWhileBusy() {
+		return "cuMemcpyAsync, one copy per block,"
+	}
 	if c.pitched != nil {
 		return "cuMemcpy3DBatchAsync, one pitched copy per block"
 	}

@@ -437,8 +437,25 @@ func TestRoundTrip(t *testing.T) {
 							c.testBusy = busy.fn
 							roundTrip(t, g, c, viaDisk)
 							require.Contains(t, c.String(), "so far")
+							// While busy, blocks that are one range of G1
+							// go by one plain copy each.
+							require.Equal(t, c.contig, strings.Contains(c.String(), "cuMemcpyAsync, one copy per block"), c.String())
+							if busy.name == "busy" {
+								require.Equal(t, c.contig, c.sharedPlain.Load() > 0, c.String())
+							}
 						})
 					}
+					t.Run(name+"/busy-batch", func(t *testing.T) {
+						// KVBM_CUDA_SPLIT_BUSY=batch: the driver's batched
+						// copy while busy, as before.
+						c, err := New(g.eng, Options{Mode: m, StagingBytes: 6 * g.eng.BytesPerBlock(), PipelineDepth: 3, SplitChunkBytes: 2 * g.eng.BytesPerBlock(), MaxBatch: 16, SplitBusyBatch: true})
+						require.NoError(t, err)
+						c.testBusy = func(int) bool { return true }
+						roundTrip(t, g, c, viaDisk)
+						require.Positive(t, c.sharedBatch.Load())
+						require.Zero(t, c.sharedPlain.Load())
+						require.NotContains(t, c.String(), "one copy per block")
+					})
 					t.Run(name+"/busy-paced", func(t *testing.T) {
 						// Busy all along, with a probe interval longer
 						// than the test: each call sends one staged chunk

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"syscall"
 	"time"
+
+	"gorgonia.org/cu"
 )
 
 // Split mode (DYN_KVBM_CUDA_COPY=split, and auto on CUDA ≥ 12.8): a batch
@@ -149,7 +151,7 @@ func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) err
 		for k := range streams {
 			for front < back && len(queued[k]) < splitInFlight {
 				lo := max(front, back-sub)
-				if err := c.runBatch(l.bdma[k:k+1], toG1, blocks[lo:back], host[lo:back]); err != nil {
+				if err := c.busyShare(l.bdma[k:k+1], toG1, blocks[lo:back], host[lo:back]); err != nil {
 					return err
 				}
 				if err := l.bDone[k][next[k]].Record(l.bdma[k]); err != nil {
@@ -166,5 +168,25 @@ func (c *Copier) runShared(l *lane, toG1 bool, blocks []int, host []uintptr) err
 			_ = syscall.Nanosleep(&ts, nil)
 		}
 	}
+	return nil
+}
+
+// plainWhileBusy reports whether runShared's batch share, which runs while
+// the GPU is busy, goes as one plain DMA copy per block (cuMemcpyAsync, as
+// Direct) instead of the driver's batched copy: for blocks that are one
+// range of G1 (TensorRT-LLM), unless Options.SplitBusyBatch.
+func (c *Copier) plainWhileBusy() bool {
+	return c.contig && !c.opts.SplitBusyBatch && c.opts.SplitPercent == 0
+}
+
+// busyShare enqueues one chunk of runShared's batch share on s.
+func (c *Copier) busyShare(s []cu.Stream, toG1 bool, blocks []int, host []uintptr) error {
+	if !c.plainWhileBusy() {
+		return c.runBatch(s, toG1, blocks, host)
+	}
+	if err := c.blockCopies(s, toG1, blocks, host); err != nil {
+		return err
+	}
+	c.sharedPlain.Add(int64(len(blocks)))
 	return nil
 }

@@ -124,6 +124,23 @@ func (p *parser) cudaKnob(name string, max int64) int64 {
 	return 0
 }
 
+// cudaEither reads a knob of two words (case and surrounding spaces
+// ignored): true for the second, false for the first or when unset.
+func (p *parser) cudaEither(name, first, second string) bool {
+	raw, set := p.get(name)
+	if !set {
+		return false
+	}
+	switch strings.ToLower(strings.TrimSpace(raw)) {
+	case first:
+		return false
+	case second:
+		return true
+	}
+	p.fail(name, raw, "want "+first+" or "+second)
+	return false
+}
+
 func (p *parser) cuda() CUDA {
 	c := CUDA{
 		StagingBytes:     p.cudaKnob(EnvCUDAStagingMiB, CapCUDAStagingMiB) << 20,
@@ -141,24 +158,8 @@ func (p *parser) cuda() CUDA {
 		raw, _ := p.get(EnvCUDAStagedThreads)
 		p.fail(EnvCUDAStagedThreads, raw, "want a multiple of 32 in [32, 256]")
 	}
-	if raw, set := p.get(EnvCUDAStagedPriority); set {
-		switch strings.ToLower(strings.TrimSpace(raw)) {
-		case "high":
-		case "low":
-			c.StagedLowPriority = true
-		default:
-			p.fail(EnvCUDAStagedPriority, raw, "want high or low")
-		}
-	}
-	if raw, set := p.get(EnvCUDASplitBusy); set {
-		switch strings.ToLower(strings.TrimSpace(raw)) {
-		case "blocks":
-		case "batch":
-			c.SplitBusyBatch = true
-		default:
-			p.fail(EnvCUDASplitBusy, raw, "want blocks or batch")
-		}
-	}
+	c.StagedLowPriority = p.cudaEither(EnvCUDAStagedPriority, "high", "low")
+	c.SplitBusyBatch = p.cudaEither(EnvCUDASplitBusy, "blocks", "batch")
 	if raw, set := p.get(EnvCUDACopy); set {
 		c.Copy = strings.TrimSpace(raw)
 		switch strings.ToLower(c.Copy) {

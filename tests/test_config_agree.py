@@ -26,6 +26,7 @@ def test_consolidator_port_default_agrees(monkeypatch: pytest.MonkeyPatch) -> No
         ("KVBM_CUDA_DMA_STREAMS", "9"),
         ("KVBM_CUDA_STAGED_THREADS", "48"),
         ("KVBM_CUDA_STAGED_PRIORITY", "medium"),
+        ("KVBM_CUDA_SPLIT_BUSY", "dma"),
         ("DYN_KVBM_CUDA_COPY", "teleport"),
     ],
 )
@@ -37,6 +38,7 @@ def test_cuda_knobs_are_checked(monkeypatch: pytest.MonkeyPatch, name: str, valu
 
 def test_cuda_knobs_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"KVBM_CUDA_STAGING_MIB": "64", "KVBM_CUDA_STAGED_PRIORITY": "low",
-                        "DYN_KVBM_CUDA_COPY": "split", "KVBM_CUDA_SPLIT_PCT": "50"}.items():
+                        "DYN_KVBM_CUDA_COPY": "split", "KVBM_CUDA_SPLIT_PCT": "50",
+                        "KVBM_CUDA_SPLIT_BUSY": "batch"}.items():
         monkeypatch.setenv(name, value)
     _native.config_check(require_tier=False)

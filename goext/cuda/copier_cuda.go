@@ -494,7 +494,7 @@ func (c *Copier) analyse() {
 // range (TensorRT-LLM) need no pitch: the plain batch merges them.
 func (c *Copier) pitchOf() (pitch, bool) {
 	e := c.eng
-	if c.contiguousBlocks() || e.NumLayers < 1 || e.OuterDim < 1 {
+	if c.contig || e.NumLayers < 1 || e.OuterDim < 1 {
 		return pitch{}, false
 	}
 	cb := uint64(e.ChunkBytes)

@@ -880,8 +880,13 @@ def test_g4_onboarding_tp2_rank1_in_its_own_process(make_engine, s3_server, tmp_
         a = eng.submit(FakeLlmRequest(1, first, 1))
         eng.run()
         assert a.phase == "done"
+        # Both ranks' objects are in the bucket, and rank 0's uploads have
+        # returned (counted here after its store's registry, which the leader
+        # matches against, learnt them): an object is on the server's disk
+        # before the server answers its PUT.
         end = time.time() + 60
-        while count_objects(s3_server.state_dir, bucket) < 2 * 6:  # 6 blocks × 2 ranks
+        while (count_objects(s3_server.state_dir, bucket) < 2 * 6  # 6 blocks × 2 ranks
+               or eng.leader.info()["g4"]["offload_blocks_h2obj"] - g4["offload_blocks_h2obj"] < 6):
             assert time.time() < end, (count_objects(s3_server.state_dir, bucket), eng.leader.info()["g4"])
             time.sleep(0.02)
         assert eng.leader.reset_cache()

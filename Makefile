@@ -60,7 +60,7 @@ fuzz:
 	done
 
 pytest: build build-debug
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 # The fake-vLLM suites and the connector API review against vLLM 0.33's real
 # classes, in .venv-vllm033 (scripts/vllm033-env.sh: vLLM 0.33 without its

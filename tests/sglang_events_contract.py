@@ -44,6 +44,11 @@ def radix_node(tokens: list[int]):
                                  event_hash_value=None)
 
 
+def page_hash(tokens: list[int]) -> int:
+    """The router's hash of a one-page node (SGLang's page key's head)."""
+    return hash_str_to_int64(get_storage_hash_str(tokens, None, page_size=PAGE)[0]) & U64
+
+
 def wait_for(cond, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -79,10 +84,13 @@ def test_disk_tier_joins_sglang_events_and_metrics(tmp_path):
         publisher.publish(KVEventBatch(ts=time.time(), events=evs, attn_dp_rank=0))
         wait_for(lambda: cons.stats()["events_in"] >= sent[0] + kvbm_events[0], "the consolidator to read them")
 
-    def drain() -> None:
-        time.sleep(0.2)
+    def drain(into=None) -> None:
         while sub.poll(0):
-            index.apply_zmq_frames(sub.recv_multipart())
+            (index if into is None else into).apply_zmq_frames(sub.recv_multipart())
+
+    def settled(want: list[int]) -> bool:
+        drain()
+        return sorted(index.blocks()) == sorted(want)
 
     tokens = list(range(2000, 2000 + 3 * PAGE))
     node = radix_node(tokens)
@@ -94,12 +102,27 @@ def test_disk_tier_joins_sglang_events_and_metrics(tmp_path):
         # publisher drops what it sends; probe with an empty batch.
         wait_for(lambda: (publisher.publish(KVEventBatch(ts=time.time(), events=[], attn_dp_rank=0)) or
                           cons.stats()["batches_in"] > 0), "the consolidator's subscription")
-        time.sleep(0.3)  # our SUB to the consolidator's output
+        # Our SUB to the consolidator's output joins late too: store probe
+        # pages until the latest one's STORE arrives; output is in order, so
+        # nothing sent before it can arrive after it.
+        probes = RouterIndex()
+        for i in range(200):
+            probe = list(range(900_000 + i * PAGE, 900_000 + (i + 1) * PAGE))
+            node = radix_node(probe)
+            publish((recorder.record_store, StorageMedium.GPU))
+            end = time.time() + 0.5
+            while page_hash(probe) not in probes.blocks() and time.time() < end:
+                if sub.poll(50):
+                    drain(into=probes)
+            if page_hash(probe) in probes.blocks():
+                break
+        assert probes.blocks(), ("no probe reached our subscriber", cons.stats())
 
         # 1. SGLang's GPU cache stores the node: three STOREs, under the
         # hashes SGLang's own recorder computed.
+        node = radix_node(tokens)
         publish((recorder.record_store, StorageMedium.GPU))
-        drain()
+        wait_for(lambda: settled(event_hashes), "the STOREs")
         assert sorted(index.blocks()) == sorted(event_hashes), "SGLang's event hashes are its page keys' heads"
         index.assert_consistent()
 
@@ -113,14 +136,21 @@ def test_disk_tier_joins_sglang_events_and_metrics(tmp_path):
         publish((recorder.record_store, StorageMedium.CPU))
         publish((recorder.record_remove, StorageMedium.GPU))
         publish((recorder.record_remove, StorageMedium.CPU))
-        drain()
-        assert sorted(index.blocks()) == sorted(event_hashes)
+        # Nothing is to change: a REMOVE forwarded by mistake would arrive
+        # before a fence sent after it (a page stored, then removed).
+        fence = list(range(950_000, 950_000 + PAGE))
+        node = radix_node(fence)
+        publish((recorder.record_store, StorageMedium.GPU))
+        wait_for(lambda: drain() or page_hash(fence) in index.blocks(), "the fence")
+        assert sorted(index.blocks()) == sorted(event_hashes + [page_hash(fence)])
         assert index.removes == 0
+        publish((recorder.record_remove, StorageMedium.GPU))
+        wait_for(lambda: settled(event_hashes), "the fence's REMOVE")
 
         # 3. kvbm's tier drops them (clear): now no tier holds them.
         backend.clear()
         wait_for(lambda: (drain() or len(index.blocks()) == 0), "the REMOVEs")
-        assert index.stores == 3 and index.removes == 3
+        assert index.stores == 3 + 1 and index.removes == 3 + 1  # with the fence's
         index.assert_consistent()
         st = cons.stats()
         assert st["unknown_removes"] == 0 and st["not_forwarded"] == 0

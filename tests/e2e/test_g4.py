@@ -82,6 +82,10 @@ def test_g4_shared_between_engines(harness, s3_server, tmp_path):
         gen("p", P),
         gen("s", S),
         stored(srv, 12 + 6, "uploaded"),
+        # The server stores an object before it answers its PUT: stopping it
+        # as soon as the objects are on its disk could leave an upload without
+        # its answer, counted as dropped and never uploaded again.
+        {"wait_metric": "kvbm_offload_blocks_h2obj", "at_least": 12 + 6, "poke": POKE, "tag": "uploaded_counted"},
         {"s3": "stop", "state": srv.state_dir, "tag": "outage"},
         gen("q", Q),
         # Every upload of Q fails or is refused while the store is down; the
@@ -98,6 +102,7 @@ def test_g4_shared_between_engines(harness, s3_server, tmp_path):
     for tag in ("p", "s", "r"):
         assert a[tag]["tokens"] == ref[tag]["tokens"], tag
     assert a["uploaded"]["reached"], a["uploaded"]
+    assert a["uploaded_counted"]["reached"], a["uploaded_counted"]["metrics"]
     assert a["q"]["tokens"] == ref["q"]["tokens"], "the engine kept serving during the outage"
     mq = a["q_dropped"]["metrics"]
     assert a["q_dropped"]["reached"], mq

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // G4: the object-storage tier shared by every engine instance (Dynamo's
@@ -20,8 +21,12 @@ const (
 	EnvObjectSecretKey    = "DYN_KVBM_OBJECT_SECRET_KEY"
 	EnvObjectWriteThrough = "DYN_KVBM_OBJECT_WRITE_THROUGH"
 	EnvObjectNumBlocks    = "DYN_KVBM_OBJECT_NUM_BLOCKS"
-	EnvAWSAccessKeyID     = "AWS_ACCESS_KEY_ID"
-	EnvAWSSecretAccessKey = "AWS_SECRET_ACCESS_KEY"
+	// EnvObjectLookupTimeoutSecs bounds one request's look-up in the bucket
+	// (whole seconds, at least 1): a request waits at most this long before
+	// it loads what was found by then (a kvbm variable).
+	EnvObjectLookupTimeoutSecs = "DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS"
+	EnvAWSAccessKeyID          = "AWS_ACCESS_KEY_ID"
+	EnvAWSSecretAccessKey      = "AWS_SECRET_ACCESS_KEY"
 )
 
 // Defaults of the G4 variables.
@@ -29,6 +34,9 @@ const (
 	DefaultObjectRegion    = "us-east-1"
 	DefaultObjectEndpoint  = "https://s3.amazonaws.com"
 	DefaultObjectNumBlocks = 100000
+	// DefaultObjectLookupTimeout: a nearby store answers a wave of HEAD
+	// requests in milliseconds; a request stops waiting after this.
+	DefaultObjectLookupTimeout = 2 * time.Second
 	// ObjectWorkerIDPlaceholder in DYN_KVBM_OBJECT_BUCKET is replaced by the
 	// engine instance's worker id (one bucket per instance; leave it out to
 	// share one bucket between instances).
@@ -52,6 +60,8 @@ type Object struct {
 	WriteThrough bool
 	// NumBlocks caps the local registry of blocks known to be in G4.
 	NumBlocks int
+	// LookupTimeout bounds one request's look-up in the bucket.
+	LookupTimeout time.Duration
 }
 
 // S3 bucket names: 3–63 characters, lower-case letters, digits, dots and
@@ -67,13 +77,14 @@ func (o *Object) BucketFor(workerID uint64) string {
 // DYN_KVBM_OBJECT_ENABLED is on; set but malformed ones are errors anyway.
 func (p *parser) object() Object {
 	o := Object{
-		Enabled:      p.boolean(EnvObjectEnabled, false),
-		Bucket:       p.str(EnvObjectBucket, ""),
-		Region:       p.str(EnvObjectRegion, DefaultObjectRegion),
-		AccessKey:    p.str(EnvObjectAccessKey, ""),
-		SecretKey:    p.str(EnvObjectSecretKey, ""),
-		WriteThrough: p.boolean(EnvObjectWriteThrough, true),
-		NumBlocks:    p.capped(EnvObjectNumBlocks, DefaultObjectNumBlocks, 1),
+		Enabled:       p.boolean(EnvObjectEnabled, false),
+		Bucket:        p.str(EnvObjectBucket, ""),
+		Region:        p.str(EnvObjectRegion, DefaultObjectRegion),
+		AccessKey:     p.str(EnvObjectAccessKey, ""),
+		SecretKey:     p.str(EnvObjectSecretKey, ""),
+		WriteThrough:  p.boolean(EnvObjectWriteThrough, true),
+		NumBlocks:     p.capped(EnvObjectNumBlocks, DefaultObjectNumBlocks, 1),
+		LookupTimeout: p.seconds(EnvObjectLookupTimeoutSecs, DefaultObjectLookupTimeout),
 	}
 	// Credentials: both DYN_KVBM_OBJECT_* or both from AWS_*; none at all
 	// means anonymous requests.
@@ -131,8 +142,9 @@ func (o *Object) summary() string {
 	if o.AccessKey != "" {
 		creds = "access key " + o.AccessKey[:min(4, len(o.AccessKey))] + "…"
 	}
-	return fmt.Sprintf("  object (G4) tier: bucket %s at %s (region %s, %s), write-through %s, registry %d blocks\n",
-		o.Bucket, o.Endpoint, o.Region, creds, onOff(o.WriteThrough), o.NumBlocks)
+	return fmt.Sprintf("  object (G4) tier: bucket %s at %s (region %s, %s), write-through %s, registry %d blocks, "+
+		"look-ups time out after %s\n",
+		o.Bucket, o.Endpoint, o.Region, creds, onOff(o.WriteThrough), o.NumBlocks, o.LookupTimeout)
 }
 
 // CheckObject checks what G4 needs from the other tiers: downloads land in

@@ -3,21 +3,23 @@ package config
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
 
 func objectEnv(extra map[string]string) map[string]string {
 	env := map[string]string{
-		EnvCPUCacheGB:         "1",
-		EnvObjectEnabled:      "1",
-		EnvObjectBucket:       "kv-{worker_id}",
-		EnvObjectEndpoint:     "http://127.0.0.1:9000",
-		EnvObjectAccessKey:    "ak",
-		EnvObjectSecretKey:    "sk",
-		EnvObjectNumBlocks:    "",
-		EnvObjectRegion:       "",
-		EnvObjectWriteThrough: "",
+		EnvCPUCacheGB:              "1",
+		EnvObjectEnabled:           "1",
+		EnvObjectBucket:            "kv-{worker_id}",
+		EnvObjectEndpoint:          "http://127.0.0.1:9000",
+		EnvObjectAccessKey:         "ak",
+		EnvObjectSecretKey:         "sk",
+		EnvObjectNumBlocks:         "",
+		EnvObjectRegion:            "",
+		EnvObjectWriteThrough:      "",
+		EnvObjectLookupTimeoutSecs: "",
 	}
 	for k, v := range extra {
 		env[k] = v
@@ -37,8 +39,14 @@ func TestObjectDefaultsAndSubstitution(t *testing.T) {
 	require.Equal(t, DefaultObjectRegion, o.Region)
 	require.True(t, o.WriteThrough)
 	require.Equal(t, DefaultObjectNumBlocks, o.NumBlocks)
+	require.Equal(t, DefaultObjectLookupTimeout, o.LookupTimeout)
 	require.NoError(t, c.CheckObject())
 	require.Contains(t, c.Summary(), "object (G4) tier: bucket kv-{worker_id}")
+	require.Contains(t, c.Summary(), "look-ups time out after 2s")
+
+	c, err = load(t, objectEnv(map[string]string{EnvObjectLookupTimeoutSecs: "30"}))
+	require.NoError(t, err)
+	require.Equal(t, 30*time.Second, c.Object.LookupTimeout)
 
 	off, err := load(t, nil)
 	require.NoError(t, err)
@@ -71,6 +79,8 @@ func TestObjectErrorsNameTheVariable(t *testing.T) {
 		{map[string]string{EnvObjectSecretKey: ""}, EnvObjectSecretKey},
 		{map[string]string{EnvObjectNumBlocks: "0"}, EnvObjectNumBlocks},
 		{map[string]string{EnvObjectWriteThrough: "maybe"}, EnvObjectWriteThrough},
+		{map[string]string{EnvObjectLookupTimeoutSecs: "0"}, EnvObjectLookupTimeoutSecs},
+		{map[string]string{EnvObjectLookupTimeoutSecs: "1.5"}, EnvObjectLookupTimeoutSecs},
 		{map[string]string{EnvObjectEnabled: "sometimes"}, EnvObjectEnabled},
 	} {
 		_, err := load(t, objectEnv(tc.env))

@@ -168,7 +168,7 @@ func (n *Leader) g4Options(spec LeaderSpec, reg *Registry, log *slog.Logger) (*l
 		return nil, withKind(KindConfig, err)
 	}
 	opts := &leader.G4Options{Async: spec.G4Async, WriteThrough: cfg.Object.WriteThrough,
-		Registry: object.NewRegistry(cfg.Object.NumBlocks)}
+		Registry: object.NewRegistry(cfg.Object.NumBlocks), LookupTimeout: cfg.Object.LookupTimeout}
 	var fp fingerprint.Fingerprint
 	if spec.Fingerprint != "" {
 		var err error

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
@@ -344,4 +345,17 @@ func TestRestoreTakesTheIndexItsWorkerHandsOver(t *testing.T) {
 	require.Equal(t, 3, n, "the restore went to the closed worker's index")
 	got, _ = l.L.GetNumNewMatchedTokens("b", prompt, 0, 0)
 	require.Equal(t, 2*bs, got)
+}
+
+// TestG4LookupTimeoutReachesTheLeader: DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS
+// bounds the leader's look-ups (the default where unset).
+func TestG4LookupTimeoutReachesTheLeader(t *testing.T) {
+	env := g4Env(t)
+	for raw, want := range map[string]time.Duration{"": config.DefaultObjectLookupTimeout, "30": 30 * time.Second} {
+		env[config.EnvObjectLookupTimeoutSecs] = raw
+		n := &Leader{cfg: testConfig(t, env)}
+		opts, err := n.g4Options(LeaderSpec{}, NewRegistry(), quiet())
+		require.NoError(t, err)
+		require.Equal(t, want, opts.LookupTimeout, "%q", raw)
+	}
 }

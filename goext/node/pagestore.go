@@ -81,6 +81,7 @@ func NewPageStore(cfg *config.Config, spec PageStoreSpec, fn string, d Deps) (_ 
 			return nil, err
 		}
 		so.Object = obj
+		so.LookupTimeout = cfg.Object.LookupTimeout
 		n.closers.push(release)
 	}
 	s, err := pagestore.Open(so)

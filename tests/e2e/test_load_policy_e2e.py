@@ -61,7 +61,9 @@ def test_cost_policy_recomputes_when_loading_is_slower(harness, s3_server, tmp_p
         ]}))
         assert a["stored"]["reached"], a["stored"]
 
-        cost = {**env, "DYN_KVBM_LOAD_POLICY": "cost", "DYN_LOG": "debug"}
+        # b1's look-up takes two slow round trips (about 1 s); the default 2 s
+        # bound would cut it short on a loaded host.
+        cost = {**env, "DYN_KVBM_LOAD_POLICY": "cost", "DYN_LOG": "debug", "DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS": 30}
         proxy.delay = 0.5
         rb = harness({"model": model, "env": cost, "actions": [
             gen("warm", WARM["b"]),

@@ -170,7 +170,12 @@ def _leader_main(env: dict, to_workers, from_workers, results, cmds):
     start = time.monotonic()
     tokens_d = list(range(11000, 11000 + 4 * BLOCK_SIZE))
     leader.step([["d", tokens_d, [28, 29, 30, 31], 0, len(tokens_d), 0, 0, False]])  # not shipped: rank 1 is gone
-    while not leader.info()["degraded"] and time.monotonic() - start < 30:
+    # The leader degrades, then fails the operation in flight: wait for both
+    # (an info() between the two sees it degraded with one still in flight).
+    while time.monotonic() - start < 30:
+        info = leader.info()
+        if info["degraded"] and info["background_inflight"] == 0:
+            break
         leader.step([])  # the engine keeps stepping; each step wakes the loop
         time.sleep(0.05)
     info = leader.info()

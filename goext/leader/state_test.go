@@ -137,7 +137,7 @@ func TestStateG4LookupFindsTheLastState(t *testing.T) {
 	// A fresh leader (another engine): its registry knows nothing. The
 	// first block's HEAD takes most of the lookup deadline, every state
 	// key's HEAD a good part of it.
-	const timeout = 4 * time.Second
+	const timeout = 6 * time.Second // margins of 2.4 and 3 s for the requests that do not sleep
 	first := s.KeyFor(0, hs[0])
 	states := map[string]bool{}
 	for _, h := range hs {

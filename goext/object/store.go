@@ -319,16 +319,17 @@ func (s *Store) put(u upload) {
 		return
 	}
 	s.reg.Add(u.hash)
-	s.ackMu.Lock()
-	if len(s.acked) < maxAcked {
-		s.acked = append(s.acked, u.hash)
-	}
-	s.ackMu.Unlock()
+	// Counted before it is acknowledged: whoever sees the ack sees the count.
 	if created {
 		stats.uploaded.Add(1)
 	} else {
 		stats.alreadyStored.Add(1)
 	}
+	s.ackMu.Lock()
+	if len(s.acked) < maxAcked {
+		s.acked = append(s.acked, u.hash)
+	}
+	s.ackMu.Unlock()
 }
 
 func (s *Store) allow() bool { return s.br.allow() }

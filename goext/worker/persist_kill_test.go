@@ -162,7 +162,12 @@ func TestPersistSurvivesKill(t *testing.T) {
 
 		w := killWorker(t, e, dir, buffered, t.Output())
 		rec := w.Recovered()
-		require.NotZero(t, len(rec.Blocks), "kill %d: nothing recovered after %d full steps", k, target)
+		// Headers are written in the background after a step: a kill right
+		// after the first one may find none yet. Later rounds reopen the tier
+		// with the earlier rounds' blocks.
+		if k > 0 {
+			require.NotZero(t, len(rec.Blocks), "kill %d: nothing recovered after %d full steps", k, target)
+		}
 		totalRecovered += len(rec.Blocks)
 		// Load every recovered block, killG1Blocks at a time, and compare.
 		for lo := 0; lo < len(rec.Blocks); lo += killG1Blocks {
@@ -186,5 +191,6 @@ func TestPersistSurvivesKill(t *testing.T) {
 			len(rec.Blocks), rec.NumDiscarded(), rec.Discarded, rec.Empty)
 		require.NoError(t, w.Close())
 	}
+	require.NotZero(t, totalRecovered)
 	t.Logf("%d kills, %d blocks recovered and verified in all", kills, totalRecovered)
 }

@@ -40,7 +40,9 @@ POKE = prompt(99, 8)  # a tiny request: keeps the engine stepping (workers repor
 
 
 def kvbm_env(srv, **extra):
-    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **srv.env(BUCKET)}
+    # A look-up cut short by a loaded host would load fewer blocks than the
+    # assertions count: give it far more than the 2 s default.
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, "DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS": 30, **srv.env(BUCKET)}
     env.update(extra)
     return env
 

@@ -189,7 +189,7 @@ def test_state_space_hybrid_shares_g4_between_two_engines(harness, s3_server):
     """LFM2 through G4: engine one uploads A's positions and the one with
     its state; a second engine process (empty G1 and G2) loads A's prefix
     ending on that state from the bucket, with vLLM's output."""
-    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET + "-state")}
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET + "-state"), **PATIENT_LOOKUPS}
     engine = {"num_gpu_blocks_override": 64}
     ref = harness({"model": LFM2_MODEL, "engine": engine, "kvbm": False, "actions": [lp("a", A)]})
     one = harness({"model": LFM2_MODEL, "engine": engine, "env": env, "actions": [
@@ -256,6 +256,9 @@ def test_sliding_window_model_disk_tier_and_corrupted_block(harness, tmp_path):
 
 
 BUCKET = "kvbm-hybrid"
+# G4 look-ups against the local server take milliseconds; a loaded host must
+# not cut one short (the assertions count the blocks it finds).
+PATIENT_LOOKUPS = {"DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS": 30}
 POKE = prompt(99, 8)  # a tiny request: keeps the engine stepping (workers report with each step)
 # kvbm stores every layer of each position: 4 layers × (K and V) × 32 tokens × 2 KV heads × 32 dims × 4 bytes.
 BLOCK_BYTES = 4 * 2 * BS * 2 * 32 * 4
@@ -268,7 +271,7 @@ def test_sliding_window_model_shares_g4_between_two_engines(harness, s3_server):
     output without kvbm. The group layout is in the objects' fingerprint,
     so both engines (same model, same grouping) share them. Bytes kvbm
     stored for A are counted: its 6 full blocks, every layer."""
-    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET)}
+    env = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 48, **s3_server.env(BUCKET), **PATIENT_LOOKUPS}
     engine = {"num_gpu_blocks_override": 32}
     ref = harness({"model": MODEL, "engine": engine, "kvbm": False, "actions": [gen("a", A)]})
     one = harness({"model": MODEL, "engine": engine, "env": env, "actions": [

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/hashing"
 	"github.com/kvbm/kvbm/goext/object"
@@ -95,8 +96,9 @@ type G4Options struct {
 	Async bool
 	// WriteThrough keeps uploaded blocks in G2 (DYN_KVBM_OBJECT_WRITE_THROUGH).
 	WriteThrough bool
-	// LookupTimeout bounds one request's lookup (0: 2 s); MaxLookupBlocks
-	// bounds the blocks it asks about (0: 2,048).
+	// LookupTimeout bounds one request's lookup
+	// (DYN_KVBM_OBJECT_LOOKUP_TIMEOUT_SECS; 0: config.DefaultObjectLookupTimeout);
+	// MaxLookupBlocks bounds the blocks it asks about (0: 2,048).
 	LookupTimeout   time.Duration
 	MaxLookupBlocks int
 	// StoreWait: with Async and no Store yet, how long after start a match
@@ -144,7 +146,7 @@ func newG4State(o *G4Options) *g4State {
 	}
 	opts := *o
 	if opts.LookupTimeout <= 0 {
-		opts.LookupTimeout = 2 * time.Second
+		opts.LookupTimeout = config.DefaultObjectLookupTimeout
 	}
 	if opts.MaxLookupBlocks <= 0 {
 		opts.MaxLookupBlocks = 2048

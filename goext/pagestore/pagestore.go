@@ -31,6 +31,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/kvbm/kvbm/goext/config"
 	"github.com/kvbm/kvbm/goext/events"
 	"github.com/kvbm/kvbm/goext/fingerprint"
 	"github.com/kvbm/kvbm/goext/integrity"
@@ -58,7 +59,8 @@ type Options struct {
 	// kept on disk. Its objects are keyed by the fingerprint and the low
 	// half of the page key.
 	Object ObjectTier
-	// LookupTimeout bounds one Exists' requests to Object (0: 2 s).
+	// LookupTimeout bounds one Exists' requests to Object (0:
+	// config.DefaultObjectLookupTimeout).
 	LookupTimeout time.Duration
 	// Events, when set, receives the disk tier's changes as kvbm tier
 	// events (holder HolderKvbmDisk) named by the engine's own event hash
@@ -188,7 +190,7 @@ func Open(o Options) (*Store, error) {
 		slots: make([]slot, o.NumPages), lru: list.New(), discarded: map[string]int{},
 		obj: o.Object, lookupTimeout: o.LookupTimeout, sink: o.Events}
 	if s.lookupTimeout <= 0 {
-		s.lookupTimeout = 2 * time.Second
+		s.lookupTimeout = config.DefaultObjectLookupTimeout
 	}
 	stride := int(d.Stride())
 	s.bufs.New = func() any { b := alignedBuf(stride); return &b }

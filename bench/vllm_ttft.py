@@ -40,8 +40,8 @@ visit's prefill step ended. --quick uses 1K-token documents instead of 2K.
 
 3. --cost: only kvbm's cost when nothing is reused (first visits and
    no-reuse throughput of kvbm, of kvbm with its threads left on the
-   model's cores, of kvbm with G2 only, of the no-op connector and of no
-   connector), paired: the
+   model's cores, of kvbm with G2 only, of the no-op connector, of no
+   connector and of LMCache unless --no-peers), paired: the
    engines run side by side and every request goes to each in turn;
    --repeat rounds (default 3) of fresh engines and prompts; verdicts from
    the paired ratios' 95% interval (met, not met, or not decided).
@@ -103,7 +103,8 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     """kvbm's cost when nothing is reused: first visits and no-reuse
     throughput of kvbm, kvbm with its threads on the model's cores (before
     DYN_KVBM_THREAD_AFFINITY), kvbm with G2 only (no disk tier: what the
-    G2→G3 moves cost), the no-op connector and no connector.
+    G2→G3 moves cost), the no-op connector and no connector, and LMCache
+    (unless --no-peers; left out, with the reason, where it cannot run).
 
     Paired and interleaved: every round starts all five engines at once
     (compare.LiveColumn) and sends each request to each of them in turn
@@ -116,6 +117,8 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     visit is one). The verdicts use the paired ratios of all rounds: their
     geometric mean and 95% bootstrap interval (compare.paired_ratio)."""
     cols = ["no kvbm", "no-op connector", "kvbm", compare.KVBM_INHERIT, compare.KVBM_G2_ONLY]
+    if not a.no_peers:
+        cols.append(peers.LMCACHE)  # the peer a user would pick instead, measured in the same pairs
     n = max(a.repeat, 1)
     print(f"vLLM no-reuse cost: {mname} model; per round {len(docs)} first visits of {length}-token documents and "
           f"{NO_REUSE_BATCHES} batches of {n_unique} × {unique_len} prompts + {out_len} out, nothing reused; {n} round(s), the "
@@ -135,7 +138,10 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
         live = {}
         try:
             print(f"== round {k + 1}/{n}", flush=True)
-            live, _ = compare.start_columns(cols, model, engine, g1, host, disk)
+            live, failed = compare.start_columns(cols, model, engine, g1, host, disk)
+            for c in failed:  # a peer that cannot run: left out of every round, so the pairs stay aligned
+                cols.remove(c)
+                del first[c], tput[c], settle[c]
 
             def one(c, act):
                 rec = live[c].do(act)
@@ -176,8 +182,11 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     verdicts = {}
     for kv, bases in (("kvbm", ("no-op connector", "no kvbm", compare.KVBM_G2_ONLY)),
                       (compare.KVBM_INHERIT, ("no-op connector", "no kvbm")),
-                      (compare.KVBM_G2_ONLY, ("no-op connector",))):
+                      (compare.KVBM_G2_ONLY, ("no-op connector",)),
+                      ("kvbm", (peers.LMCACHE,))):
         for base in bases:
+            if base not in cols:
+                continue
             f = compare.paired_ratio([first[base][i] / first[kv][i] for i in range(len(first[kv]))])
             t = compare.paired_ratio([tput[kv][i] / tput[base][i] for i in range(len(tput[kv]))])
             for what, (m, lo, hi) in (("first visits (speed)", f), ("no-reuse throughput", t)):
@@ -217,7 +226,7 @@ def main():
     ap.add_argument("--cost", action="store_true",
                     help="only kvbm's cost when nothing is reused: first visits and no-reuse throughput of kvbm, "
                          "kvbm with its threads on the model's cores (DYN_KVBM_THREAD_AFFINITY=inherit), kvbm "
-                         "with G2 only, the no-op connector and no connector, their engines side by side and every request sent to "
+                         "with G2 only, the no-op connector, no connector and LMCache (unless --no-peers), their engines side by side and every request sent to "
                          "each in turn; --repeat rounds (default 3), verdicts from the paired ratios' interval")
     ap.add_argument("--lmcache-store-policy", choices=("skip_l1", "default"), default=peers.LMCACHE_STORE_POLICY,
                     help="LMCache's L2 store policy: skip_l1 (every chunk to disk, out of L1; default) or default "

@@ -106,7 +106,7 @@ def cost(a, model, mname, engine, g1, host, disk, docs, length, n_unique, unique
     G2→G3 moves cost), the no-op connector and no connector, and LMCache
     (unless --no-peers; left out, with the reason, where it cannot run).
 
-    Paired and interleaved: every round starts all five engines at once
+    Paired and interleaved: every round starts all the engines at once
     (compare.LiveColumn) and sends each request to each of them in turn
     (order rotated per request), one engine working at a time, so a request
     and its pairs in the other columns run seconds apart on the same machine;
